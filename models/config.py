@@ -1,0 +1,103 @@
+"""Model hyper-parameters for the Llama family, and the built-in configs for dummy weights."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 RoPE frequency scaling ("llama3" rope_type in HF transformers).
+
+    Source: Meta's Llama 3.1 reference (``apply_scaling`` in llama/model.py).
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-family decoder.
+
+    Fields: vocab_size, hidden_size, intermediate_size (SwiGLU width), num_layers, num_heads
+    (query heads), num_kv_heads (GQA), head_dim, rope_theta, rope_scaling (Llama-3 scaling or
+    None), rms_norm_eps, tie_word_embeddings, qkv_bias, max_position_embeddings (the model's
+    own context window, tokens), name.
+
+    Raises:
+      ValueError: if num_heads is not a multiple of num_kv_heads, or head_dim is odd.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    max_position_embeddings: int = 8192
+    name: str = "llama"
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads=} must be a multiple of {self.num_kv_heads=}")
+        if self.head_dim % 2:
+            raise ValueError(f"{self.head_dim=} must be even (RoPE rotates pairs)")
+
+    def replace(self, **changes: object) -> ModelConfig:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (embeddings included once when tied)."""
+        h, i, l = self.hidden_size, self.intermediate_size, self.num_layers
+        attn = h * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        per_layer = attn + 3 * h * i + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return l * per_layer + emb + h
+
+
+SMOLLM2_135M = ModelConfig(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+    num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
+    tie_word_embeddings=True, max_position_embeddings=8192, name="smollm2-135m",
+)
+
+BUILTIN_CONFIGS: dict[str, ModelConfig] = {
+    "tiny": SMOLLM2_135M.replace(
+        hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16, max_position_embeddings=2048, name="tiny"),
+    "smollm2-135m": SMOLLM2_135M,
+    "llama-3.1-8b": ModelConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+        rope_scaling=RopeScaling(), max_position_embeddings=131072, name="llama-3.1-8b"),
+    "llama-3.1-70b": ModelConfig(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
+        num_heads=64, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+        rope_scaling=RopeScaling(), max_position_embeddings=131072, name="llama-3.1-70b"),
+}
+
+
+def builtin_config(name: str) -> ModelConfig:
+    """The built-in config of that name.
+
+    Raises:
+      ValueError: naming the known configs, for an unknown name.
+    """
+    try:
+        return BUILTIN_CONFIGS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown built-in model config {name!r}; known: {sorted(BUILTIN_CONFIGS)}"
+        ) from None

@@ -1,0 +1,201 @@
+"""Llama-family decoder in Flax (linen), over the paged KV cache.
+
+Data flow of ``forward`` for a ragged batch of ``T`` tokens:
+  embed ``[T, hidden]`` -> 30x (``nn.scan`` over stacked layer params) [RMSNorm -> q/k/v ->
+  RoPE -> ``write_kv`` at (layer, slot) -> ``ragged_paged_attention`` at layer -> o-proj ->
+  residual -> RMSNorm -> SwiGLU MLP -> residual] -> final RMSNorm ``[T, hidden]``.
+The KV cache (``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` each for K and V)
+rides in the scan *carry* with the layer index, so every layer reads and writes the one buffer in
+place; passing it as scan xs/ys would slice and re-stack (copy) it.
+
+Features: GQA, RoPE (rotate-half layout of HF transformers; GGUF q/k rows are un-permuted at load
+time) with theta and Llama-3 frequency scaling, RMSNorm, SwiGLU, tied or untied embeddings,
+optional q/k/v bias. Source: Touvron et al. 2023 (arXiv:2302.13971) and HF transformers'
+``modeling_llama.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from pallas_kernels import KVCache, ragged_paged_attention, write_kv
+
+AttentionFn = Callable[..., jax.Array]
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class AttentionMetadata:
+    """Per-step layout of the ragged batch (see pallas_kernels.ragged_paged_attention).
+
+    Fields:
+      slot_mapping: ``i32[T]`` cache slot of each token (padding -> block 0).
+      block_tables: ``i32[S, max_blocks_per_seq]``.
+      seq_lens: ``i32[S]`` context length including this step's tokens.
+      query_start_loc: ``i32[S + 1]``.
+      num_seqs: ``i32[1]`` real sequences.
+    """
+
+    slot_mapping: jax.Array
+    block_tables: jax.Array
+    seq_lens: jax.Array
+    query_start_loc: jax.Array
+    num_seqs: jax.Array
+
+
+def rope_frequencies(cfg: ModelConfig) -> jax.Array:
+    """Inverse frequencies ``f32[head_dim // 2]``, with Llama-3 scaling when configured."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    sc = cfg.rope_scaling
+    if sc is None:
+        return inv
+    low_wavelen = sc.original_max_position_embeddings / sc.low_freq_factor
+    high_wavelen = sc.original_max_position_embeddings / sc.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    smooth = (sc.original_max_position_embeddings / wavelen - sc.low_freq_factor) / (
+        sc.high_freq_factor - sc.low_freq_factor)
+    mid = (1 - smooth) * inv / sc.factor + smooth * inv
+    return jnp.where(wavelen > low_wavelen, inv / sc.factor,
+                     jnp.where(wavelen < high_wavelen, inv, mid))
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE. x: ``[T, heads, head_dim]``; cos, sin: ``f32[T, head_dim // 2]``."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019), computed in float32, weight ``[hidden]``."""
+
+    eps: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (xf * w.astype(jnp.float32)).astype(self.dtype)
+
+
+class DecoderLayer(nn.Module):
+    """One decoder layer; called by nn.scan with carry ``(x, k_cache, v_cache, layer)``."""
+
+    cfg: ModelConfig
+    dtype: jnp.dtype
+    attention_fn: AttentionFn
+
+    @nn.compact
+    def __call__(self, carry, consts):
+        x, k_cache, v_cache, layer = carry
+        md, cos, sin = consts
+        cfg, dt = self.cfg, self.dtype
+        init = nn.initializers.normal(0.02)
+        h, nq, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        t = x.shape[0]
+
+        y = RMSNorm(cfg.rms_norm_eps, dt, name="attn_norm")(x)
+        q = y @ self.param("wq", init, (h, nq * hd), dt)
+        k = y @ self.param("wk", init, (h, nkv * hd), dt)
+        v = y @ self.param("wv", init, (h, nkv * hd), dt)
+        if cfg.qkv_bias:
+            q = q + self.param("bq", nn.initializers.zeros, (nq * hd,), dt)
+            k = k + self.param("bk", nn.initializers.zeros, (nkv * hd,), dt)
+            v = v + self.param("bv", nn.initializers.zeros, (nkv * hd,), dt)
+        q = apply_rope(q.reshape(t, nq, hd), cos, sin)
+        k = apply_rope(k.reshape(t, nkv, hd), cos, sin)
+        v = v.reshape(t, nkv, hd)
+        k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, md.slot_mapping)
+        attn = self.attention_fn(
+            q, k_cache, v_cache, layer, md.block_tables, md.seq_lens, md.query_start_loc,
+            md.num_seqs, sm_scale=hd ** -0.5)
+        x = x + attn.reshape(t, nq * hd).astype(dt) @ self.param("wo", init, (nq * hd, h), dt)
+
+        y = RMSNorm(cfg.rms_norm_eps, dt, name="mlp_norm")(x)
+        i = cfg.intermediate_size
+        gate = y @ self.param("w_gate", init, (h, i), dt)
+        up = y @ self.param("w_up", init, (h, i), dt)
+        x = x + (jax.nn.silu(gate) * up) @ self.param("w_down", init, (i, h), dt)
+        return (x, k_cache, v_cache, layer + 1), None
+
+
+class LlamaModel(nn.Module):
+    """The decoder. Params: ``embed [vocab, hidden]``, ``layers/*`` stacked ``[num_layers, ...]``,
+    ``final_norm/weight [hidden]``, ``lm_head [hidden, vocab]`` when untied."""
+
+    cfg: ModelConfig
+    dtype: jnp.dtype = jnp.float32
+    attention_fn: AttentionFn = ragged_paged_attention
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.embed = self.param("embed", nn.initializers.normal(0.02),
+                                (cfg.vocab_size, cfg.hidden_size), self.dtype)
+        scanned = nn.scan(DecoderLayer, variable_axes={"params": 0},
+                          split_rngs={"params": True}, in_axes=nn.broadcast,
+                          length=cfg.num_layers)
+        self.layers = scanned(cfg, self.dtype, self.attention_fn)
+        self.final_norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = self.param("lm_head", nn.initializers.normal(0.02),
+                                      (cfg.hidden_size, cfg.vocab_size), self.dtype)
+
+    def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
+                 md: AttentionMetadata) -> tuple[jax.Array, KVCache]:
+        x = self.embed[token_ids].astype(self.dtype)
+        ang = positions.astype(jnp.float32)[:, None] * rope_frequencies(self.cfg)[None, :]
+        carry = (x, kv_cache.k, kv_cache.v, jnp.int32(0))
+        (x, k, v, _), _ = self.layers(carry, (md, jnp.cos(ang), jnp.sin(ang)))
+        return self.final_norm(x), KVCache(k, v)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        w = self.embed.T if self.cfg.tie_word_embeddings else self.lm_head
+        return (hidden.astype(self.dtype) @ w).astype(jnp.float32)
+
+
+class LlamaForCausalLM:
+    """The model protocol of design.md over a ``LlamaModel``.
+
+    ``forward(params, token_ids i32[T], positions i32[T], kv_cache, md) -> (hidden [T, hidden],
+    kv_cache)`` and ``compute_logits(params, hidden [L, hidden]) -> f32[L, vocab]``. Any Flax
+    model with these two methods that calls the paged-attention op can be served.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype = jnp.float32,
+                 attention_fn: AttentionFn = ragged_paged_attention) -> None:
+        self.cfg = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.module = LlamaModel(cfg, self.dtype, attention_fn)
+
+    def forward(self, params, token_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
+                md: AttentionMetadata) -> tuple[jax.Array, KVCache]:
+        return self.module.apply({"params": params}, token_ids, positions, kv_cache, md)
+
+    def compute_logits(self, params, hidden: jax.Array) -> jax.Array:
+        return self.module.apply({"params": params}, hidden, method=LlamaModel.logits)
+
+    def param_shapes(self):
+        """The params pytree as ``jax.ShapeDtypeStruct`` leaves (nothing allocated)."""
+        t = 1
+        kv = KVCache(jnp.zeros((self.cfg.num_layers, 2, 1, self.cfg.num_kv_heads,
+                                self.cfg.head_dim), self.dtype),
+                     jnp.zeros((self.cfg.num_layers, 2, 1, self.cfg.num_kv_heads,
+                                self.cfg.head_dim), self.dtype))
+        md = AttentionMetadata(jnp.zeros((t,), jnp.int32), jnp.zeros((1, 1), jnp.int32),
+                               jnp.ones((1,), jnp.int32), jnp.array([0, 1], jnp.int32),
+                               jnp.ones((1,), jnp.int32))
+        shapes = jax.eval_shape(
+            lambda: self.module.init(jax.random.PRNGKey(0), jnp.zeros((t,), jnp.int32),
+                                     jnp.zeros((t,), jnp.int32), kv, md))
+        return shapes["params"]

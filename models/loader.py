@@ -1,0 +1,159 @@
+"""Weights for ``LlamaModel``: random ("dummy") weights of a named config, or a GGUF file.
+
+Params pytree (``LlamaModel``): ``embed [vocab, hidden]``, ``final_norm/weight [hidden]``,
+``lm_head [hidden, vocab]`` (untied only) and ``layers/{attn_norm,mlp_norm}/weight [L, hidden]``,
+``layers/{wq [L, hidden, nq*hd], wk/wv [L, hidden, nkv*hd], wo [L, nq*hd, hidden],
+w_gate/w_up [L, hidden, inter], w_down [L, inter, hidden]}``.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelConfig, RopeScaling
+from models.llama import LlamaForCausalLM
+
+
+def dummy_params(model: LlamaForCausalLM, seed: int):
+    """Random weights created on the device in the model's dtype, deterministic for ``seed``.
+
+    Norm weights are 1, every other leaf N(0, 0.02). Nothing is built on the host, so the
+    shapes of Llama-3.1-8B cost only device memory.
+    """
+    shapes = model.param_shapes()
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+
+    def make(path, s, key):
+        name = jax.tree_util.keystr(path)
+        if "norm" in name:
+            return jnp.ones(s.shape, s.dtype)
+        return (0.02 * jax.random.normal(key, s.shape, jnp.float32)).astype(s.dtype)
+
+    out = []
+    base = jax.random.PRNGKey(seed)
+    for path, s in leaves:
+        key = jax.random.fold_in(base, zlib.crc32(jax.tree_util.keystr(path).encode()))
+        out.append(jax.jit(make, static_argnums=(0, 1))(path, s, key))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_model_config(reader) -> ModelConfig:
+    """ModelConfig from a GGUF reader's metadata (``general.architecture`` must be llama).
+
+    Raises:
+      ValueError: for another architecture or missing keys.
+    """
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama' for now)")
+
+    def get(key: str, default=None):
+        v = _field(reader, f"llama.{key}", default)
+        if v is None:
+            raise ValueError(f"GGUF file lacks metadata key llama.{key}")
+        return v
+
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    tensor_names = {t.name for t in reader.tensors}
+    vocab = _field(reader, "llama.vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    scaling = None
+    if _field(reader, "llama.rope.scaling.type") == "llama3" or _field(
+            reader, "llama.rope.scaling.factor") is not None:
+        scaling = RopeScaling(
+            factor=float(get("rope.scaling.factor")),
+            low_freq_factor=float(_field(reader, "llama.rope.scaling.low_freq_factor", 1.0)),
+            high_freq_factor=float(_field(reader, "llama.rope.scaling.high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(_field(
+                reader, "llama.rope.scaling.original_context_length", 8192)))
+    name = _field(reader, "general.name", "gguf-model")
+    return ModelConfig(
+        vocab_size=int(vocab), hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")), num_layers=int(get("block_count")),
+        num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(_field(reader, "llama.rope.dimension_count", hidden // heads)),
+        rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        max_position_embeddings=int(get("context_length", 8192)), name=str(name))
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (its convert script interleaves the two RoPE halves
+    of each head for GGML's interleaved RoPE); rows ``[n_heads * head_dim, ...]``."""
+    rows = w.shape[0]
+    return (w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2)
+            .reshape(w.shape))
+
+
+def load_gguf_params(path: str, dtype: jnp.dtype) -> tuple[ModelConfig, dict]:
+    """Read a Llama-family GGUF file, dequantise every tensor with ``gguf``, return
+    (config, params) with params on the default device in ``dtype``.
+
+    Raises:
+      ValueError: unsupported architecture or a missing tensor.
+    """
+    import gguf  # file formats are a layer above the core: import only here
+
+    reader = gguf.GGUFReader(path)
+    cfg = gguf_model_config(reader)
+    tensors = {t.name: t for t in reader.tensors}
+
+    def get(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise ValueError(f"GGUF file {path} lacks tensor {name}")
+        t = tensors[name]
+        return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+
+    def put(a: np.ndarray) -> jax.Array:
+        return jnp.asarray(a, dtype=dtype)
+
+    names = {"wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
+             "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
+    layers: dict = {"attn_norm": {"weight": []}, "mlp_norm": {"weight": []}}
+    layers.update({k: [] for k in names})
+    if cfg.qkv_bias:
+        layers.update({"bq": [], "bk": [], "bv": []})
+    for i in range(cfg.num_layers):
+        p = f"blk.{i}."
+        layers["attn_norm"]["weight"].append(get(p + "attn_norm.weight"))
+        layers["mlp_norm"]["weight"].append(get(p + "ffn_norm.weight"))
+        for ours, theirs in names.items():
+            w = get(p + theirs + ".weight")  # [out, in]
+            if ours == "wq":
+                w = _unpermute(w, cfg.num_heads)
+            elif ours == "wk":
+                w = _unpermute(w, cfg.num_kv_heads)
+            layers[ours].append(w.T)
+        if cfg.qkv_bias:
+            layers["bq"].append(_unpermute(get(p + "attn_q.bias"), cfg.num_heads))
+            layers["bk"].append(_unpermute(get(p + "attn_k.bias"), cfg.num_kv_heads))
+            layers["bv"].append(get(p + "attn_v.bias"))
+    stacked = jax.tree_util.tree_map(lambda *xs: put(np.stack(xs)), *[
+        jax.tree_util.tree_map(lambda lst, j=j: lst[j], layers,
+                               is_leaf=lambda x: isinstance(x, list))
+        for j in range(cfg.num_layers)])
+    params = {"embed": put(get("token_embd.weight")), "layers": stacked,
+              "final_norm": {"weight": put(get("output_norm.weight"))}}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = put(get("output.weight").T)
+    return cfg, params
+
+
+def gguf_name(path: str) -> str:
+    """A served-model name from a GGUF file name: ``SmolLM2-135M-Instruct.Q4_1.gguf`` ->
+    ``SmolLM2-135M-Instruct``."""
+    base = re.sub(r"\.gguf$", "", path.rsplit("/", 1)[-1], flags=re.I)
+    return re.sub(r"\.(Q\d\w*|F16|F32|BF16|IQ\w+)$", "", base, flags=re.I)
