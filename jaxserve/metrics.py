@@ -1,0 +1,178 @@
+"""Prometheus metrics of the engine, under vLLM's names with the ``jaxserve:`` prefix.
+
+The engine loop calls the ``record_*`` methods (cheap, thread-safe: prometheus-client guards
+each value with a lock); the HTTP server's ``GET /metrics`` returns ``render()``. Each engine owns
+its own ``CollectorRegistry`` unless one is passed in, so several engines (tests) never clash.
+
+Exposed series (prometheus-client appends ``_total`` to counters and ``_bucket``/``_sum``/``_count``
+to histograms):
+
+  gauges     jaxserve:num_requests_running, jaxserve:num_requests_waiting,
+             jaxserve:kv_cache_usage_perc (0-1)
+  counters   jaxserve:prompt_tokens_total, jaxserve:generation_tokens_total,
+             jaxserve:request_success_total{finished_reason}, jaxserve:num_preemptions_total,
+             jaxserve:num_aborted_requests_total, jaxserve:prefix_cache_queries_total,
+             jaxserve:prefix_cache_hits_total
+  histograms jaxserve:time_to_first_token_seconds, jaxserve:inter_token_latency_seconds,
+             jaxserve:e2e_request_latency_seconds, jaxserve:request_queue_time_seconds
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+PREFIX = "jaxserve:"
+
+# Bucket edges in seconds, after vLLM's, with finer low edges for small models on fast devices.
+# fmt: off
+TTFT_BUCKETS_S = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)
+ITL_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+    5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)
+REQUEST_LATENCY_BUCKETS_S = (
+    0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)
+# fmt: on
+ABORT = "abort"
+
+
+class EngineMetrics:
+    """The engine's Prometheus metrics and the calls that update them.
+
+    Args:
+      registry: where to register the metrics; None creates a private registry.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.num_requests_running = Gauge(
+            PREFIX + "num_requests_running", "Requests in the running batch.", registry=r
+        )
+        self.num_requests_waiting = Gauge(
+            PREFIX + "num_requests_waiting", "Requests waiting to be scheduled.", registry=r
+        )
+        self.kv_cache_usage_perc = Gauge(
+            PREFIX + "kv_cache_usage_perc",
+            "Fraction (0-1) of KV-cache blocks held by live requests.",
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens processed (prefill).", registry=r
+        )
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Tokens generated.", registry=r
+        )
+        self.request_success = Counter(
+            PREFIX + "request_success",
+            "Requests finished, by finish reason.",
+            labelnames=("finished_reason",),
+            registry=r,
+        )
+        for reason in ("stop", "length"):
+            self.request_success.labels(finished_reason=reason)
+        self.num_preemptions = Counter(
+            PREFIX + "num_preemptions", "Requests preempted to free KV blocks.", registry=r
+        )
+        self.num_aborted_requests = Counter(
+            PREFIX + "num_aborted_requests",
+            "Requests aborted (client disconnect or cancel).",
+            registry=r,
+        )
+        self.prefix_cache_queries = Counter(
+            PREFIX + "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r
+        )
+        self.time_to_first_token = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Arrival to first output token, seconds.",
+            buckets=TTFT_BUCKETS_S,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between consecutive output tokens of a request, seconds.",
+            buckets=ITL_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e_request_latency = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Arrival to finish of a request, seconds.",
+            buckets=REQUEST_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.request_queue_time = Histogram(
+            PREFIX + "request_queue_time_seconds",
+            "Arrival to first scheduling of a request, seconds.",
+            buckets=REQUEST_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+
+    @property
+    def content_type(self) -> str:
+        """The Content-Type of ``render()``'s text."""
+        return CONTENT_TYPE_LATEST
+
+    def record_step(
+        self,
+        num_running: int,
+        num_waiting: int,
+        kv_usage: float,
+        num_prompt_tokens: int,
+        num_generation_tokens: int,
+        num_preemptions: int,
+    ) -> None:
+        """Record one engine step: the queue gauges and the tokens/preemptions of this step."""
+        self.num_requests_running.set(num_running)
+        self.num_requests_waiting.set(num_waiting)
+        self.kv_cache_usage_perc.set(kv_usage)
+        if num_prompt_tokens:
+            self.prompt_tokens.inc(num_prompt_tokens)
+        if num_generation_tokens:
+            self.generation_tokens.inc(num_generation_tokens)
+        if num_preemptions:
+            self.num_preemptions.inc(num_preemptions)
+
+    def record_prefix_cache(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        """Record a prefix-cache lookup: prompt tokens looked up and tokens found."""
+        if num_queried_tokens:
+            self.prefix_cache_queries.inc(num_queried_tokens)
+        if num_hit_tokens:
+            self.prefix_cache_hits.inc(num_hit_tokens)
+
+    def record_first_token(self, ttft_s: float, queue_s: float) -> None:
+        """Record a request's first output token: time to first token and time spent queued."""
+        self.time_to_first_token.observe(ttft_s)
+        self.request_queue_time.observe(queue_s)
+
+    def record_inter_token(self, itl_s: float) -> None:
+        """Record the gap between two consecutive output tokens of one request."""
+        self.inter_token_latency.observe(itl_s)
+
+    def record_finished(self, finish_reason: str, e2e_s: float) -> None:
+        """Record a finished request; ``"abort"`` counts as aborted, not as a success."""
+        if finish_reason == ABORT:
+            self.num_aborted_requests.inc()
+            return
+        self.request_success.labels(finished_reason=finish_reason).inc()
+        self.e2e_request_latency.observe(e2e_s)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,435 @@
+"""OpenAI-compatible request and response bodies, as msgspec Structs.
+
+Requests are decoded strictly from bytes (no type coercion: ``"ten"`` is not an int, ``true`` is
+not a number); unknown fields are ignored, as OpenAI clients send fields we do not know. Fields we
+know but do not implement yet (``echo``, ``n > 1``, logprobs, penalties) are rejected when set to a
+non-default value rather than silently ignored. Every client mistake becomes a ``RequestError``,
+which the server turns into an OpenAI-style error body with a 4xx status.
+
+Responses are Structs encoded with ``msgspec.json.encode``; fields left ``UNSET`` are omitted
+(a chat finish chunk's ``delta`` encodes as ``{}``, and ``usage`` is absent from stream chunks unless
+``stream_options.include_usage`` asked for it).
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+
+class RequestError(Exception):
+    """A client error, rendered as ``{"error": {...}}`` with ``status``.
+
+    Args:
+      message: human-readable cause, naming the field and value where there is one.
+      status: HTTP status (400 by default; 404 for unknown models and routes).
+      type: OpenAI error type ("invalid_request_error", "not_found_error", ...).
+      param: the offending request field, or None.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+
+class ErrorInfo(msgspec.Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | None = None
+
+
+class ErrorResponse(msgspec.Struct, kw_only=True):
+    error: ErrorInfo
+
+
+def error_body(message: str, type: str, status: int, param: str | None = None) -> bytes:
+    """An OpenAI-style error body as JSON bytes."""
+    return msgspec.json.encode(
+        ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=status))
+    )
+
+
+# ---- requests -------------------------------------------------------------------------------
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields shared by both endpoints (vLLM's extra sampling fields included)."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    """Body of ``POST /v1/completions``. ``prompt`` holds one prompt: a string, a list of token
+    ids, or a list holding exactly one of those."""
+
+    prompt: str | list[int | str | list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    """Body of ``POST /v1/chat/completions``; ``max_completion_tokens`` overrides ``max_tokens``;
+    both absent means "up to the context window"."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+_AT_FIELD = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
+_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+_chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+
+
+def _decode[T](decoder: msgspec.json.Decoder[T], body: bytes) -> T:
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        if isinstance(exc, msgspec.ValidationError):
+            m = _AT_FIELD.search(str(exc))
+            raise RequestError(f"invalid request: {exc}", param=m.group(1) if m else None)
+        raise RequestError(f"invalid JSON body: {exc}")
+
+
+def decode_completion_request(body: bytes) -> CompletionRequest:
+    """Decode and check a completions body; raises RequestError."""
+    req = _decode(_completion_decoder, body)
+    if req.echo:
+        raise RequestError("echo=true is not supported yet", param="echo")
+    if req.logprobs is not None:
+        raise RequestError("logprobs is not supported yet", param="logprobs")
+    _check_common(req)
+    return req
+
+
+def decode_chat_request(body: bytes) -> ChatCompletionRequest:
+    """Decode and check a chat-completions body; raises RequestError."""
+    req = _decode(_chat_decoder, body)
+    if req.logprobs or req.top_logprobs is not None:
+        raise RequestError("logprobs is not supported yet", param="logprobs")
+    if not req.messages:
+        raise RequestError("messages must hold at least one message", param="messages")
+    _check_common(req)
+    return req
+
+
+def _check_common(req: _SamplingFields) -> None:
+    if req.n < 1:
+        raise RequestError(f"n must be at least 1, got {req.n}", param="n")
+    if req.n > 1:
+        raise RequestError(f"n={req.n} is not supported yet (only n=1)", param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name) not in (None, 0.0):
+            raise RequestError(f"{name} is not supported yet", param=name)
+    if req.stream_options is not None and not req.stream:
+        raise RequestError(
+            "stream_options is only allowed with stream=true", param="stream_options"
+        )
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """The single prompt of a completions request: text or token ids; raises RequestError."""
+    p = req.prompt
+    if isinstance(p, str):
+        return p
+    if p and all(isinstance(t, int) for t in p):
+        return p  # type: ignore[return-value]
+    if len(p) == 1 and isinstance(p[0], (str, list)):
+        return p[0]
+    if not p:
+        raise RequestError("prompt must not be empty", param="prompt")
+    raise RequestError(
+        "prompt must be a string, a list of token ids, or a list holding exactly one of those "
+        "(batched prompts are not supported yet)",
+        param="prompt",
+    )
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    """The messages as plain dicts for the chat template; text content parts are joined."""
+    out: list[dict[str, str]] = []
+    for i, m in enumerate(req.messages):
+        if isinstance(m.content, list):
+            texts = []
+            for part in m.content:
+                if part.type != "text" or part.text is None:
+                    raise RequestError(
+                        f"messages[{i}]: only text content parts are supported, got {part.type!r}",
+                        param="messages",
+                    )
+                texts.append(part.text)
+            content = "".join(texts)
+        else:
+            content = m.content or ""
+        msg = {"role": m.role, "content": content}
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def to_sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    """The request's SamplingParams; an invalid value raises RequestError naming the field."""
+    max_tokens = req.max_tokens
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        max_tokens = req.max_completion_tokens
+    stop = req.stop if req.stop is not None else []
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            seed=req.seed,
+            stop=[stop] if isinstance(stop, str) else list(stop),
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except ValueError as exc:
+        param = str(exc).split(" ", 1)[0]
+        if param == "max_tokens" and isinstance(req, ChatCompletionRequest):
+            param = "max_completion_tokens" if req.max_completion_tokens is not None else param
+        raise RequestError(str(exc), param=param if param.isidentifier() else None) from exc
+
+
+def random_id() -> str:
+    """A fresh request id (32 hex digits)."""
+    return uuid.uuid4().hex
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+
+class UsageInfo(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
+    """Usage with the total filled in."""
+    return UsageInfo(
+        prompt_tokens=num_prompt_tokens,
+        completion_tokens=num_completion_tokens,
+        total_tokens=num_prompt_tokens + num_completion_tokens,
+    )
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionChunk(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None | UnsetType = UNSET
+
+
+class ChatMessageOut(msgspec.Struct, kw_only=True):
+    role: str = "assistant"
+    content: str
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(msgspec.Struct, kw_only=True):
+    role: str | UnsetType = UNSET
+    content: str | UnsetType = UNSET
+
+
+class ChatChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None | UnsetType = UNSET
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "jaxserve"
+    max_model_len: int
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+# ---- building responses from engine outputs ---------------------------------------------------
+
+
+def usage_of(out: RequestOutput) -> UsageInfo:
+    """Usage of a request: prompt tokens once, generated tokens summed over choices."""
+    return usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+
+
+def final_response(
+    chat: bool, response_id: str, created: int, model: str, out: RequestOutput
+) -> CompletionResponse | ChatCompletionResponse:
+    """The non-streamed response body for a finished request."""
+    c = out.outputs[0]
+    if chat:
+        message = ChatMessageOut(content=c.text)
+        return ChatCompletionResponse(
+            id=response_id, created=created, model=model, usage=usage_of(out),
+            choices=[ChatChoice(index=0, message=message, finish_reason=c.finish_reason)],
+        )  # fmt: skip
+    return CompletionResponse(
+        id=response_id, created=created, model=model, usage=usage_of(out),
+        choices=[CompletionChoice(index=0, text=c.text, finish_reason=c.finish_reason)],
+    )  # fmt: skip
+
+
+def sse_event(obj: msgspec.Struct) -> bytes:
+    """One server-sent event: ``data: <json>\\n\\n``."""
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+class StreamFormatter:
+    """Turns one request's outputs into SSE chunks, for completions or chat.
+
+    Completions: one chunk per non-empty text delta; the last content chunk carries the
+    finish_reason (with whatever text came with it). Chat: a role chunk first, a chunk per
+    content delta, then a chunk with an empty delta and the finish_reason. With include_usage
+    every chunk has ``usage: null`` and ``end`` adds one chunk with ``choices: []`` and the usage;
+    without it no chunk has a ``usage`` key.
+    """
+
+    def __init__(
+        self, chat: bool, response_id: str, created: int, model: str, include_usage: bool
+    ) -> None:
+        self.chat = chat
+        self.id = response_id
+        self.created = created
+        self.model = model
+        self.include_usage = include_usage
+
+    def _chunk(self, choices: list, usage: UsageInfo | None = None) -> bytes:
+        cls = ChatCompletionChunk if self.chat else CompletionChunk
+        u = usage if self.include_usage else UNSET
+        chunk = cls(id=self.id, created=self.created, model=self.model, choices=choices, usage=u)
+        return sse_event(chunk)
+
+    def start(self) -> list[bytes]:
+        """Events sent before the first output."""
+        if not self.chat:
+            return []
+        delta = DeltaMessage(role="assistant", content="")
+        return [self._chunk([ChatChunkChoice(index=0, delta=delta)])]
+
+    def on_output(self, out: RequestOutput) -> list[bytes]:
+        """Events for one engine output."""
+        c = out.outputs[0]
+        events = []
+        if self.chat:
+            if c.delta_text:
+                delta = DeltaMessage(content=c.delta_text)
+                events.append(self._chunk([ChatChunkChoice(index=0, delta=delta)]))
+            if c.finish_reason is not None:
+                delta = DeltaMessage()
+                choice = ChatChunkChoice(index=0, delta=delta, finish_reason=c.finish_reason)
+                events.append(self._chunk([choice]))
+        elif c.delta_text or c.finish_reason is not None:
+            choice = CompletionChoice(index=0, text=c.delta_text, finish_reason=c.finish_reason)
+            events.append(self._chunk([choice]))
+        return events
+
+    def end(self, out: RequestOutput) -> list[bytes]:
+        """Events after the finish chunk (the usage chunk), before ``[DONE]``."""
+        return [self._chunk([], usage_of(out))] if self.include_usage else []

@@ -1,0 +1,359 @@
+"""Continuous-batching scheduler: pure functions over plain data (no jax, no I/O).
+
+One token-count model, no phases (vLLM v1). A request is its ``token_ids`` (prompt + output so
+far) and ``num_computed_tokens`` (how many of them have their K/V in the cache). Each step it gets
+``min(len(token_ids) - num_computed_tokens, token budget left)`` new tokens; prefill, chunked
+prefill and decode are the same thing. The engine loop drives it::
+
+    state = new_state(config)
+    state = add_request(state, seq)               # -> waiting (FIFO)
+    while has_unfinished(state):
+        state, out = schedule(state)              # plan: which tokens of which requests
+        sampled = run_model(out)                  # one token per ScheduledSeq with sample=True
+        state, result = update(state, out, sampled)   # advance, append, finish, free blocks
+
+Every function consumes the state it is given (it may be changed in place) and returns the state
+to use from then on. Requests leave ``running`` (and their blocks go back to the pool) as soon as
+they finish, are aborted, or are preempted; a preempted request keeps its tokens, moves to the
+front of ``waiting`` and later recomputes them (preemption by recompute).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from jaxserve.block_pool import BlockPool
+from jaxserve.config import EngineConfig
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class SchedulerConfig:
+    """Limits of one step and of the KV cache (see EngineConfig for the meaning of each)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    max_model_len: int
+    num_blocks: int  # including the reserved padding block 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SchedulerConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.num_blocks < 2:
+            raise ValueError(f"SchedulerConfig.{self.num_blocks=} must be >= 2 (block 0 reserved)")
+
+    @classmethod
+    def from_engine_config(
+        cls, cfg: EngineConfig, num_blocks: int, max_model_len: int
+    ) -> SchedulerConfig:
+        return cls(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            block_size=cfg.block_size,
+            max_model_len=max_model_len,
+            num_blocks=num_blocks,
+        )
+
+
+@dataclass
+class SeqState:
+    """One request as the scheduler sees it. ``token_ids[:num_prompt_tokens]`` is the prompt;
+    ``max_tokens`` (>= 1) is clamped by the caller so that prompt + max_tokens <= max_model_len;
+    ``stop_token_ids`` is empty when the request ignores EOS. ``block_ids`` is the block table:
+    block ``block_ids[p // block_size]`` holds the K/V of position ``p``."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    max_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    arrival_index: int = -1  # set by add_request
+    num_preemptions: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+@dataclass
+class SchedulerState:
+    """All scheduler state. ``waiting`` is FIFO (preempted requests re-enter at the front);
+    ``running`` is in admission order, oldest first; only running requests hold blocks."""
+
+    config: SchedulerConfig
+    block_pool: BlockPool
+    waiting: deque[SeqState] = field(default_factory=deque)
+    running: list[SeqState] = field(default_factory=list)
+    num_preemptions_total: int = 0
+    next_arrival_index: int = 0
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One request's share of a step: ``token_ids`` sit at positions ``start_pos ..
+    start_pos + len(token_ids) - 1``; ``block_ids`` is its whole block table after allocation;
+    ``sample`` is True on the last chunk (the step that reaches the end of ``token_ids``)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_ids: tuple[int, ...]
+    sample: bool
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """The plan of one step; ``scheduled`` is in batch order (running requests in their order,
+    then newly admitted ones); ``preempted_ids`` lost their blocks this step."""
+
+    scheduled: tuple[ScheduledSeq, ...]
+    num_scheduled_tokens: int
+    preempted_ids: tuple[str, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class UpdateResult:
+    new_token_ids: dict[str, int] = field(default_factory=dict)  # request -> token appended
+    finished: dict[str, str] = field(default_factory=dict)  # request -> "stop" | "length"
+
+
+def new_state(config: SchedulerConfig) -> SchedulerState:
+    return SchedulerState(config=config, block_pool=BlockPool(config.num_blocks))
+
+
+def num_unfinished(state: SchedulerState) -> int:
+    return len(state.waiting) + len(state.running)
+
+
+def has_unfinished(state: SchedulerState) -> bool:
+    return num_unfinished(state) > 0
+
+
+def add_request(state: SchedulerState, seq: SeqState) -> SchedulerState:
+    """Queue a fresh request at the back of ``waiting``; sets ``seq.arrival_index``.
+    Consumes ``state``; returns the new state.
+
+    Raises:
+      ValueError: the prompt is empty or ``num_prompt_tokens != len(token_ids)``,
+        ``max_tokens < 1``, prompt + max_tokens > max_model_len, the request could never fit
+        in the block pool alone, or ``request_id`` is already waiting or running.
+    """
+    cfg, n = state.config, len(seq.token_ids)
+    rid = seq.request_id
+    if n == 0:
+        raise ValueError(f"request {rid!r}: empty prompt (len(token_ids)=0)")
+    if seq.num_prompt_tokens != n or seq.num_computed_tokens or seq.block_ids:
+        raise ValueError(
+            f"request {rid!r}: not fresh ({seq.num_prompt_tokens=}, len(token_ids)={n}, "
+            f"{seq.num_computed_tokens=}, {seq.block_ids=})"
+        )
+    if seq.max_tokens < 1:
+        raise ValueError(f"request {rid!r}: {seq.max_tokens=} must be >= 1")
+    if n + seq.max_tokens > cfg.max_model_len:
+        raise ValueError(
+            f"request {rid!r}: prompt length {n} + {seq.max_tokens=} > {cfg.max_model_len=}"
+        )
+    need = cdiv(n + seq.max_tokens, cfg.block_size)
+    if need > state.block_pool.num_usable_blocks:
+        raise ValueError(
+            f"request {rid!r} needs {need} blocks of {cfg.block_size=} but the pool has only "
+            f"{state.block_pool.num_usable_blocks} usable (num_blocks={cfg.num_blocks})"
+        )
+    if any(s.request_id == rid for s in (*state.waiting, *state.running)):
+        raise ValueError(f"request_id {rid!r} is already present")
+    seq.arrival_index = state.next_arrival_index
+    state.next_arrival_index += 1
+    state.waiting.append(seq)
+    return state
+
+
+def schedule(state: SchedulerState) -> tuple[SchedulerState, SchedulerOutput]:
+    """Plan one step. Consumes ``state``; returns the new state and the plan.
+
+    Each scheduled request gets ``num_new = min(len(token_ids) - num_computed_tokens, budget)``
+    tokens, and blocks so that its table covers every position up to the end of the chunk::
+
+        |<-------------------------- len(token_ids) -------------------------->|
+        |<--- num_computed_tokens --->|<--- num_new --->|<--- later steps ---->|
+        |   K/V already in the cache  |  computed now   |                      |
+        |<---- blocks after: cdiv(num_computed + num_new, block_size) ---->|
+
+    1. Running requests, oldest first. When the pool is short, the newest running request is
+       preempted (blocks freed, ``num_computed_tokens = 0``, tokens kept, pushed to the front of
+       ``waiting``), repeatedly; if the request being scheduled is itself the newest, it is
+       preempted and the pass stops.
+    2. Unless a preemption happened this step (the victim, now at the head of ``waiting``,
+       must not be readmitted into the same step), waiting requests are admitted FIFO while
+       ``len(running) < max_num_seqs``, budget is left and the pool has the blocks for the chunk
+       the head request would get; a head that does not fit blocks the ones behind it.
+
+    A chunk samples a token iff it reaches the end of ``token_ids``. ``num_computed_tokens`` is
+    advanced by ``update``, not here.
+    """
+    cfg, pool = state.config, state.block_pool
+    budget = cfg.max_num_batched_tokens
+    scheduled: list[ScheduledSeq] = []
+    preempted: list[str] = []
+
+    def plan(seq: SeqState, num_new: int) -> None:
+        nonlocal budget
+        start = seq.num_computed_tokens
+        end = start + num_new
+        scheduled.append(
+            ScheduledSeq(
+                request_id=seq.request_id,
+                token_ids=tuple(seq.token_ids[start:end]),
+                start_pos=start,
+                block_ids=tuple(seq.block_ids),
+                sample=end == len(seq.token_ids),
+            )
+        )
+        budget -= num_new
+
+    i = 0
+    while i < len(state.running) and budget > 0:
+        seq = state.running[i]
+        num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+        if num_new <= 0:  # defensive: after update a running request always has a token left
+            i += 1
+            continue
+        need = cdiv(seq.num_computed_tokens + num_new, cfg.block_size) - len(seq.block_ids)
+        while need > pool.num_free_blocks:
+            victim = state.running.pop()
+            _preempt(state, victim)
+            preempted.append(victim.request_id)
+            if victim is seq:
+                break
+        if i == len(state.running):  # seq was the newest and preempted itself
+            break
+        if need > 0:
+            seq.block_ids.extend(pool.allocate(need))
+        plan(seq, num_new)
+        i += 1
+
+    while not preempted and state.waiting and len(state.running) < cfg.max_num_seqs and budget > 0:
+        seq = state.waiting[0]
+        num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+        need = cdiv(seq.num_computed_tokens + num_new, cfg.block_size) - len(seq.block_ids)
+        if need > pool.num_free_blocks:
+            break
+        state.waiting.popleft()
+        seq.block_ids.extend(pool.allocate(need))
+        state.running.append(seq)
+        plan(seq, num_new)
+
+    output = SchedulerOutput(
+        scheduled=tuple(scheduled),
+        num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
+        preempted_ids=tuple(preempted),
+    )
+    return state, output
+
+
+def update(
+    state: SchedulerState, output: SchedulerOutput, sampled: Sequence[int | None]
+) -> tuple[SchedulerState, UpdateResult]:
+    """Apply the results of the step planned by ``output``. Consumes ``state``; returns the new
+    state and what changed.
+
+    ``sampled[i]`` is the token sampled for ``output.scheduled[i]`` (ignored where ``sample`` is
+    False). Each request's ``num_computed_tokens`` advances by its chunk; a sampled token is
+    appended; the request finishes with "stop" if the token is in ``stop_token_ids``, else with
+    "length" once ``num_output_tokens >= max_tokens`` or ``len(token_ids) >= max_model_len``.
+    Finished requests leave ``running`` at once and their blocks go back to the pool. Requests
+    no longer running (aborted or finished since ``schedule``) are skipped.
+
+    Raises:
+      ValueError: ``len(sampled) != len(output.scheduled)``, or a sampled token is None where
+        ``sample`` is True.
+    """
+    if len(sampled) != len(output.scheduled):
+        raise ValueError(f"update: {len(sampled)=} != {len(output.scheduled)=}")
+    for sched, token in zip(output.scheduled, sampled, strict=True):
+        if sched.sample and token is None:  # checked before anything changes
+            raise ValueError(f"update: request {sched.request_id!r} has sample=True but no token")
+    result = UpdateResult()
+    running = {s.request_id: s for s in state.running}
+    done: list[SeqState] = []
+    for sched, token in zip(output.scheduled, sampled, strict=True):
+        seq = running.get(sched.request_id)
+        if seq is None or seq.num_computed_tokens != sched.start_pos:
+            continue
+        seq.num_computed_tokens += len(sched.token_ids)
+        if not sched.sample:
+            continue
+        assert token is not None
+        seq.token_ids.append(token)
+        result.new_token_ids[seq.request_id] = token
+        if token in seq.stop_token_ids:
+            result.finished[seq.request_id] = "stop"
+        elif (
+            seq.num_output_tokens >= seq.max_tokens
+            or len(seq.token_ids) >= state.config.max_model_len
+        ):
+            result.finished[seq.request_id] = "length"
+        else:
+            continue
+        done.append(seq)
+    if done:
+        _remove(state, {s.request_id for s in done})
+    return state, result
+
+
+def finish_requests(
+    state: SchedulerState, request_ids: Iterable[str], reason: str
+) -> SchedulerState:
+    """End waiting or running requests for a reason the engine found itself (e.g. a stop
+    string); their blocks go back to the pool. Unknown ids are ignored. ``reason`` is for the
+    caller's records. Consumes ``state``; returns the new state."""
+    del reason
+    _remove(state, set(request_ids))
+    return state
+
+
+def abort_requests(
+    state: SchedulerState, request_ids: Iterable[str]
+) -> tuple[SchedulerState, list[str]]:
+    """Remove requests from ``waiting`` or ``running`` and free their blocks; unknown ids are
+    ignored. Consumes ``state``; returns the new state and the ids that were removed."""
+    return state, _remove(state, set(request_ids))
+
+
+def _remove(state: SchedulerState, request_ids: set[str]) -> list[str]:
+    removed: list[str] = []
+    for seq in (*state.running, *state.waiting):
+        if seq.request_id in request_ids:
+            state.block_pool.free(seq.block_ids)
+            seq.block_ids = []
+            removed.append(seq.request_id)
+    if removed:
+        state.running = [s for s in state.running if s.request_id not in request_ids]
+        state.waiting = deque(s for s in state.waiting if s.request_id not in request_ids)
+    return removed
+
+
+def _preempt(state: SchedulerState, seq: SeqState) -> None:
+    """Preemption by recompute: free the blocks, forget the cache, keep the tokens."""
+    state.block_pool.free(seq.block_ids)
+    seq.block_ids = []
+    seq.num_computed_tokens = 0
+    seq.num_preemptions += 1
+    state.num_preemptions_total += 1
+    state.waiting.appendleft(seq)

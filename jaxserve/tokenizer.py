@@ -1,0 +1,398 @@
+"""Text <-> token ids, and chat-template rendering, for one model.
+
+``Tokenizer`` wraps a Hugging Face ``tokenizers.Tokenizer`` (the Rust library; BPE is never
+hand-rolled here) together with what the model file says about it: BOS/EOS ids, whether BOS is
+prepended, the chat template and the model's name.
+
+From a GGUF file the backend is built as Hugging Face transformers builds it when it loads the same
+file (``transformers/integrations/ggml.py``: a GGUF whose ``general.architecture`` is ``llama``
+and whose ``tokenizer.ggml.model`` is ``gpt2`` goes through ``GGUFLlamaConverter`` with its
+"llama-3" branch, a byte-level BPE): BPE over ``tokenizer.ggml.tokens``/``.merges`` (unk token,
+fuse_unk, byte_fallback), no normalizer, a ``ByteLevel(add_prefix_space=False,
+trim_offsets=False, use_regex=True)`` pre-tokenizer, the decoder sequence ByteFallback, Fuse,
+Replace("▁", " "), ByteLevel, and every control token (``token_type == 3``) registered as a
+special added token, so that ``<|im_start|>`` in a rendered prompt becomes one id. The goldens in
+``tests/goldens/smollm2.json`` check that the ids agree with transformers.
+
+Chat templates render as transformers' ``apply_chat_template`` renders them: jinja2's
+``ImmutableSandboxedEnvironment`` with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols``
+extension, a ``{% generation %}`` tag that renders its body, the ``tojson`` filter,
+``raise_exception`` and ``strftime_now`` globals, and ``bos_token``/``eos_token``/... variables.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from functools import cached_property
+from typing import ClassVar
+
+import jinja2
+import jinja2.ext
+import tokenizers
+from jinja2 import nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, decoders, normalizers, pre_tokenizers
+from tokenizers.models import BPE
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+"""The template used when the model carries none (ChatML, as Qwen and SmolLM use)."""
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
+"""Special tokens that end an assistant turn when a chat template uses them."""
+
+GGUF_CONTROL_TOKEN_TYPE = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
+
+
+class Tokenizer:
+    """One model's tokenizer: a ``tokenizers.Tokenizer`` plus the model's special-token facts.
+
+    Args:
+      backend: the ``tokenizers.Tokenizer`` that maps text to ids and back.
+      bos_token_id / eos_token_id: the model's BOS and EOS ids (None if it has none).
+      add_bos_token / add_eos_token: whether ``encode(..., add_special_tokens=True)`` adds them.
+      chat_template: jinja2 source; None falls back to ``CHATML_TEMPLATE``.
+      vocab_size: rows of the model's embedding; default: the backend's size with added tokens.
+      extra_eos_token_ids: further end-of-generation ids (GGUF ``eot_token_id``/``eom_token_id``).
+      name: the model's display name.
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        add_bos_token: bool = False,
+        add_eos_token: bool = False,
+        chat_template: str | None = None,
+        vocab_size: int | None = None,
+        extra_eos_token_ids: Iterable[int] = (),
+        name: str = "",
+    ) -> None:
+        self.backend = backend
+        self._bos_token_id = bos_token_id
+        self._eos_token_id = eos_token_id
+        self.add_bos_token = add_bos_token
+        self.add_eos_token = add_eos_token
+        self.has_chat_template = chat_template is not None
+        self.chat_template = chat_template if chat_template is not None else CHATML_TEMPLATE
+        self._vocab_size = vocab_size or backend.get_vocab_size(with_added_tokens=True)
+        self._extra_eos = frozenset(int(i) for i in extra_eos_token_ids)
+        self._name = name
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, path: str) -> Tokenizer:
+        """Build the tokenizer a GGUF file carries, as transformers builds it (see module doc).
+
+        Raises:
+          ValueError: the file has no tokenizer, or a tokenizer model other than ``gpt2``
+            (byte-level BPE); SentencePiece (``llama``) GGUF tokenizers are not supported yet.
+        """
+        import gguf  # a file-format layer: the engine core does not need it
+
+        fields = gguf.GGUFReader(path).fields
+
+        def get(key: str, default: object = None) -> object:
+            field = fields.get(key)
+            return default if field is None else field.contents()
+
+        def strings(key: str) -> list[str]:
+            field = fields[key]
+            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+
+        model = get("tokenizer.ggml.model")
+        if model is None or "tokenizer.ggml.tokens" not in fields:
+            raise ValueError(f"{path}: no tokenizer in the GGUF metadata (tokenizer.ggml.*)")
+        if model != "gpt2":
+            raise ValueError(
+                f"{path}: tokenizer.ggml.model={model!r} is not supported; only 'gpt2' "
+                "(byte-level BPE) GGUF tokenizers are (SentencePiece 'llama' ones are not yet)"
+            )
+        tokens = strings("tokenizer.ggml.tokens")
+        merges = []
+        for m in strings("tokenizer.ggml.merges"):
+            parts = m.split(" ")
+            if len(parts) != 2:
+                raise ValueError(f"{path}: malformed BPE merge {m!r} in tokenizer.ggml.merges")
+            merges.append((parts[0], parts[1]))
+        token_types = list(get("tokenizer.ggml.token_type", [1] * len(tokens)))
+        unk_id = get("tokenizer.ggml.unknown_token_id")
+        backend = tokenizers.Tokenizer(
+            BPE(
+                {t: i for i, t in enumerate(tokens)},
+                merges,
+                unk_token=tokens[unk_id] if unk_id is not None else None,
+                fuse_unk=True,
+                byte_fallback=True,
+            )
+        )
+        backend.normalizer = normalizers.Sequence([])
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(
+            add_prefix_space=False, trim_offsets=False, use_regex=True
+        )
+        backend.decoder = decoders.Sequence(
+            [
+                decoders.ByteFallback(),
+                decoders.Fuse(),
+                decoders.Replace("▁", " "),
+                decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=True),
+            ]
+        )
+        backend.add_special_tokens(
+            [
+                AddedToken(t, normalized=False, special=True)
+                for t, kind in zip(tokens, token_types)
+                if kind == GGUF_CONTROL_TOKEN_TYPE
+            ]
+        )
+        extra = [get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
+        return cls(
+            backend,
+            bos_token_id=get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=get("tokenizer.ggml.eos_token_id"),
+            add_bos_token=bool(get("tokenizer.ggml.add_bos_token", False)),
+            add_eos_token=bool(get("tokenizer.ggml.add_eos_token", False)),
+            chat_template=get("tokenizer.chat_template"),
+            vocab_size=len(tokens),
+            extra_eos_token_ids=[i for i in extra if i is not None],
+            name=str(get("general.name", "") or ""),
+        )
+
+    @classmethod
+    def from_files(
+        cls,
+        tokenizer_json: str,
+        chat_template: str | None = None,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        add_bos_token: bool = False,
+        name: str = "",
+    ) -> Tokenizer:
+        """Build from an HF ``tokenizer.json`` plus the special tokens named in its config.
+
+        The caller reads ``tokenizer_config.json`` (bos/eos token strings, chat template) and
+        passes them; ``add_bos_token`` is applied here, not by the file's post-processor.
+
+        Raises:
+          ValueError: a named BOS/EOS token is not in the vocabulary.
+        """
+        backend = tokenizers.Tokenizer.from_file(tokenizer_json)
+
+        def token_id(token: str | None, what: str) -> int | None:
+            if token is None:
+                return None
+            i = backend.token_to_id(token)
+            if i is None:
+                raise ValueError(f"{what}={token!r} is not in the vocabulary of {tokenizer_json}")
+            return i
+
+        return cls(
+            backend,
+            bos_token_id=token_id(bos_token, "bos_token"),
+            eos_token_id=token_id(eos_token, "eos_token"),
+            add_bos_token=add_bos_token,
+            chat_template=chat_template,
+            name=name,
+        )
+
+    # ---- facts --------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._eos_token_id
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @cached_property
+    def all_special_ids(self) -> frozenset[int]:
+        """Ids of the special added tokens (GGUF control tokens), which decode can skip."""
+        return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+
+    @cached_property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Ids that end generation: EOS, GGUF eot/eom ids, and the chat template's end-of-turn
+        token (one of ``END_OF_TURN_TOKENS`` that the template uses and that is special)."""
+        ids = set(self._extra_eos)
+        if self._eos_token_id is not None:
+            ids.add(self._eos_token_id)
+        for token in END_OF_TURN_TOKENS:
+            i = self.backend.token_to_id(token)
+            if token in self.chat_template and i is not None and i in self.all_special_ids:
+                ids.add(i)
+        return frozenset(ids)
+
+    # ---- text <-> ids -------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special-token strings in it (``<|im_start|>``) become their ids.
+        With ``add_special_tokens``, BOS/EOS are added where the model says so.
+
+        Raises:
+          ValueError: ``text`` holds a lone surrogate (not encodable as UTF-8)."""
+        try:
+            ids = self.backend.encode(text, add_special_tokens=False).ids
+        except TypeError as e:
+            if isinstance(text, str):
+                raise ValueError(f"text is not valid Unicode (lone surrogate?): {e}") from e  # noqa: TRY004
+            raise
+        if add_special_tokens:
+            if self.add_bos_token and self._bos_token_id is not None:
+                ids = [self._bos_token_id, *ids]
+            if self.add_eos_token and self._eos_token_id is not None:
+                ids = [*ids, self._eos_token_id]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; bytes that do not form valid UTF-8 decode to U+FFFD."""
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary string of one id (byte-level form, e.g. ``'Ġworld'``), None if unknown."""
+        return self.backend.id_to_token(int(token_id))
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
+        return [self.id_to_token(i) for i in ids]
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    # ---- chat ---------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` with the model's chat template into one prompt string.
+
+        Messages are validated and normalised first (see ``normalize_messages``).
+
+        Raises:
+          ValueError: a malformed message (naming the field, e.g. ``messages[2].content``), the
+            template called ``raise_exception``, or the template failed (syntax, sandbox).
+        """
+        messages = normalize_messages(messages)
+        token = self.id_to_token
+        specials = {
+            f"{what}_token": token(i) if i is not None else None
+            for what, i in (("bos", self._bos_token_id), ("eos", self._eos_token_id))
+        }
+        try:
+            return self._template.render(
+                messages=messages,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **specials,
+            )
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template error: {e}") from e
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        return _chat_environment().from_string(self.chat_template)
+
+
+def normalize_messages(messages: object) -> list[dict]:
+    """Check chat messages and return copies whose ``content`` is a string.
+
+    Each message is a dict with ``role`` in ``CHAT_ROLES`` and ``content`` a string or an OpenAI
+    list of ``{"type": "text", "text": ...}`` parts (joined with "\\n", as vLLM joins them); an
+    assistant message with ``tool_calls`` may have null content. Other keys pass through.
+
+    Raises:
+      ValueError: naming the field: ``messages``, ``messages[i]``, ``messages[i].role``,
+        ``messages[i].content`` or ``messages[i].content[j]``.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of message objects")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ValueError(f"{where} must be an object with 'role' and 'content'")  # noqa: TRY004
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise ValueError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
+        content = m.get("content")
+        if content is None and role == "assistant" and m.get("tool_calls"):
+            content = ""
+        elif isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not (
+                    isinstance(part, dict)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                ):
+                    raise ValueError(
+                        f"{where}.content[{j}] must be {{'type': 'text', 'text': str}}"
+                        f" (only text parts are supported); got {part!r}"
+                    )
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        elif not isinstance(content, str):
+            raise ValueError(
+                f"{where}.content must be a string or a list of text parts; "
+                f"got {type(content).__name__}"
+            )
+        out.append({**m, "content": content})
+    return out
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (transformers' AssistantTracker): renders its
+    body unchanged; templates that mark assistant spans parse and render as in transformers."""
+
+    tags: ClassVar[set[str]] = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: jinja2.runtime.Macro) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise ValueError(f"chat template error: {message}")
+
+
+def _tojson(
+    x: object,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _chat_environment() -> ImmutableSandboxedEnvironment:
+    """The jinja2 environment transformers renders chat templates in (sandboxed, immutable)."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env

