@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import time
 import typing
@@ -142,6 +143,9 @@ def serve(ns: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jaxserve`` command; returns the exit status."""
     ns = build_parser().parse_args(argv)
+    # JAX preallocates 75% of accelerator memory by default; let it take what the KV budget
+    # (kv_cache_memory_fraction of free memory after weights) needs. Must precede jax's start.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     try:
         if ns.command == "serve":
             serve(ns)

@@ -229,7 +229,16 @@ class LLMEngine:
             req = self.requests.pop(rid, None)
             if req is not None and self.metrics is not None:
                 self.metrics.record_finished("abort", time.monotonic() - req.arrival_time)
+        if aborted:
+            self._record_step()  # the gauges must show the freed blocks even if no step follows
         return aborted
+
+    def _record_step(self, num_prompt_tokens: int = 0, num_generation_tokens: int = 0,
+                     num_preemptions: int = 0) -> None:
+        if self.metrics is not None:
+            self.metrics.record_step(len(self.state.running), len(self.state.waiting),
+                                     self.state.block_pool.usage, num_prompt_tokens,
+                                     num_generation_tokens, num_preemptions)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
@@ -249,6 +258,7 @@ class LLMEngine:
         preempted_before = self.state.num_preemptions_total
         self.state, plan = sched.schedule(self.state)
         if plan.is_empty:
+            self._record_step()
             return []
         now = time.monotonic()
         rows, num_prompt_tokens = [], 0
@@ -270,11 +280,8 @@ class LLMEngine:
         now = time.monotonic()
         outputs = [self._process(rid, tok, result.finished.get(rid), now)
                    for rid, tok in result.new_token_ids.items()]
-        if self.metrics is not None:
-            self.metrics.record_step(len(self.state.running), len(self.state.waiting),
-                                     self.state.block_pool.usage, num_prompt_tokens,
-                                     len(result.new_token_ids),
-                                     self.state.num_preemptions_total - preempted_before)
+        self._record_step(num_prompt_tokens, len(result.new_token_ids),
+                          self.state.num_preemptions_total - preempted_before)
         return [o for o in outputs if o is not None]
 
     def _process(self, rid: str, token: int, finish: str | None, now: float

@@ -11,8 +11,8 @@ to histograms):
              jaxserve:kv_cache_usage_perc (0-1)
   counters   jaxserve:prompt_tokens_total, jaxserve:generation_tokens_total,
              jaxserve:request_success_total{finished_reason}, jaxserve:num_preemptions_total,
-             jaxserve:num_aborted_requests_total, jaxserve:prefix_cache_queries_total,
-             jaxserve:prefix_cache_hits_total
+             jaxserve:num_aborted_requests_total
+(the prefix-cache counters of design.md arrive with prefix caching)
   histograms jaxserve:time_to_first_token_seconds, jaxserve:inter_token_latency_seconds,
              jaxserve:e2e_request_latency_seconds, jaxserve:request_queue_time_seconds
 """
@@ -91,14 +91,6 @@ class EngineMetrics:
             "Requests aborted (client disconnect or cancel).",
             registry=r,
         )
-        self.prefix_cache_queries = Counter(
-            PREFIX + "prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache.",
-            registry=r,
-        )
-        self.prefix_cache_hits = Counter(
-            PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r
-        )
         self.time_to_first_token = Histogram(
             PREFIX + "time_to_first_token_seconds",
             "Arrival to first output token, seconds.",
@@ -148,13 +140,6 @@ class EngineMetrics:
             self.generation_tokens.inc(num_generation_tokens)
         if num_preemptions:
             self.num_preemptions.inc(num_preemptions)
-
-    def record_prefix_cache(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
-        """Record a prefix-cache lookup: prompt tokens looked up and tokens found."""
-        if num_queried_tokens:
-            self.prefix_cache_queries.inc(num_queried_tokens)
-        if num_hit_tokens:
-            self.prefix_cache_hits.inc(num_hit_tokens)
 
     def record_first_token(self, ttft_s: float, queue_s: float) -> None:
         """Record a request's first output token: time to first token and time spent queued."""

@@ -53,6 +53,9 @@ GGUF_CONTROL_TOKEN_TYPE = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
 class Tokenizer:
     """One model's tokenizer: a ``tokenizers.Tokenizer`` plus the model's special-token facts.
 
+    The arguments below are kept as attributes of the same names (``bos_token_id``,
+    ``eos_token_id``, ``vocab_size``, ``name``, ``chat_template``, ...).
+
     Args:
       backend: the ``tokenizers.Tokenizer`` that maps text to ids and back.
       bos_token_id / eos_token_id: the model's BOS and EOS ids (None if it has none).
@@ -77,15 +80,15 @@ class Tokenizer:
         name: str = "",
     ) -> None:
         self.backend = backend
-        self._bos_token_id = bos_token_id
-        self._eos_token_id = eos_token_id
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
         self.add_bos_token = add_bos_token
         self.add_eos_token = add_eos_token
         self.has_chat_template = chat_template is not None
         self.chat_template = chat_template if chat_template is not None else CHATML_TEMPLATE
-        self._vocab_size = vocab_size or backend.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = vocab_size or backend.get_vocab_size(with_added_tokens=True)
         self._extra_eos = frozenset(int(i) for i in extra_eos_token_ids)
-        self._name = name
+        self.name = name
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -118,42 +121,23 @@ class Tokenizer:
                 "(byte-level BPE) GGUF tokenizers are (SentencePiece 'llama' ones are not yet)"
             )
         tokens = strings("tokenizer.ggml.tokens")
-        merges = []
-        for m in strings("tokenizer.ggml.merges"):
-            parts = m.split(" ")
-            if len(parts) != 2:
-                raise ValueError(f"{path}: malformed BPE merge {m!r} in tokenizer.ggml.merges")
-            merges.append((parts[0], parts[1]))
-        token_types = list(get("tokenizer.ggml.token_type", [1] * len(tokens)))
+        merges = [tuple(m.split(" ")) for m in strings("tokenizer.ggml.merges")]
+        if bad := [m for m in merges if len(m) != 2][:1]:
+            raise ValueError(f"{path}: malformed BPE merge {' '.join(bad[0])!r} in the GGUF")
         unk_id = get("tokenizer.ggml.unknown_token_id")
-        backend = tokenizers.Tokenizer(
-            BPE(
-                {t: i for i, t in enumerate(tokens)},
-                merges,
-                unk_token=tokens[unk_id] if unk_id is not None else None,
-                fuse_unk=True,
-                byte_fallback=True,
-            )
-        )
+        bpe = BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=True, byte_fallback=True,
+                  unk_token=tokens[unk_id] if unk_id is not None else None)  # fmt: skip
+        backend = tokenizers.Tokenizer(bpe)
         backend.normalizer = normalizers.Sequence([])
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(
-            add_prefix_space=False, trim_offsets=False, use_regex=True
-        )
-        backend.decoder = decoders.Sequence(
-            [
-                decoders.ByteFallback(),
-                decoders.Fuse(),
-                decoders.Replace("▁", " "),
-                decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=True),
-            ]
-        )
-        backend.add_special_tokens(
-            [
-                AddedToken(t, normalized=False, special=True)
-                for t, kind in zip(tokens, token_types)
-                if kind == GGUF_CONTROL_TOKEN_TYPE
-            ]
-        )
+        byte_level = {"add_prefix_space": False, "trim_offsets": False, "use_regex": True}
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(**byte_level)
+        backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse(),
+                                             decoders.Replace("▁", " "),
+                                             decoders.ByteLevel(**byte_level)])  # fmt: skip
+        types = get("tokenizer.ggml.token_type", [])
+        backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                    for t, kind in zip(tokens, types)
+                                    if kind == GGUF_CONTROL_TOKEN_TYPE])  # fmt: skip
         extra = [get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
         return cls(
             backend,
@@ -187,41 +171,15 @@ class Tokenizer:
           ValueError: a named BOS/EOS token is not in the vocabulary.
         """
         backend = tokenizers.Tokenizer.from_file(tokenizer_json)
+        ids = {what: None if t is None else backend.token_to_id(t)
+               for what, t in (("bos_token", bos_token), ("eos_token", eos_token))}  # fmt: skip
+        for what, t in (("bos_token", bos_token), ("eos_token", eos_token)):
+            if t is not None and ids[what] is None:
+                raise ValueError(f"{what}={t!r} is not in the vocabulary of {tokenizer_json}")
+        return cls(backend, bos_token_id=ids["bos_token"], eos_token_id=ids["eos_token"],
+                   add_bos_token=add_bos_token, chat_template=chat_template, name=name)  # fmt: skip
 
-        def token_id(token: str | None, what: str) -> int | None:
-            if token is None:
-                return None
-            i = backend.token_to_id(token)
-            if i is None:
-                raise ValueError(f"{what}={token!r} is not in the vocabulary of {tokenizer_json}")
-            return i
-
-        return cls(
-            backend,
-            bos_token_id=token_id(bos_token, "bos_token"),
-            eos_token_id=token_id(eos_token, "eos_token"),
-            add_bos_token=add_bos_token,
-            chat_template=chat_template,
-            name=name,
-        )
-
-    # ---- facts --------------------------------------------------------------------------------
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return self._bos_token_id
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self._eos_token_id
-
-    @property
-    def name(self) -> str:
-        return self._name
+    # ---- facts ----------------------------------------------------------------------------
 
     @cached_property
     def all_special_ids(self) -> frozenset[int]:
@@ -233,8 +191,8 @@ class Tokenizer:
         """Ids that end generation: EOS, GGUF eot/eom ids, and the chat template's end-of-turn
         token (one of ``END_OF_TURN_TOKENS`` that the template uses and that is special)."""
         ids = set(self._extra_eos)
-        if self._eos_token_id is not None:
-            ids.add(self._eos_token_id)
+        if self.eos_token_id is not None:
+            ids.add(self.eos_token_id)
         for token in END_OF_TURN_TOKENS:
             i = self.backend.token_to_id(token)
             if token in self.chat_template and i is not None and i in self.all_special_ids:
@@ -256,10 +214,10 @@ class Tokenizer:
                 raise ValueError(f"text is not valid Unicode (lone surrogate?): {e}") from e  # noqa: TRY004
             raise
         if add_special_tokens:
-            if self.add_bos_token and self._bos_token_id is not None:
-                ids = [self._bos_token_id, *ids]
-            if self.add_eos_token and self._eos_token_id is not None:
-                ids = [*ids, self._eos_token_id]
+            if self.add_bos_token and self.bos_token_id is not None:
+                ids = [self.bos_token_id, *ids]
+            if self.add_eos_token and self.eos_token_id is not None:
+                ids = [*ids, self.eos_token_id]
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -288,19 +246,12 @@ class Tokenizer:
             template called ``raise_exception``, or the template failed (syntax, sandbox).
         """
         messages = normalize_messages(messages)
-        token = self.id_to_token
-        specials = {
-            f"{what}_token": token(i) if i is not None else None
-            for what, i in (("bos", self._bos_token_id), ("eos", self._eos_token_id))
-        }
+        bos, eos = (None if i is None else self.id_to_token(i)
+                    for i in (self.bos_token_id, self.eos_token_id))  # fmt: skip
         try:
-            return self._template.render(
-                messages=messages,
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **specials,
-            )
+            return self._template.render(messages=messages, tools=None, documents=None,
+                                         add_generation_prompt=add_generation_prompt,
+                                         bos_token=bos, eos_token=eos)  # fmt: skip
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template error: {e}") from e
 
@@ -334,19 +285,12 @@ def normalize_messages(messages: object) -> list[dict]:
         if content is None and role == "assistant" and m.get("tool_calls"):
             content = ""
         elif isinstance(content, list):
-            texts = []
             for j, part in enumerate(content):
-                if not (
-                    isinstance(part, dict)
-                    and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)
-                ):
-                    raise ValueError(
-                        f"{where}.content[{j}] must be {{'type': 'text', 'text': str}}"
-                        f" (only text parts are supported); got {part!r}"
-                    )
-                texts.append(part["text"])
-            content = "\n".join(texts)
+                if not (isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):  # fmt: skip
+                    raise ValueError(f"{where}.content[{j}] must be {{'type': 'text', 'text': "
+                                     f"str}} (only text parts are supported); got {part!r}")  # fmt: skip
+            content = "\n".join(part["text"] for part in content)
         elif not isinstance(content, str):
             raise ValueError(
                 f"{where}.content must be a string or a list of text parts; "
@@ -375,16 +319,11 @@ def _raise_exception(message: str) -> None:
     raise ValueError(f"chat template error: {message}")
 
 
-def _tojson(
-    x: object,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
+def _tojson(x: object, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:  # fmt: skip
+    """transformers' ``tojson`` filter: ``json.dumps`` without ASCII escaping."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)  # fmt: skip
 
 
 def _chat_environment() -> ImmutableSandboxedEnvironment:

@@ -262,11 +262,12 @@ def _llama_style_bpe() -> HFTokenizer:
     return tok
 
 
-@pytest.fixture(scope="module", params=["metaspace_unigram", "llama_style_bpe"])
+SP_TOKENIZERS = {"metaspace_unigram": _metaspace_unigram(), "llama_style_bpe": _llama_style_bpe()}
+
+
+@pytest.fixture(params=sorted(SP_TOKENIZERS))
 def sp_tokenizer(request: pytest.FixtureRequest) -> HFTokenizer:
-    return {"metaspace_unigram": _metaspace_unigram, "llama_style_bpe": _llama_style_bpe}[
-        request.param
-    ]()
+    return SP_TOKENIZERS[request.param]
 
 
 @pytest.mark.parametrize("chunk", [1, 8])
@@ -289,7 +290,7 @@ def test_sentencepiece_spaces_at_chunk_boundaries(sp_tokenizer: HFTokenizer, chu
 @settings(max_examples=80, deadline=None)
 @given(data=st.data(), sizes=st.lists(st.integers(1, 8), max_size=4), skip=st.booleans())
 def test_sentencepiece_random_ids(data: st.DataObject, sizes: list[int], skip: bool) -> None:
-    for sp in (_SP["unigram"], _SP["bpe"]):
+    for sp in SP_TOKENIZERS.values():
         ids = data.draw(st.lists(st.integers(0, sp.get_vocab_size() - 1), max_size=30))
         prompt = data.draw(st.lists(st.integers(3, sp.get_vocab_size() - 1), max_size=6))
         det = IncrementalDetokenizer(sp, prompt, skip_special_tokens=skip)
@@ -299,6 +300,3 @@ def test_sentencepiece_random_ids(data: st.DataObject, sizes: list[int], skip: b
             assert s == sp.decode(prompt + ids, skip_special_tokens=skip)[len(p) :]
         else:
             assert s == sp.decode(ids, skip_special_tokens=skip)
-
-
-_SP = {"unigram": _metaspace_unigram(), "bpe": _llama_style_bpe()}

@@ -434,7 +434,6 @@ def test_metrics_names() -> None:
     m.record_inter_token(0.004)
     m.record_finished("stop", 0.5)
     m.record_finished("abort", 0.1)
-    m.record_prefix_cache(16, 8)
     text = m.render().decode()
     for line in (
         "jaxserve:num_requests_running 2.0",
@@ -446,8 +445,6 @@ def test_metrics_names() -> None:
         'jaxserve:request_success_total{finished_reason="stop"} 1.0',
         'jaxserve:request_success_total{finished_reason="length"} 0.0',
         "jaxserve:num_aborted_requests_total 1.0",
-        "jaxserve:prefix_cache_queries_total 16.0",
-        "jaxserve:prefix_cache_hits_total 8.0",
         "jaxserve:time_to_first_token_seconds_count 1.0",
         "jaxserve:inter_token_latency_seconds_count 1.0",
         "jaxserve:e2e_request_latency_seconds_count 1.0",
