@@ -53,8 +53,12 @@ def engine():
     from jaxserve.config import EngineConfig
     from jaxserve.engine import LLMEngine
 
-    eng = LLMEngine(EngineConfig(max_model_len=ENGINE_MAX_MODEL_LEN,
-                                 num_kv_blocks=ENGINE_NUM_KV_BLOCKS,
-                                 compilation_cache_dir=str(REPO_ROOT / ".jax_cache")))
+    eng = LLMEngine(
+        EngineConfig(
+            max_model_len=ENGINE_MAX_MODEL_LEN,
+            num_kv_blocks=ENGINE_NUM_KV_BLOCKS,
+            compilation_cache_dir=str(REPO_ROOT / ".jax_cache"),
+        )
+    )
     eng.warmup(progress=False)
     return eng

@@ -13,6 +13,7 @@ summation order.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import jax
@@ -27,15 +28,15 @@ _T = 640  # padded tokens per call: all six prompts + 48-token continuations (62
 _S = 8  # padded sequences per call
 _BLOCK = 16
 _MAX_BLOCKS = 32  # block-table width: 512 positions per sequence
-_NUM_BLOCKS = 48  # 1 padding block + 47 usable; a call of _T tokens needs at most 40 + _S - 1
+_NUM_BLOCKS = 64  # 1 padding block + 63 usable (a call of _T tokens needs at most 40 + _S - 1)
 
 # Max |logit - golden| over the first-step rows of all six prompts measured 6.5e-05 (logit
 # scale ~20-30; float32 on a 2-core x86 CPU); the tolerance is ~5x that.
 FIRST_STEP_ATOL = 3e-4
 # Max |top-5 logit - golden| over every teacher-forced position measured 7.3e-05.
 TEACHER_FORCED_TOP5_ATOL = 5e-4
-# Chunked vs one-shot prefill of the same prompt: different attention chunking only; measured
-# max abs diff is printed by the test (see its assert message).
+# Chunked vs one-shot prefill of the same prompt: measured max abs diff 0.0 (bitwise equal on
+# the CPU); the tolerance leaves room for a backend whose kernel tiles the two cases differently.
 CHUNKED_ATOL = 1e-4
 NEAR_TIE = 1e-3  # golden top-2 margins below this may flip under float32 rounding
 
@@ -46,8 +47,9 @@ class _Model:
     def __init__(self, engine) -> None:
         mc = engine.model_config
         self.model, self.params = engine.model, engine.runner.params
-        self.kv = allocate_kv_cache(mc.num_layers, _NUM_BLOCKS, _BLOCK, mc.num_kv_heads,
-                                    mc.head_dim, engine.dtype)
+        self.kv = allocate_kv_cache(
+            mc.num_layers, _NUM_BLOCKS, _BLOCK, mc.num_kv_heads, mc.head_dim, engine.dtype
+        )
         model = self.model
 
         def fn(params, kv: KVCache, tok, pos, md: AttentionMetadata):
@@ -66,8 +68,7 @@ class _Model:
         self.next_block += n
         return table
 
-    def run(self, chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]]
-            ) -> list[np.ndarray]:
+    def run(self, chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]]) -> list[np.ndarray]:
         """One step over ``chunks`` of (token ids, start position, block table).
 
         Returns per chunk the logits ``f32[len(token ids), vocab]`` of its tokens.
@@ -82,21 +83,25 @@ class _Model:
         for i, (ids, start, table) in enumerate(chunks):
             n = len(ids)
             p = np.arange(start, start + n)
-            tables[i, :len(table)] = table
-            tok[off:off + n] = ids
-            pos[off:off + n] = p
-            slots[off:off + n] = tables[i, p // _BLOCK] * _BLOCK + p % _BLOCK
+            tables[i, : len(table)] = table
+            tok[off : off + n] = ids
+            pos[off : off + n] = p
+            slots[off : off + n] = tables[i, p // _BLOCK] * _BLOCK + p % _BLOCK
             seq_lens[i] = start + n
             off += n
             qsl[i + 1] = off
         assert off <= _T and len(chunks) <= _S
-        qsl[len(chunks) + 1:] = off
-        md = AttentionMetadata(slot_mapping=jnp.asarray(slots), block_tables=jnp.asarray(tables),
-                               seq_lens=jnp.asarray(seq_lens), query_start_loc=jnp.asarray(qsl),
-                               num_seqs=jnp.asarray([len(chunks)], jnp.int32))
+        qsl[len(chunks) + 1 :] = off
+        md = AttentionMetadata(
+            slot_mapping=jnp.asarray(slots),
+            block_tables=jnp.asarray(tables),
+            seq_lens=jnp.asarray(seq_lens),
+            query_start_loc=jnp.asarray(qsl),
+            num_seqs=jnp.asarray([len(chunks)], jnp.int32),
+        )
         logits, self.kv = self.fn(self.params, self.kv, jnp.asarray(tok), jnp.asarray(pos), md)
         logits = np.asarray(logits)
-        return [logits[qsl[i]:qsl[i + 1]] for i in range(len(chunks))]
+        return [logits[qsl[i] : qsl[i + 1]] for i in range(len(chunks))]
 
     def full(self, seqs: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Logits of every position of each whole sequence (one ragged prefill step)."""
@@ -126,14 +131,20 @@ def teacher_forced_logits(model: _Model, goldens: dict) -> dict[str, np.ndarray]
     res = {}
     for p, rows in zip(prompts, out, strict=True):
         n = len(p["prompt_token_ids"])
-        res[p["name"]] = rows[n - 1:n - 1 + len(p["greedy_token_ids"])]
+        res[p["name"]] = rows[n - 1 : n - 1 + len(p["greedy_token_ids"])]
     return res
 
 
 def _names() -> list[str]:
     """The golden prompts, in file order (test ids; test_golden_prompt_names checks them)."""
-    return ["france_text", "long_prose", "mixed_unicode", "france_chat", "system_two_turn",
-            "alphabet_text"]
+    return [
+        "france_text",
+        "long_prose",
+        "mixed_unicode",
+        "france_chat",
+        "system_two_turn",
+        "alphabet_text",
+    ]
 
 
 def _prompt(goldens: dict, name: str) -> dict:
@@ -171,34 +182,41 @@ def test_teacher_forced_greedy(name: str, goldens: dict, teacher_forced_logits: 
         assert err <= TEACHER_FORCED_TOP5_ATOL, f"{name} position {i}: top-5 logit diff {err:.3g}"
 
 
-@pytest.mark.parametrize("splits", [(100, 201), (16, 32, 219), (1,)])
-def test_chunked_prefill_matches_one_shot(splits: tuple[int, ...], model: _Model,
-                                          goldens: dict, first_step_logits: dict) -> None:
-    """long_prose (220 tokens) prefilled in chunks, each step attending to the cached K/V of
-    the earlier ones, ends at the same last-position logits as one-shot prefill."""
-    p = _prompt(goldens, "long_prose")
-    ids = p["prompt_token_ids"]
-    table = model.new_table(len(ids))
-    bounds = [0, *splits, len(ids)]
-    last = None
-    for a, b in zip(bounds, bounds[1:]):
-        last = model.run([(ids[a:b], a, table)])[0][-1]
-    one_shot = first_step_logits["long_prose"]
-    err = float(np.max(np.abs(last - one_shot)))
-    assert err <= CHUNKED_ATOL, f"chunked vs one-shot max |diff| {err:.3g}"
-    assert int(last.argmax()) == int(one_shot.argmax()) == int(p["logits"].argmax())
-    assert float(np.max(np.abs(last - p["logits"]))) <= FIRST_STEP_ATOL
+def test_chunked_prefill_matches_one_shot(
+    model: _Model, goldens: dict, first_step_logits: dict
+) -> None:
+    """Prompts prefilled in chunks, each step attending to the K/V its earlier steps cached,
+    end at the same last-position logits as one-shot prefill.
 
-
-def test_chunked_prefill_in_a_mixed_batch(model: _Model, goldens: dict,
-                                          first_step_logits: dict) -> None:
-    """Second chunks of two prompts batched with a fresh prefill of a third: each row equals
-    its one-shot logits (ragged batch with cached context and fresh context together)."""
-    a, b, c = (_prompt(goldens, n)["prompt_token_ids"]
-               for n in ("long_prose", "france_chat", "system_two_turn"))
-    ta, tb, tc = model.new_table(len(a)), model.new_table(len(b)), model.new_table(len(c))
-    model.run([(a[:150], 0, ta), (b[:20], 0, tb)])
-    out = model.run([(a[150:], 150, ta), (c, 0, tc), (b[20:], 20, tb)])
-    for rows, name in zip(out, ("long_prose", "system_two_turn", "france_chat"), strict=True):
-        err = float(np.max(np.abs(rows[-1] - first_step_logits[name])))
-        assert err <= CHUNKED_ATOL, f"{name}: chunked-in-batch vs one-shot max |diff| {err:.3g}"
+    All variants run side by side as one ragged batch per step, so steps mix continued chunks
+    (cached context) of several sequences with a fresh prefill (system_two_turn, last step).
+    """
+    variants = [
+        ("long_prose", (100, 201)),
+        ("long_prose", (16, 32, 219)),
+        ("long_prose", (1,)),
+        ("france_chat", (20,)),
+        ("system_two_turn", ()),
+    ]
+    seqs = []
+    for name, splits in variants:
+        ids = _prompt(goldens, name)["prompt_token_ids"]
+        bounds = [0, *splits, len(ids)]
+        seqs.append((name, ids, model.new_table(len(ids)), list(itertools.pairwise(bounds))))
+    num_steps = max(len(c) for *_, c in seqs)
+    last: dict[int, np.ndarray] = {}
+    for step in range(num_steps):
+        batch, who = [], []
+        for v, (_, ids, table, chunks) in enumerate(seqs):
+            k = step - (num_steps - len(chunks))  # every variant finishes on the last step
+            if k >= 0:
+                a, b = chunks[k]
+                batch.append((ids[a:b], a, table))
+                who.append(v)
+        for v, rows in zip(who, model.run(batch), strict=True):
+            last[v] = rows[-1]
+    for v, (name, splits) in enumerate(variants):
+        one_shot = first_step_logits[name]
+        err = float(np.max(np.abs(last[v] - one_shot)))
+        assert err <= CHUNKED_ATOL, f"{name} split at {splits}: max |diff| {err:.3g} vs one-shot"
+        assert int(last[v].argmax()) == int(_prompt(goldens, name)["logits"].argmax())
