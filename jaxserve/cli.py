@@ -32,7 +32,8 @@ ENGINE_HELP = {
     "dtype": "weights and activations: auto (float32 on CPU, bfloat16 on accelerators), "
              "float32, bfloat16, float16",
     "seed": "seed for dummy weights and for requests without one",
-    "attention_backend": "auto or reference (the pure-jnp attention op)",
+    "attention_backend": "auto (Pallas kernel on GPUs, pure-jnp op elsewhere), reference, pallas, "
+                         "or pallas-interpret (the kernel in the Pallas interpreter; CPU tests)",
     "compilation_cache_dir": "persistent XLA compilation cache directory ('' disables it)",
 }
 

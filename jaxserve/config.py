@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
+# the same names as pallas_kernels.ATTENTION_BACKENDS (not imported here: no jax for the CLI parser)
+ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas-interpret")
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,9 @@ class EngineConfig:
       dtype: activation and weight dtype ("float32", "bfloat16", "float16"); "auto" means
         float32 on the CPU and bfloat16 on accelerators.
       seed: seed for dummy weights and for requests that give none.
-      attention_backend: "auto" or "reference" (the pure-jnp op).
+      attention_backend: "auto" (the Pallas kernel on GPUs, the pure-jnp op elsewhere),
+        "reference" (the pure-jnp op), "pallas" (the Pallas Triton kernel), or
+        "pallas-interpret" (that kernel in the Pallas interpreter; for CPU tests, slow).
       compilation_cache_dir: persistent XLA compilation cache directory ("" disables it).
 
     Raises:
@@ -71,8 +75,8 @@ class EngineConfig:
             raise ValueError(f"{self.max_model_len=} must be >= 2")
         if self.dtype not in DTYPES + ("auto",):
             raise ValueError(f"{self.dtype=} must be one of {DTYPES + ('auto',)}")
-        if self.attention_backend not in ("auto", "reference"):
-            raise ValueError(f"{self.attention_backend=} must be 'auto' or 'reference'")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"{self.attention_backend=} must be one of {ATTENTION_BACKENDS}")
 
     def replace(self, **changes: object) -> EngineConfig:
         """A copy with some fields changed (validated again)."""

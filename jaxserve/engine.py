@@ -27,7 +27,7 @@ from jaxserve.runner import ModelRunner, RowParams
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
 from models.config import ModelConfig
-from pallas_kernels import allocate_kv_cache, kv_cache_bytes_per_block
+from pallas_kernels import allocate_kv_cache, attention_fn_for_backend, kv_cache_bytes_per_block
 
 GIB = 1 << 30
 
@@ -138,7 +138,8 @@ class LLMEngine:
                 f"max_model_len")
         kv = allocate_kv_cache(mc.num_layers, self.num_blocks, config.block_size,
                                mc.num_kv_heads, mc.head_dim, self.dtype)
-        self.model = LlamaForCausalLM(mc, self.dtype)
+        self.model = LlamaForCausalLM(
+            mc, self.dtype, attention_fn=attention_fn_for_backend(config.attention_backend))
         vocab_limit = self.tokenizer.vocab_size if self.tokenizer.vocab_size < mc.vocab_size \
             else None
         self.runner = ModelRunner(self.model, params, kv,

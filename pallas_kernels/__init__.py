@@ -1,8 +1,17 @@
 """Attention kernels and the paged KV-cache layout; importable with jax alone.
 
 ``ragged_paged_attention`` / ``write_kv`` have one signature (design.md) and, per backend, one
-implementation: the pure-jnp one here runs everywhere; the Pallas GPU kernel is a later issue.
+implementation: the pure-jnp one (``ragged_paged_attention``) runs everywhere; the Pallas Triton
+kernel (``ragged_paged_attention_pallas``) runs on NVIDIA GPUs and, in interpret mode, on the CPU.
+``attention_fn_for_backend`` maps the engine's ``attention_backend`` setting onto one of them.
 """
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
 
 from pallas_kernels.kv_cache import KVCache, allocate_kv_cache, kv_cache_bytes_per_block
 from pallas_kernels.ragged_paged_attention import (
@@ -10,12 +19,42 @@ from pallas_kernels.ragged_paged_attention import (
     ref_ragged_paged_attention,
     write_kv,
 )
+from pallas_kernels.ragged_paged_attention_triton import ragged_paged_attention_pallas
+
+# "pallas-interpret" runs the Pallas kernel in the interpreter: for CPU tests only (slow).
+ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas-interpret")
+
+
+def attention_fn_for_backend(backend: str, platform: str | None = None) -> Callable[..., jax.Array]:
+    """The attention op for an ``attention_backend`` setting.
+
+    "auto": the Pallas kernel on GPUs, the pure-jnp op elsewhere; "reference": the pure-jnp op;
+    "pallas": the Pallas Triton kernel; "pallas-interpret": that kernel in interpret mode.
+    ``platform`` defaults to ``jax.default_backend()``.
+
+    Raises:
+      ValueError: for an unknown backend name.
+    """
+    if backend == "auto":
+        platform = platform or jax.default_backend()
+        backend = "pallas" if platform in ("gpu", "cuda", "rocm") else "reference"
+    if backend == "reference":
+        return ragged_paged_attention
+    if backend == "pallas":
+        return ragged_paged_attention_pallas
+    if backend == "pallas-interpret":
+        return functools.partial(ragged_paged_attention_pallas, interpret=True)
+    raise ValueError(f"attention_backend={backend!r} must be one of {ATTENTION_BACKENDS}")
+
 
 __all__ = [
+    "ATTENTION_BACKENDS",
     "KVCache",
     "allocate_kv_cache",
+    "attention_fn_for_backend",
     "kv_cache_bytes_per_block",
     "ragged_paged_attention",
+    "ragged_paged_attention_pallas",
     "ref_ragged_paged_attention",
     "write_kv",
 ]

@@ -9,9 +9,9 @@ positions ``0 .. that position``. Rows past ``query_start_loc[num_seqs]`` are pa
 
 This module holds the pure-jnp implementation the engine runs on CPUs, and ``ref_*`` in plain
 numpy (a Python loop over sequences) that tests compare against. The Pallas GPU kernel with the
-same signature is a separate issue. Algorithm: the online-softmax recurrence of FlashAttention
-(Dao et al., 2022, arXiv:2205.14135) over chunks of KV pages, as in vLLM's PagedAttention
-(Kwon et al., 2023, arXiv:2309.06180).
+same signature is ``ragged_paged_attention_triton.ragged_paged_attention_pallas``. Algorithm:
+the online-softmax recurrence of FlashAttention (Dao et al., 2022, arXiv:2205.14135) over
+chunks of KV pages, as in vLLM's PagedAttention (Kwon et al., 2023, arXiv:2309.06180).
 """
 
 from __future__ import annotations
@@ -52,8 +52,24 @@ def write_kv(
     return k_cache, v_cache
 
 
+def _online_softmax_step(carry, s, v, mask, pv_eq: str):
+    """One FlashAttention update. s: scores [..., C] (masked entries arbitrary), v:
+    values already zeroed where no query may read them, mask: broadcastable to s, pv_eq: the
+    einsum of probabilities and values."""
+    m, l, acc = carry
+    s = jnp.where(mask, s, _MASK_VALUE)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+    alpha = jnp.exp(m - m_new)
+    return m_new, l * alpha + p.sum(axis=-1), acc * alpha[..., None] + jnp.einsum(pv_eq, p, v)
+
+
+def _finish(l, acc):
+    return jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "logit_soft_cap",
-                                             "pages_per_chunk"))
+                                             "q_tile", "kv_chunk"))
 def ragged_paged_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -67,7 +83,8 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     logit_soft_cap: float | None = None,
-    pages_per_chunk: int | None = None,
+    q_tile: int = 128,
+    kv_chunk: int = 256,
 ) -> jax.Array:
     """Attention of a ragged token batch over the paged KV cache (pure jnp).
 
@@ -83,68 +100,114 @@ def ragged_paged_attention(
       sm_scale: softmax scale (usually ``head_dim ** -0.5``).
       sliding_window: attend only to the last ``sliding_window`` positions, if set.
       logit_soft_cap: ``cap * tanh(s / cap)`` on scores, if set.
-      pages_per_chunk: KV pages per online-softmax step (default: 64 tokens' worth).
+      q_tile: query rows per tile on the prefill path.
+      kv_chunk: keys per online-softmax step (rounded to whole pages).
     Returns:
       ``[T, num_q_heads, head_dim]`` in q's dtype; padding rows are 0.
 
-    Every key read is masked, so NaN or garbage in pages a sequence does not own never reaches
-    the output. The loop runs ``cdiv(max(seq_lens), chunk)`` times, so its cost follows the
-    longest live context, not ``max_blocks_per_seq``.
+    Two paths, so that no key is fetched once per query row:
+      * decode (sequences with one query row): the sequences' rows together, ``[S, ...]``,
+        each gathering its own pages chunk by chunk — ``S x context`` reads;
+      * prefill (more than one row): a loop over those sequences and over tiles of ``q_tile``
+        rows; a tile gathers one chunk of its sequence's pages and all its rows share it, and
+        stops at the tile's last position (causal) — reads are ``context / q_tile`` per row.
+    Loop trip counts follow the live data, not ``max_blocks_per_seq``. Every key read is
+    masked, so NaN or garbage in pages a sequence does not own never reaches the output.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = k_cache.shape
     num_slots, max_blocks = block_tables.shape
     group = num_q_heads // num_kv_heads
-    ppc = pages_per_chunk or max(1, 64 // block_size)
-    num_chunks_max = -(-max_blocks // ppc)
-    chunk_len = ppc * block_size
-
-    tok = jnp.arange(num_tokens, dtype=jnp.int32)
+    ppc = max(1, kv_chunk // block_size)  # pages per chunk
+    chunk = ppc * block_size
+    pad = -max_blocks % ppc
+    tables = jnp.pad(block_tables, ((0, 0), (0, pad))) if pad else block_tables
+    qt_rows = min(q_tile, num_tokens)
     n = num_seqs[0]
-    total = query_start_loc[n]
-    seq_of_tok = jnp.clip(jnp.searchsorted(query_start_loc[1:], tok, side="right"), 0,
-                          num_slots - 1)
-    tok_valid = tok < total
-    q_end = query_start_loc[seq_of_tok + 1]
-    q_pos = seq_lens[seq_of_tok] - (q_end - tok)  # [T] position of each query row
-    tables = block_tables[seq_of_tok]  # [T, max_blocks]
-    pad = num_chunks_max * ppc - max_blocks
-    if pad:
-        tables = jnp.pad(tables, ((0, 0), (0, pad)))
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
     live = jnp.arange(num_slots) < n
-    max_len = jnp.max(jnp.where(live, seq_lens, 0))
-    num_chunks = (max_len + chunk_len - 1) // chunk_len
+    qf = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim) * sm_scale
+    kpos0 = jnp.arange(chunk, dtype=jnp.int32)
 
-    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32) * sm_scale
+    def keys(pages, shape):
+        k = k_cache[layer, pages].reshape(shape + (num_kv_heads, head_dim))
+        v = v_cache[layer, pages].reshape(shape + (num_kv_heads, head_dim))
+        return k.astype(jnp.float32), v.astype(jnp.float32)
 
-    def body(c, carry):
-        m, l, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(tables, c * ppc, ppc, axis=1)  # [T, ppc]
-        k = k_cache[layer, pages].reshape(num_tokens, chunk_len, num_kv_heads, head_dim)
-        v = v_cache[layer, pages].reshape(num_tokens, chunk_len, num_kv_heads, head_dim)
-        kpos = c * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)
-        mask = (kpos[None, :] <= q_pos[:, None]) & tok_valid[:, None]  # [T, chunk]
+    def scores(s):
+        return logit_soft_cap * jnp.tanh(s / logit_soft_cap) if logit_soft_cap else s
+
+    def zero_state(lead):
+        return (jnp.full(lead + (num_kv_heads, group), _MASK_VALUE, jnp.float32),
+                jnp.zeros(lead + (num_kv_heads, group), jnp.float32),
+                jnp.zeros(lead + (num_kv_heads, group, head_dim), jnp.float32))
+
+    # -- decode path: the last (only) row of each one-row sequence ---------------------------
+    last = jnp.clip(query_start_loc[1:] - 1, 0, num_tokens - 1)
+    dec = live & (q_lens == 1)
+    ctx_d = jnp.where(dec, seq_lens, 0)
+    qd = qf[last]  # [S, kv, g, d]
+    qpos_d = ctx_d - 1
+
+    def dec_body(c, carry):
+        pages = jax.lax.dynamic_slice_in_dim(tables, c * ppc, ppc, axis=1)
+        k, v = keys(pages, (num_slots, chunk))  # [S, C, kv, d]
+        kpos = c * chunk + kpos0
+        mask = kpos[None, :] <= qpos_d[:, None]  # [S, C]
         if sliding_window is not None:
-            mask &= kpos[None, :] > q_pos[:, None] - sliding_window
-        s = jnp.einsum("tkgd,tckd->tkgc", qg, k.astype(jnp.float32))
-        if logit_soft_cap is not None:
-            s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)
-        mask4 = mask[:, None, None, :]
-        s = jnp.where(mask4, s, _MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.where(mask4, jnp.exp(s - m_new[..., None]), 0.0)
-        alpha = jnp.exp(m - m_new)
-        v = jnp.where(mask[:, :, None, None], v.astype(jnp.float32), 0.0)
-        acc = acc * alpha[..., None] + jnp.einsum("tkgc,tckd->tkgd", p, v)
-        return m_new, l * alpha + p.sum(axis=-1), acc
+            mask &= kpos[None, :] > qpos_d[:, None] - sliding_window
+        s = scores(jnp.einsum("skgd,sckd->skgc", qd, k))
+        v = jnp.where(mask[:, :, None, None], v, 0.0)
+        return _online_softmax_step(carry, s, v, mask[:, None, None, :], "skgc,sckd->skgd")
 
-    init = (
-        jnp.full((num_tokens, num_kv_heads, group), _MASK_VALUE, jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
-    )
-    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
-    out = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
+    n_dec_chunks = (jnp.max(ctx_d) + chunk - 1) // chunk
+    _, l_d, acc_d = jax.lax.fori_loop(0, n_dec_chunks, dec_body, zero_state((num_slots,)))
+    out = jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32)
+    out = out.at[jnp.where(dec, last, num_tokens)].set(_finish(l_d, acc_d), mode="drop")
+
+    # -- prefill path: tiles of rows of each multi-row sequence --------------------------------
+    def seq_body(si, out):
+        q_len, start, ctx = q_lens[si], query_start_loc[si], seq_lens[si]
+        first_pos = ctx - q_len
+        n_tiles = jnp.where(q_len > 1, (q_len + qt_rows - 1) // qt_rows, 0)
+        table = tables[si]
+
+        def tile_body(ti, out):
+            row0 = start + ti * qt_rows
+            r0 = jnp.minimum(row0, num_tokens - qt_rows)  # keep the slice in bounds
+            rows = r0 + jnp.arange(qt_rows)
+            valid = (rows >= row0) & (rows < start + q_len)
+            qpos = first_pos + rows - start
+            # [kv, R * g, d]: one plain batched matmul per chunk, batch = kv heads
+            qtile = jax.lax.dynamic_slice_in_dim(qf, r0, qt_rows).transpose(1, 0, 2, 3) \
+                .reshape(num_kv_heads, qt_rows * group, head_dim)
+            last_pos = first_pos + jnp.minimum(q_len, (ti + 1) * qt_rows) - 1
+
+            def kv_body(c, carry):
+                pages = jax.lax.dynamic_slice_in_dim(table, c * ppc, ppc)
+                k, v = keys(pages, (chunk,))  # [C, kv, d]
+                kpos = c * chunk + kpos0
+                mask = (kpos[None, :] <= qpos[:, None]) & valid[:, None]  # [R, C]
+                if sliding_window is not None:
+                    mask &= kpos[None, :] > qpos[:, None] - sliding_window
+                s = scores(jnp.einsum("kqd,ckd->kqc", qtile, k))  # [kv, R * g, C]
+                v = jnp.where((kpos <= last_pos)[:, None, None], v, 0.0)
+                mask = jnp.repeat(mask, group, axis=0)[None]  # [1, R * g, C]
+                return _online_softmax_step(carry, s, v, mask, "kqc,ckd->kqd")
+
+            init = (jnp.full((num_kv_heads, qt_rows * group), _MASK_VALUE, jnp.float32),
+                    jnp.zeros((num_kv_heads, qt_rows * group), jnp.float32),
+                    jnp.zeros((num_kv_heads, qt_rows * group, head_dim), jnp.float32))
+            _, l, acc = jax.lax.fori_loop(0, last_pos // chunk + 1, kv_body, init)
+            res = _finish(l, acc).reshape(num_kv_heads, qt_rows, group, head_dim) \
+                .transpose(1, 0, 2, 3)
+            cur = jax.lax.dynamic_slice_in_dim(out, r0, qt_rows)
+            new = jnp.where(valid[:, None, None, None], res, cur)
+            return jax.lax.dynamic_update_slice_in_dim(out, new, r0, axis=0)
+
+        return jax.lax.fori_loop(0, n_tiles, tile_body, out)
+
+    out = jax.lax.fori_loop(0, n, seq_body, out)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 

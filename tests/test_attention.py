@@ -46,13 +46,15 @@ def _case(rng: np.random.Generator, q_lens: list[int], ctx_lens: list[int], *, b
     return q, k, v, tables, seq_lens, qsl, np.array([len(q_lens)], np.int32)
 
 
+@pytest.mark.parametrize("tiles", [(128, 128), (4, 8)], ids=["default-tiles", "small-tiles"])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("window,cap", [(None, None), (5, None), (None, 20.0)])
-def test_matches_naive_reference(block_size: int, window: int | None, cap: float | None) -> None:
+def test_matches_naive_reference(block_size: int, window: int | None, cap: float | None,
+                                 tiles: tuple[int, int]) -> None:
     rng = np.random.default_rng()
-    # a mix: decodes (q_len 1), a fresh prefill, a continued chunk; lengths off block boundaries
-    q_lens = [1, 1, 13, 5, 1]
-    ctx_lens = [1, 37, 13, 23, 65]
+    # a mix: decodes (q_len 1), a fresh prefill, continued chunks; lengths off block boundaries
+    q_lens = [1, 1, 13, 5, 1, 3]
+    ctx_lens = [1, 37, 13, 23, 65, 133]
     q, k, v, bt, sl, qsl, ns = _case(rng, q_lens, ctx_lens, block_size=block_size,
                                      num_seqs_pad=8, tokens_pad=32)
     scale = 16 ** -0.5
@@ -60,7 +62,8 @@ def test_matches_naive_reference(block_size: int, window: int | None, cap: float
         got = ragged_paged_attention(
             jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32),
             jnp.int32(layer), jnp.asarray(bt), jnp.asarray(sl), jnp.asarray(qsl), jnp.asarray(ns),
-            sm_scale=scale, sliding_window=window, logit_soft_cap=cap)
+            sm_scale=scale, sliding_window=window, logit_soft_cap=cap, q_tile=tiles[0],
+            kv_chunk=tiles[1])
         want = ref_ragged_paged_attention(q, k, v, layer, bt, sl, qsl, ns, sm_scale=scale,
                                           sliding_window=window, logit_soft_cap=cap)
         got = np.asarray(got)

@@ -1,0 +1,340 @@
+"""The one prepared check for a GPU machine (jax + CUDA plugin, flax, numpy; no network).
+
+Steps, each a row of the table printed last (JSON with ``--json PATH``):
+  1. copy bandwidth of the device (``-x`` over a 4 GiB bf16 array: 2 bytes moved per byte);
+  2. the Pallas kernel against the float64 numpy reference on the device (f32, bf16; mixed
+     prefill/decode batch, NaN in unused pages);
+  3. decode attention at Llama-3.1-8B shapes (32 q / 8 kv heads, head_dim 128, bf16), batch
+     8/64/256 x context 512/4k/16k: kernel and XLA (pure-jnp op) time, and the kernel's fraction
+     of the KV-read floor at the measured bandwidth (goal: >= 0.8 at batch 64, context 4k);
+  4. a 512-token prefill chunk at context 4k: time and fraction of bf16 tensor-core peak;
+  5. ``write_kv`` (XLA scatter) at 64 and 512 tokens;
+  6. engine steps of the dummy ``llama-3.1-8b`` in bf16 (weights made on the device), decode at
+     batch 64 and context 4k through ``ModelRunner``: step time against the weight + KV read floor.
+A deadline (``--budget-s``, default 270 s) skips the remaining rows rather than overrun 5 minutes.
+
+``--dry-run`` runs every step at tiny shapes on the CPU with the kernel in interpret mode (and the
+``tiny`` model): it checks the script itself, not the GPU.
+Usage: bash scripts/gpu_check.sh [--dry-run] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import (
+    allocate_kv_cache,
+    ragged_paged_attention,
+    ragged_paged_attention_pallas,
+    ref_ragged_paged_attention,
+    write_kv,
+)
+
+H200_BF16_TFLOPS = 989.0  # dense bf16 tensor-core peak of an H100/H200 SXM
+
+
+class Report:
+    def __init__(self, budget_s: float) -> None:
+        self.rows: list[dict] = []
+        self.t0 = time.perf_counter()
+        self.budget_s = budget_s
+        self.bandwidth_gbps = 1.0  # set by the bandwidth check; floors use it
+
+    def add(self, name: str, status: str = "ok", **values) -> None:
+        row = {"check": name, "status": status, **values}
+        self.rows.append(row)
+        print(f"[{time.perf_counter() - self.t0:6.1f}s] {name}: {status} "
+              + " ".join(f"{k}={v}" for k, v in values.items()), flush=True)
+
+    def time_left(self) -> float:
+        return self.budget_s - (time.perf_counter() - self.t0)
+
+    def run(self, name: str, fn, *args, need_s: float = 10.0, **kw) -> None:
+        """Run one check; a failure becomes a FAIL row (with the error), not a crash."""
+        if self.time_left() < need_s:
+            self.add(name, "skipped (time budget)")
+            return
+        try:
+            fn(self, *args, **kw)
+        except Exception as e:  # noqa: BLE001 - the table must still print
+            self.add(name, "FAIL", error=f"{type(e).__name__}: {str(e)[:300]}")
+        gc.collect()
+
+
+def bench_s(fn, *args, min_iters: int = 3, max_iters: int = 50, min_total_s: float = 0.2) -> float:
+    """Median wall time of ``fn(*args)`` (compiled, synchronised), after one warm-up call."""
+    jax.block_until_ready(fn(*args))
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < max_iters and (len(times) < min_iters
+                                      or time.perf_counter() - start < min_total_s):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+# -- 1. bandwidth ----------------------------------------------------------------------------------
+def check_bandwidth(rep: Report, nbytes: int) -> float:
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    f = jax.jit(lambda a: -a)
+    t = bench_s(f, x)
+    gbps = 2 * nbytes / t / 1e9
+    rep.add("copy bandwidth", bytes=nbytes, ms=round(t * 1e3, 3), GBps=round(gbps, 1))
+    rep.bandwidth_gbps = gbps
+    return gbps
+
+
+# -- 2. correctness on the device ------------------------------------------------------------------
+def make_case(rng, q_lens, ctx_lens, *, block_size, num_seqs_pad, tokens_pad, kv_heads, group,
+              head_dim, num_layers=2):
+    """Random paged cache (NaN in every page/slot no sequence owns), permuted block tables."""
+    nbs = [-(-c // block_size) for c in ctx_lens]
+    num_blocks = 2 + sum(nbs)
+    shape = (num_layers, num_blocks, block_size, kv_heads, head_dim)
+    k, v = np.full(shape, np.nan), np.full(shape, np.nan)
+    perm = rng.permutation(np.arange(1, num_blocks))
+    tables = np.zeros((num_seqs_pad, max(nbs) + 1), np.int32)
+    used = 0
+    for s, (c, nb) in enumerate(zip(ctx_lens, nbs)):
+        tables[s, :nb] = perm[used:used + nb]
+        used += nb
+        pos = np.arange(c)
+        blk, off = tables[s, pos // block_size], pos % block_size
+        k[:, blk, off] = rng.standard_normal((num_layers, c, kv_heads, head_dim))
+        v[:, blk, off] = rng.standard_normal((num_layers, c, kv_heads, head_dim))
+    qsl = np.zeros(num_seqs_pad + 1, np.int32)
+    qsl[1:len(q_lens) + 1] = np.cumsum(q_lens)
+    qsl[len(q_lens) + 1:] = qsl[len(q_lens)]
+    seq_lens = np.zeros(num_seqs_pad, np.int32)
+    seq_lens[:len(ctx_lens)] = ctx_lens
+    q = rng.standard_normal((tokens_pad, kv_heads * group, head_dim)) * 2.0
+    return q, k, v, tables, seq_lens, qsl, np.array([len(q_lens)], np.int32)
+
+
+def check_correctness(rep: Report, interpret: bool, group: int, head_dim: int) -> None:
+    rng = np.random.default_rng(0)
+    q_lens = [1, 13, 1, 5, 1, 16, 1]
+    ctx = [16, 13, 100, 17, 3, 32, 513 if not interpret else 40]
+    q, k, v, bt, sl, qsl, ns = make_case(rng, q_lens, ctx, block_size=16, num_seqs_pad=8,
+                                         tokens_pad=64, kv_heads=2, group=group,
+                                         head_dim=head_dim)
+    total = int(qsl[-1])
+    for dtype, tol in (("float32", 1e-3), ("bfloat16", 2e-2)):
+        for splits in (1, 4):
+            qd, kd, vd = (np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)
+                          for x in (q, k, v))
+            got = ragged_paged_attention_pallas(
+                jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+                jnp.int32(1), jnp.asarray(bt), jnp.asarray(sl), jnp.asarray(qsl),
+                jnp.asarray(ns), sm_scale=head_dim ** -0.5, num_kv_splits=splits,
+                interpret=interpret)
+            got = np.asarray(got.astype(jnp.float32), np.float64)
+            want = ref_ragged_paged_attention(qd, kd, vd, 1, bt, sl, qsl, ns,
+                                              sm_scale=head_dim ** -0.5)
+            err = float(np.max(np.abs(got[:total] - want[:total])
+                               / (tol + np.abs(want[:total]))) * tol)
+            ok = (np.all(np.isfinite(got)) and np.allclose(got[:total], want[:total], rtol=tol,
+                                                           atol=tol)
+                  and np.all(got[total:] == 0))
+            rep.add(f"correct {dtype} g{group} d{head_dim} splits{splits}",
+                    "ok" if ok else "FAIL", max_scaled_err=f"{err:.2e}", tol=tol)
+
+
+# -- 3./4. attention timings -------------------------------------------------------------------------
+def attention_inputs(batch: int, q_len: int, context: int, *, nq: int, nkv: int, d: int,
+                     block_size: int = 16, dtype=jnp.bfloat16):
+    """One-layer cache holding ``batch`` sequences of ``context`` tokens, each with ``q_len`` new
+    tokens (decode: 1), contiguous blocks per sequence; values random on the device."""
+    bps = -(-context // block_size)
+    num_blocks = 1 + batch * bps
+    key = jax.random.PRNGKey(0)
+    shape = (1, num_blocks, block_size, nkv, d)
+    mk = jax.jit(lambda k: jax.random.normal(k, shape, jnp.float32).astype(dtype))
+    k_cache, v_cache = mk(key), mk(jax.random.fold_in(key, 1))
+    q = jax.random.normal(jax.random.fold_in(key, 2), (batch * q_len, nq, d), dtype)
+    bt = (1 + np.arange(batch * bps, dtype=np.int32)).reshape(batch, bps)
+    sl = np.full(batch, context, np.int32)
+    qsl = (np.arange(batch + 1) * q_len).astype(np.int32)
+    return (q, k_cache, v_cache, jnp.int32(0), jnp.asarray(bt), jnp.asarray(sl),
+            jnp.asarray(qsl), jnp.asarray([batch], jnp.int32))
+
+
+def check_decode(rep: Report, batch: int, context: int, interpret: bool, nq: int, nkv: int,
+                 d: int, with_reference: bool) -> None:
+    args = attention_inputs(batch, 1, context, nq=nq, nkv=nkv, d=d)
+    kv_bytes = 2 * batch * context * nkv * d * 2
+    pallas = jax.jit(functools.partial(ragged_paged_attention_pallas, sm_scale=d ** -0.5,
+                                       interpret=interpret))
+    t = bench_s(pallas, *args)
+    floor = kv_bytes / (rep.bandwidth_gbps * 1e9)
+    row = {"ms": round(t * 1e3, 4), "floor_ms": round(floor * 1e3, 4),
+               "frac_of_bw": round(floor / t, 3)}
+    if with_reference:
+        ref = jax.jit(functools.partial(ragged_paged_attention, sm_scale=d ** -0.5))
+        tr = bench_s(ref, *args)
+        row.update(xla_ms=round(tr * 1e3, 4), speedup=round(tr / t, 2))
+    rep.add(f"decode b{batch} ctx{context}", **row)
+
+
+def check_prefill(rep: Report, q_len: int, context: int, interpret: bool, nq: int, nkv: int,
+                  d: int, with_reference: bool) -> None:
+    args = attention_inputs(1, q_len, context, nq=nq, nkv=nkv, d=d)
+    # causal chunk at the end of the context: keys seen per query ~ context - q_len / 2
+    flops = 4 * q_len * (context - q_len / 2) * nq * d
+    pallas = jax.jit(functools.partial(ragged_paged_attention_pallas, sm_scale=d ** -0.5,
+                                       interpret=interpret))
+    t = bench_s(pallas, *args)
+    row = {"ms": round(t * 1e3, 4), "TFLOPs": round(flops / t / 1e12, 2),
+               "frac_of_peak": round(flops / t / 1e12 / H200_BF16_TFLOPS, 3)}
+    if with_reference:
+        ref = jax.jit(functools.partial(ragged_paged_attention, sm_scale=d ** -0.5))
+        tr = bench_s(ref, *args)
+        row.update(xla_ms=round(tr * 1e3, 4), speedup=round(tr / t, 2))
+    rep.add(f"prefill q{q_len} ctx{context}", **row)
+
+
+def check_write_kv(rep: Report, num_tokens: int, num_blocks: int, nkv: int, d: int) -> None:
+    cache = allocate_kv_cache(32, num_blocks, 16, nkv, d, jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    slots = jnp.asarray(rng.choice(np.arange(16, num_blocks * 16), num_tokens, replace=False)
+                        .astype(np.int32))
+    kn = jnp.ones((num_tokens, nkv, d), jnp.bfloat16)
+    f = jax.jit(write_kv, donate_argnums=(0, 1))
+    k, v = cache.k, cache.v
+    k, v = f(k, v, jnp.int32(3), kn, kn, slots)  # compile + warm
+    jax.block_until_ready(k)
+    times = []
+    for i in range(20):
+        t = time.perf_counter()
+        k, v = f(k, v, jnp.int32(i % 32), kn, kn, slots)
+        jax.block_until_ready(k)
+        times.append(time.perf_counter() - t)
+    rep.add(f"write_kv T{num_tokens} (XLA scatter)", us=round(float(np.median(times)) * 1e6, 1))
+
+
+# -- 6. engine steps ------------------------------------------------------------------------------
+def check_engine(rep: Report, model_name: str, batch: int, context: int, backend: str,
+                 dtype, steps: int) -> None:
+    from jaxserve.buckets import make_buckets
+    from jaxserve.runner import ModelRunner, RowParams
+    from models.config import builtin_config
+    from models.llama import LlamaForCausalLM
+    from models.loader import dummy_params
+    from pallas_kernels import attention_fn_for_backend
+
+    cfg = builtin_config(model_name)
+    block_size = 16
+    bps = -(-context // block_size)
+    model = LlamaForCausalLM(cfg, dtype, attention_fn=attention_fn_for_backend(backend))
+    t0 = time.perf_counter()
+    params = dummy_params(model, 0)
+    jax.block_until_ready(params)
+    param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    kv = allocate_kv_cache(cfg.num_layers, 1 + batch * bps, block_size, cfg.num_kv_heads,
+                           cfg.head_dim, dtype)
+    runner = ModelRunner(model, params, kv, max_num_batched_tokens=max(8, batch),
+                         max_num_seqs=batch, max_blocks_per_seq=bps,
+                         vocab_limit=None)
+    bucket = next(b for b in make_buckets(max(8, batch), batch) if b.num_tokens >= batch)
+    # compile only the bucket this check runs (warmup would compile every bucket)
+    lay = runner.layouts[bucket]
+    jitted = jax.jit(runner._step_fn(lay), donate_argnums=(1,))
+    runner.compiled[bucket] = jitted.lower(
+        runner.params, runner.kv_cache, jax.ShapeDtypeStruct((lay.size,), jnp.int32)).compile()
+    setup_s = time.perf_counter() - t0
+    rows = [RowParams(0.0, 0, 1.0, i, 0) for i in range(batch)]
+    blocks = [list(range(1 + i * bps, 1 + (i + 1) * bps)) for i in range(batch)]
+    times = []
+    for i in range(steps + 2):
+        b, packed = runner.pack_step([[100 + i]] * batch, [context - 1] * batch, blocks, rows)
+        t = time.perf_counter()
+        runner.execute(b, packed)  # includes the host sync on the sampled ids
+        times.append(time.perf_counter() - t)
+    t = float(np.median(times[2:]))
+    kv_bytes = (2 * batch * context * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+                * jnp.dtype(dtype).itemsize)
+    floor = (param_bytes + kv_bytes) / (rep.bandwidth_gbps * 1e9)
+    rep.add(f"engine {model_name} {backend} b{batch} ctx{context}", ms=round(t * 1e3, 3),
+            floor_ms=round(floor * 1e3, 3), frac_of_floor=round(floor / t, 3),
+            setup_s=round(setup_s, 1))
+    del runner, params, kv
+
+
+# -- main -----------------------------------------------------------------------------------------
+def print_table(rows: list[dict]) -> None:
+    """check | status | ms | xla_ms | floor_ms | fraction (of bandwidth / floor / peak) | rest."""
+    fixed = ["check", "status", "ms", "xla_ms", "floor_ms"]
+    fracs = ("frac_of_bw", "frac_of_floor", "frac_of_peak")
+    header = fixed + ["fraction", "detail"]
+    cells = []
+    for r in rows:
+        frac = next((f"{r[k]} ({k[8:]})" for k in fracs if k in r), "")
+        rest = " ".join(f"{k}={v}" for k, v in r.items() if k not in fixed and k not in fracs)
+        cells.append([str(r.get(k, "")) for k in fixed] + [frac, rest])
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
+    line = "  ".join(h.ljust(w) for h, w in zip(header, widths))
+    print("\n" + line + "\n" + "-" * len(line))
+    for c in cells:
+        print("  ".join(x.ljust(w) for x, w in zip(c, widths)).rstrip())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dry-run", action="store_true",
+                   help="tiny shapes on the CPU, kernel in interpret mode")
+    p.add_argument("--budget-s", type=float, default=270.0)
+    p.add_argument("--json", default=None, help="also write the rows as JSON here")
+    a = p.parse_args()
+    dry = a.dry_run
+    rep = Report(a.budget_s)
+    devices = jax.devices()
+    rep.add("device", platform=devices[0].platform, kind=devices[0].device_kind.replace(" ", "_"),
+            jax=jax.__version__)
+    if not dry and devices[0].platform != "gpu":
+        print("no GPU found; use --dry-run on the CPU", file=sys.stderr)
+        return 2
+    nq, nkv, d = (4, 2, 16) if dry else (32, 8, 128)
+
+    rep.run("copy bandwidth", check_bandwidth, (16 << 20) if dry else (4 << 30), need_s=5)
+    for group, head_dim in ([(3, 16)] if dry else [(3, 64), (4, 128), (1, 256)]):
+        rep.run(f"correct g{group} d{head_dim}", check_correctness, dry, group, head_dim, need_s=5)
+    grid = [(8, 64)] if dry else [(b, c) for b in (8, 64, 256) for c in (512, 4096, 16384)]
+    for batch, ctx in grid:
+        with_ref = not dry and batch * ctx <= 64 * 16384
+        rep.run(f"decode b{batch} ctx{ctx}", check_decode, batch, ctx, dry, nq, nkv, d,
+                with_ref, need_s=8)
+    rep.run("prefill", check_prefill, 16 if dry else 512, 64 if dry else 4096, dry, nq, nkv, d,
+            not dry, need_s=8)
+    for num_tokens in ((8,) if dry else (64, 512)):
+        rep.run(f"write_kv T{num_tokens}", check_write_kv, num_tokens, 64 if dry else 16384,
+                nkv, d, need_s=5)
+    model, batch, ctx, dt = ("tiny", 4, 64, jnp.float32) if dry else \
+        ("llama-3.1-8b", 64, 4096, jnp.bfloat16)
+    rep.run("engine pallas", check_engine, model, batch, ctx,
+            "pallas-interpret" if dry else "pallas", dt, 3 if dry else 10, need_s=90)
+    rep.run("engine reference", check_engine, model, batch, ctx, "reference", dt,
+            3 if dry else 10, need_s=90)
+
+    rep.add("total", s=round(time.perf_counter() - rep.t0, 1))
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as fh:
+            json.dump(rep.rows, fh, indent=1)
+    print_table(rep.rows)
+    return 1 if any(r["status"] == "FAIL" for r in rep.rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
