@@ -38,7 +38,7 @@ class _Request:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    seed: int  # u32
+    seed: int  # u64
     seq: sched.SeqState
     detok: IncrementalDetokenizer
     arrival_time: float
@@ -47,10 +47,6 @@ class _Request:
     last_token_time: float | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_emitted_tokens: int = 0
-
-
-def _seed32(seed: int) -> int:
-    return (seed ^ (seed >> 32)) & 0xFFFFFFFF
 
 
 def setup_compilation_cache(cache_dir: str) -> None:
@@ -213,9 +209,9 @@ class LLMEngine:
                              num_prompt_tokens=len(prompt_token_ids), max_tokens=max_tokens,
                              stop_token_ids=frozenset(stop_ids))
         self.state = sched.add_request(self.state, seq)
-        seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
+        seed = params.seed if params.seed is not None else int(self._rng.integers(2**63))
         self.requests[request_id] = _Request(
-            request_id, prompt, prompt_token_ids, params, _seed32(seed), seq,
+            request_id, prompt, prompt_token_ids, params, seed, seq,
             IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                    skip_special_tokens=params.skip_special_tokens,
                                    stop=params.stop,

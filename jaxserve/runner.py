@@ -30,8 +30,8 @@ from pallas_kernels.kv_cache import PADDING_SLOT
 class RowParams:
     """Host-side sampling inputs of one scheduled sequence.
 
-    temperature (0 = greedy), top_k (<= 0 off), top_p, seed (u32), sample_pos (output index of
-    the token this step samples).
+    temperature (0 = greedy), top_k (<= 0 off), top_p, seed (u64: the full 64 bits key the
+    stream), sample_pos (output index of the token this step samples).
     """
 
     temperature: float
@@ -49,7 +49,7 @@ class _Layout:
         sizes = [("token_ids", t), ("positions", t), ("slot_mapping", t),
                  ("block_tables", s * max_blocks), ("seq_lens", s), ("query_start_loc", s + 1),
                  ("num_seqs", 1), ("logits_indices", s), ("temperature", s), ("top_k", s),
-                 ("top_p", s), ("seeds", s), ("sample_pos", s)]
+                 ("top_p", s), ("seed_hi", s), ("seed_lo", s), ("sample_pos", s)]
         self.slices: dict[str, slice] = {}
         off = 0
         for name, n in sizes:
@@ -102,7 +102,8 @@ class ModelRunner:
             hidden, kv_cache = model.forward(params, f("token_ids"), f("positions"), kv_cache,
                                              md)
             logits = model.compute_logits(params, hidden[f("logits_indices")])
-            seeds = jax.lax.bitcast_convert_type(f("seeds"), jnp.uint32)
+            seeds = jax.lax.bitcast_convert_type(
+                jnp.stack([f("seed_hi"), f("seed_lo")], axis=-1), jnp.uint32)  # [S, 2]
             ids = sample(logits, as_f32("temperature"), f("top_k"), as_f32("top_p"), seeds,
                          f("sample_pos"), self.vocab_limit)
             return kv_cache, ids
@@ -180,7 +181,10 @@ class ModelRunner:
         buf[sl["temperature"]] = temp.view(np.int32)
         buf[sl["top_p"]] = top_p.view(np.int32)
         buf[sl["top_k"]][:num_seqs] = [r.top_k for r in rows]
-        buf[sl["seeds"]][:num_seqs] = np.array([r.seed for r in rows], np.uint32).view(np.int32)
+        seeds = np.array([r.seed for r in rows], np.uint64)
+        buf[sl["seed_hi"]][:num_seqs] = (seeds >> np.uint64(32)).astype(np.uint32).view(np.int32)
+        buf[sl["seed_lo"]][:num_seqs] = (seeds & np.uint64(0xFFFFFFFF)).astype(np.uint32) \
+            .view(np.int32)
         buf[sl["sample_pos"]][:num_seqs] = [r.sample_pos for r in rows]
         return b, buf
 

@@ -2,9 +2,9 @@
 
 Inputs per step, ``S`` rows (one per sequence in the bucket):
   logits ``f32[S, vocab]``, temperature ``f32[S]`` (0 = greedy), top_k ``i32[S]`` (<= 0 or >= vocab
-  = off), top_p ``f32[S]`` (1 = off), seeds ``u32[S]`` and sample_pos ``i32[S]`` (the index of the
-  token being sampled among the request's outputs).
-Each row draws from its own stream ``fold_in(PRNGKey(seed), sample_pos)``, so a request's tokens
+  = off), top_p ``f32[S]`` (1 = off), seeds ``u32[S, 2]`` (a 64-bit seed as threefry key data)
+  and sample_pos ``i32[S]`` (the index of the token being sampled among the request's outputs).
+Each row draws from its own stream ``fold_in(key(seed), sample_pos)``, so a request's tokens
 depend only on its seed and position, never on its batch-mates or on being recomputed after a
 preemption. Sampling is the Gumbel-max trick (argmax of logits / T + Gumbel noise). Top-k / top-p
 filtering (Holtzman et al. 2019, arXiv:1904.09751) sorts each row once and runs only when some
@@ -36,7 +36,7 @@ def _filter_top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -
 
 def _gumbel_sample(scaled: jax.Array, seeds: jax.Array, sample_pos: jax.Array) -> jax.Array:
     def row(seed, pos):
-        key = jax.random.fold_in(jax.random.PRNGKey(seed), pos)
+        key = jax.random.fold_in(jax.random.wrap_key_data(seed, impl="threefry2x32"), pos)
         return jax.random.gumbel(key, (scaled.shape[-1],), jnp.float32)
 
     noise = jax.vmap(row)(seeds, sample_pos)

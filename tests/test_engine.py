@@ -327,6 +327,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(
     llm.step()
     llm.add_request("batched", prompt, seeded(42))
     llm.add_request("other-seed", prompt, seeded(43))
+    llm.add_request("high-bits", prompt, seeded(42 + 2**32))  # all 64 bits key the stream
     # sampling that keeps only the top token is greedy whatever the seed
     for rid, kw in (("top-k-1", {"top_k": 1}), ("tiny-top-p", {"top_p": 1e-6})):
         llm.add_request(
@@ -335,6 +336,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(
     done = _drive(llm)
     assert done["batched"].outputs[0].token_ids == alone
     assert done["other-seed"].outputs[0].token_ids != alone
+    assert done["high-bits"].outputs[0].token_ids != alone
     k = min(16, golden_prefix_len(gold["top2_margins"]))
     for rid in ("top-k-1", "tiny-top-p"):
         assert done[rid].outputs[0].token_ids[:k] == gold["greedy_token_ids"][:k], rid
