@@ -190,6 +190,9 @@ class LLMEngine:
                 f"prompt has {n} tokens; max_model_len is {self.max_model_len}, which leaves no "
                 f"room for output (the prompt must have at most {self.max_model_len - 1})")
         params.validate()
+        for t in params.stop_token_ids:
+            if t >= vocab:
+                raise ValueError(f"stop_token_ids holds {t}, outside the vocabulary [0, {vocab})")
         room = self.max_model_len - n
         return room if params.max_tokens is None else min(params.max_tokens, room)
 
@@ -209,7 +212,7 @@ class LLMEngine:
                              num_prompt_tokens=len(prompt_token_ids), max_tokens=max_tokens,
                              stop_token_ids=frozenset(stop_ids))
         self.state = sched.add_request(self.state, seq)
-        seed = params.seed if params.seed is not None else int(self._rng.integers(2**63))
+        seed = params.seed % 2**64 if params.seed is not None else int(self._rng.integers(2**63))
         self.requests[request_id] = _Request(
             request_id, prompt, prompt_token_ids, params, seed, seq,
             IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
@@ -264,7 +267,8 @@ class LLMEngine:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             p = req.params
-            rows.append(RowParams(p.temperature, p.top_k, p.top_p, req.seed,
+            top_k = p.top_k if 0 < p.top_k < self.tokenizer.vocab_size else 0  # else: off
+            rows.append(RowParams(p.temperature, top_k, p.top_p, req.seed,
                                   s.start_pos + len(s.token_ids) - len(req.prompt_token_ids)))
             num_prompt_tokens += max(0, min(len(req.prompt_token_ids),
                                             s.start_pos + len(s.token_ids)) - s.start_pos)

@@ -41,6 +41,13 @@ class LLM:
                                 LoadConfig(model, load_format, served_model_name))
         self.engine.warmup(progress=False)
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """An LLM over an engine built (and warmed up) elsewhere; it must be idle."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        return llm
+
     def get_tokenizer(self):
         """The engine's Tokenizer."""
         return self.engine.tokenizer
@@ -73,7 +80,9 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Answer one conversation (a list of {role, content} dicts) or a list of them, with
         the model's chat template."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not messages:
+            raise ValueError("messages must hold at least one message")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
         reqs = []
         for conv in convs:
@@ -107,12 +116,17 @@ class LLM:
         if use_tqdm:
             from tqdm import tqdm
             bar = tqdm(total=len(reqs), desc="generating", unit="req")
-        while eng.has_unfinished_requests():
-            for out in eng.step():
-                if out.finished:
-                    done[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while eng.has_unfinished_requests():
+                for out in eng.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            eng.abort_request(ids_of)  # leave the engine usable for the next call
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [done[r] for r in ids_of]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from typing import Any
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -95,6 +96,15 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # features not built: accepted by the decoder only to be rejected with a 400 naming them
+    logit_bias: dict[str, Any] | None = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    best_of: int | None = None
+    suffix: str | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -175,6 +185,20 @@ def _check_common(req: _SamplingFields) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name) not in (None, 0.0):
             raise RequestError(f"{name} is not supported yet", param=name)
+    rf = req.response_format
+    unsupported = {
+        "logit_bias": bool(req.logit_bias),
+        "response_format": rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"),
+        "tools": bool(req.tools),
+        "tool_choice": req.tool_choice not in (None, "none"),
+        "functions": bool(req.functions),
+        "function_call": req.function_call not in (None, "none"),
+        "best_of": req.best_of not in (None, 1),
+        "suffix": bool(req.suffix),
+    }
+    for name, used in unsupported.items():
+        if used:
+            raise RequestError(f"{name} is not supported", param=name)
     if req.stream_options is not None and not req.stream:
         raise RequestError(
             "stream_options is only allowed with stream=true", param="stream_options"
@@ -212,7 +236,10 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
                         param="messages",
                     )
                 texts.append(part.text)
-            content = "".join(texts)
+            content = "\n".join(texts)
+        elif m.content is None and m.role != "assistant":
+            raise RequestError(f"messages[{i}].content is required for role {m.role!r}",
+                               param="messages")
         else:
             content = m.content or ""
         msg = {"role": m.role, "content": content}

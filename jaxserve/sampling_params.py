@@ -22,8 +22,8 @@ class SamplingParams:
       top_p: nucleus probability mass in (0, 1]; 1 disables it.
       top_k: keep the k most likely tokens; 0 or -1 disables it, and so does any k at or above
         the vocabulary size.
-      seed: per-request RNG seed; the random stream depends only on (seed, output position),
-        never on batch-mates. ``None`` draws a fresh seed for the request.
+      seed: per-request RNG seed, any 64-bit integer (negative ones are taken modulo 2**64);
+        the random stream depends only on (seed, output position), never on batch-mates. ``None`` draws a fresh seed for the request.
       stop: strings that end generation when they appear in the output text; the stop string
         is cut off unless ``include_stop_str_in_output``.
       stop_token_ids: token ids that end generation, in addition to EOS.
@@ -66,10 +66,10 @@ class SamplingParams:
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
         if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0
-            or self.seed >= 2**63
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+            or not -(2**63) <= self.seed < 2**64
         ):
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}")

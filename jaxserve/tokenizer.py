@@ -43,7 +43,7 @@ CHATML_TEMPLATE = (
 )
 """The template used when the model carries none (ChatML, as Qwen and SmolLM use)."""
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
 """Special tokens that end an assistant turn when a chat template uses them."""
 
