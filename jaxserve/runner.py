@@ -92,8 +92,8 @@ class ModelRunner:
         model, sl, b = self.model, layout.slices, layout.bucket
 
         def step(params, kv_cache: KVCache, packed: jax.Array):
-            f = lambda name: packed[sl[name]]  # noqa: E731
-            as_f32 = lambda name: jax.lax.bitcast_convert_type(f(name), jnp.float32)  # noqa: E731
+            f = lambda name: packed[sl[name]]
+            as_f32 = lambda name: jax.lax.bitcast_convert_type(f(name), jnp.float32)
             md = AttentionMetadata(
                 slot_mapping=f("slot_mapping"),
                 block_tables=f("block_tables").reshape(b.num_seqs, layout.max_blocks),

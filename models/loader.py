@@ -155,5 +155,5 @@ def load_gguf_params(path: str, dtype: jnp.dtype) -> tuple[ModelConfig, dict]:
 def gguf_name(path: str) -> str:
     """A served-model name from a GGUF file name: ``SmolLM2-135M-Instruct.Q4_1.gguf`` ->
     ``SmolLM2-135M-Instruct``."""
-    base = re.sub(r"\.gguf$", "", path.rsplit("/", 1)[-1], flags=re.I)
-    return re.sub(r"\.(Q\d\w*|F16|F32|BF16|IQ\w+)$", "", base, flags=re.I)
+    base = re.sub(r"\.gguf$", "", path.rsplit("/", 1)[-1], flags=re.IGNORECASE)
+    return re.sub(r"\.(Q\d\w*|F16|F32|BF16|IQ\w+)$", "", base, flags=re.IGNORECASE)

@@ -8,6 +8,7 @@ Usage: .venv/bin/jaxserve serve --max-model-len 1024 &
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -27,7 +28,7 @@ def one(client: httpx.Client, url: str, model: str, prompt_len: int, max_tokens:
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 times.append(time.perf_counter())
-    return times[0] - t0, [b - a for a, b in zip(times, times[1:])]
+    return times[0] - t0, [b - a for a, b in itertools.pairwise(times)]
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -29,28 +29,28 @@ def start_once(cache_dir: str, extra: list[str], timeout_s: float = 600) -> dict
     cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port),
            "--compilation-cache-dir", cache_dir, *extra]
     t0 = time.perf_counter()
-    log = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"server exited:\n{log.read()[-3000:]}")
-            if time.perf_counter() - t0 > timeout_s:
-                raise TimeoutError("server not ready")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            time.sleep(0.1)
-        ready_s = time.perf_counter() - t0
-    finally:
-        proc.terminate()
-        proc.wait(30)
-    log.seek(0)
-    text = log.read()
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            while True:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    raise RuntimeError(f"server exited:\n{log.read()[-3000:]}")
+                if time.perf_counter() - t0 > timeout_s:
+                    raise TimeoutError("server not ready")
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    pass
+                time.sleep(0.1)
+            ready_s = time.perf_counter() - t0
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        log.seek(0)
+        text = log.read()
     load = re.search(r"loaded .* in ([\d.]+) s", text)
     comp = re.search(r"compiled (\d+) programs in ([\d.]+) s", text)
     return {"ready_s": ready_s, "load_s": float(load.group(1)) if load else -1.0,

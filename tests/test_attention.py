@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax.numpy as jnp
 from pallas_kernels import ragged_paged_attention, ref_ragged_paged_attention, write_kv
 
 
