@@ -1,5 +1,5 @@
 # The two commands of the README: `make serve` and `make test`. Both set everything up first.
-.PHONY: setup serve test bench clean
+.PHONY: setup serve test clean
 
 setup: .venv/.setup-done
 
@@ -11,6 +11,7 @@ serve: setup
 	.venv/bin/jaxserve serve $(ARGS)
 
 test: setup
+	.venv/bin/ruff check .
 	.venv/bin/python -m pytest -q $(PYTEST_ARGS)
 
 clean:
