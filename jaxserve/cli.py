@@ -103,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="log level")
     add_engine_args(s)
+    b = sub.add_parser("bench", help="benchmark an OpenAI-compatible server")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    from jaxserve.bench.serve import add_cli_args as add_bench_serve_args
+
+    add_bench_serve_args(bsub.add_parser(
+        "serve", help="load generator with vllm bench serve's flags and JSON keys",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     return p
 
 
@@ -150,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.command == "serve":
             serve(ns)
+        elif ns.command == "bench":
+            from jaxserve.bench.serve import run as bench_serve
+
+            return bench_serve(ns)
     except (ValueError, FileNotFoundError) as e:
         print(f"jaxserve: error: {e}", file=sys.stderr)
         return 2

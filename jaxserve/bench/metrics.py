@@ -1,0 +1,236 @@
+"""Serving metrics from per-request timelines, defined exactly as vLLM's ``vllm bench serve``
+(``vllm/benchmarks/serve.py: calculate_metrics``) so that figures compare with published ones.
+
+Per successful request (times in s, client side):
+  TTFT    time from sending to the first token chunk;
+  ITL     the gaps between successive token chunks (a chunk may carry several tokens);
+  E2EL    ``latency``: sending to the last chunk with choices;
+  TPOT    ``(latency - ttft) / (output_len - 1)``, only for ``output_len > 1``.
+Over the run (``duration`` s, from the first send to the last response, warm-ups excluded):
+  request_throughput = completed / duration (req/s); output_throughput = output tokens / duration
+  (tok/s); total_token_throughput = (input + output tokens) / duration (tok/s); request_goodput =
+  requests meeting every SLO / duration (req/s), an SLO met when ``value <= slo``; a request with
+  ``output_len <= 1`` counts TPOT 0 for goodput. ITLs are pooled over all requests before the
+  statistics. Means, medians, standard deviations (population) and ``numpy.percentile``
+  (linear interpolation) are reported in ms; an empty list counts as ``[0]``, as in vLLM. Failed
+  requests count in no statistic and add 0 to ``output_lens``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+METRICS = ("ttft", "tpot", "itl", "e2el")
+SLO_NAMES = ("ttft", "tpot", "e2el")
+_HEADERS = {
+    "ttft": ("TTFT", "Time to First Token"),
+    "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
+    "itl": ("ITL", "Inter-token Latency"),
+    "e2el": ("E2EL", "End-to-end Latency"),
+}
+
+
+@dataclass
+class RequestResult:
+    """What one request measured (times in s; ``start_time`` on ``time.perf_counter``)."""
+
+    success: bool = False
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    generated_text: str = ""
+    error: str = ""
+    start_time: float = 0.0
+
+
+def parse_goodput(pairs: list[str] | None) -> dict[str, float]:
+    """``["ttft:500", "tpot:50"]`` -> ``{"ttft": 500.0, "tpot": 50.0}`` (ms).
+
+    Raises:
+      ValueError: malformed pair, unknown name (ttft, tpot, e2el) or negative value.
+    """
+    out: dict[str, float] = {}
+    for pair in pairs or []:
+        name, sep, value = pair.partition(":")
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = math.nan
+        if not sep or math.isnan(ms):
+            raise ValueError(f"--goodput takes KEY:MS pairs (e.g. ttft:500), got {pair!r}")
+        if name not in SLO_NAMES:
+            raise ValueError(f"--goodput metric must be one of {SLO_NAMES}, got {name!r}")
+        if ms < 0:
+            raise ValueError(f"--goodput value must be >= 0 ms, got {pair!r}")
+        out[name] = ms
+    return out
+
+
+def percentile_key(p: float) -> str:
+    """vLLM's key word for a percentile: 99 -> "99", 99.9 -> "99.9"."""
+    return str(int(p)) if int(p) == p else str(p)
+
+
+def _stats(values: list[float], percentiles: list[float]) -> dict[str, Any]:
+    v = values or 0  # vLLM: an empty list counts as [0]
+    out: dict[str, Any] = {
+        "mean": float(np.mean(v)) * 1000,
+        "median": float(np.median(v)) * 1000,
+        "std": float(np.std(v)) * 1000,
+    }
+    out["percentiles"] = [(p, float(np.percentile(v, p)) * 1000) for p in percentiles]
+    return out
+
+
+def calculate_metrics(
+    outputs: list[RequestResult],
+    duration: float,
+    percentiles: list[float],
+    goodput: dict[str, float] | None = None,
+) -> tuple[dict[str, Any], list[int]]:
+    """Summary metrics of a run and the output length of each request (0 if failed).
+
+    Returns:
+      ``({"completed", "failed", "total_input", "total_output", "request_throughput",
+      "request_goodput", "output_throughput", "total_token_throughput", "ttft", "tpot", "itl",
+      "e2el"}, output_lens)`` where each metric entry holds mean/median/std and
+      ``percentiles`` ``[(p, ms)]``; ``request_goodput`` is None without SLOs.
+    """
+    output_lens: list[int] = []
+    total_input = completed = good = 0
+    ttfts: list[float] = []
+    tpots: list[float] = []
+    all_tpots: list[float] = []
+    itls: list[float] = []
+    e2els: list[float] = []
+    for o in outputs:
+        if not o.success:
+            output_lens.append(0)
+            continue
+        n = o.output_tokens or 1  # vLLM without a tokenizer: a reply of unknown length counts 1
+        output_lens.append(n)
+        total_input += o.prompt_len
+        tpot = 0.0
+        if n > 1:
+            tpot = (o.latency - o.ttft) / (n - 1)
+            tpots.append(tpot)
+        all_tpots.append(tpot)
+        itls += o.itl
+        ttfts.append(o.ttft)
+        e2els.append(o.latency)
+        completed += 1
+    if goodput:
+        per_metric = {"ttft": ttfts, "tpot": all_tpots, "e2el": e2els}
+        names = list(goodput)
+        for values in zip(*(per_metric[k] for k in names)):
+            if all(v <= goodput[k] / 1000 for k, v in zip(names, values)):
+                good += 1
+    total_output = sum(output_lens)
+    metrics: dict[str, Any] = {
+        "completed": completed,
+        "failed": len(outputs) - completed,
+        "total_input": total_input,
+        "total_output": total_output,
+        "request_throughput": completed / duration,
+        "request_goodput": good / duration if goodput else None,
+        "output_throughput": total_output / duration,
+        "total_token_throughput": (total_input + total_output) / duration,
+        "ttft": _stats(ttfts, percentiles),
+        "tpot": _stats(tpots, percentiles),
+        "itl": _stats(itls, percentiles),
+        "e2el": _stats(e2els, percentiles),
+    }
+    return metrics, output_lens
+
+
+def build_result(
+    outputs: list[RequestResult],
+    duration: float,
+    percentiles: list[float],
+    percentile_metrics: list[str],
+    goodput: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """The result dict with vLLM's JSON keys: the summary, ``{mean,median,std}_<m>_ms`` and
+    ``p<P>_<m>_ms`` for each selected metric ``m``, and the per-request lists (``input_lens``,
+    ``output_lens``, ``ttfts``, ``itls``, ``latencies``, ``start_times``, ``generated_texts``,
+    ``errors``; ``ttfts``/``itls``/``latencies`` in s, ``start_times`` in s after the first
+    send)."""
+    for m in percentile_metrics:
+        if m not in METRICS:
+            raise ValueError(f"--percentile-metrics names must be in {METRICS}, got {m!r}")
+    metrics, output_lens = calculate_metrics(outputs, duration, percentiles, goodput)
+    t0 = min((o.start_time for o in outputs), default=0.0)
+    result: dict[str, Any] = {
+        "duration": duration,
+        "completed": metrics["completed"],
+        "failed": metrics["failed"],
+        "total_input_tokens": metrics["total_input"],
+        "total_output_tokens": metrics["total_output"],
+        "request_throughput": metrics["request_throughput"],
+        "request_goodput": metrics["request_goodput"],
+        "output_throughput": metrics["output_throughput"],
+        "total_token_throughput": metrics["total_token_throughput"],
+        "input_lens": [o.prompt_len for o in outputs],
+        "output_lens": output_lens,
+        "ttfts": [o.ttft for o in outputs],
+        "itls": [o.itl for o in outputs],
+        "latencies": [o.latency for o in outputs],
+        "start_times": [o.start_time - t0 for o in outputs],
+        "generated_texts": [o.generated_text for o in outputs],
+        "errors": [o.error for o in outputs],
+    }
+    for m in percentile_metrics:
+        s = metrics[m]
+        result[f"mean_{m}_ms"] = s["mean"]
+        result[f"median_{m}_ms"] = s["median"]
+        result[f"std_{m}_ms"] = s["std"]
+        for p, value in s["percentiles"]:
+            result[f"p{percentile_key(p)}_{m}_ms"] = value
+    return result
+
+
+def format_table(
+    result: dict[str, Any],
+    percentile_metrics: list[str],
+    percentiles: list[float],
+    max_concurrency: int | None,
+    request_rate: float,
+) -> str:
+    """The terminal table, laid out as ``vllm bench serve`` prints it."""
+    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="=")]
+
+    def row(label: str, value: Any, fmt: str = "") -> None:
+        lines.append(f"{label:<40} {format(value, fmt):<10}")
+
+    row("Successful requests:", result["completed"])
+    row("Failed requests:", result["failed"])
+    if max_concurrency is not None:
+        row("Maximum request concurrency:", max_concurrency)
+    if request_rate != float("inf"):
+        row("Request rate configured (RPS):", request_rate, ".2f")
+    row("Benchmark duration (s):", result["duration"], ".2f")
+    row("Total input tokens:", result["total_input_tokens"])
+    row("Total generated tokens:", result["total_output_tokens"])
+    row("Request throughput (req/s):", result["request_throughput"], ".2f")
+    if result["request_goodput"] is not None:
+        row("Request goodput (req/s):", result["request_goodput"], ".2f")
+    row("Output token throughput (tok/s):", result["output_throughput"], ".2f")
+    row("Total Token throughput (tok/s):", result["total_token_throughput"], ".2f")
+    for m in METRICS:
+        if m not in percentile_metrics:
+            continue
+        name, header = _HEADERS[m]
+        lines.append("{s:{c}^{n}}".format(s=header, n=50, c="-"))
+        row(f"Mean {name} (ms):", result[f"mean_{m}_ms"], ".2f")
+        row(f"Median {name} (ms):", result[f"median_{m}_ms"], ".2f")
+        for p in percentiles:
+            w = percentile_key(p)
+            row(f"P{w} {name} (ms):", result[f"p{w}_{m}_ms"], ".2f")
+    lines.append("=" * 50)
+    return "\n".join(lines)
