@@ -7,6 +7,7 @@ it is implemented.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -53,6 +54,7 @@ class EngineConfig:
     compilation_cache_dir: str = "~/.cache/jaxserve/xla"
 
     def __post_init__(self) -> None:
+        self._check_types()
         bs = self.block_size
         if not isinstance(bs, int) or bs < 1 or bs > 256 or bs & (bs - 1):
             raise ValueError(f"{self.block_size=} must be a power of two in [1, 256]")
@@ -78,6 +80,24 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"{self.attention_backend=} must be one of {ATTENTION_BACKENDS}")
 
+    def _check_types(self) -> None:
+        """Each field holds its declared type (ints are not bools; floats accept ints)."""
+        hints = typing.get_type_hints(EngineConfig)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            allowed = [a for a in typing.get_args(hints[f.name]) or (hints[f.name],)]
+            if value is None and type(None) in allowed:
+                continue
+            ok = any(
+                (a is int and isinstance(value, int) and not isinstance(value, bool))
+                or (a is float and isinstance(value, (int, float)) and not isinstance(value, bool))
+                or (a is str and isinstance(value, str))
+                for a in allowed
+            )
+            if not ok:
+                names = " or ".join("None" if a is type(None) else a.__name__ for a in allowed)
+                raise ValueError(f"{f.name} must be {names}, got {value!r}")
+
     def replace(self, **changes: object) -> EngineConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
@@ -101,3 +121,54 @@ class LoadConfig:
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "gguf", "dummy"):
             raise ValueError(f"{self.load_format=} must be 'auto', 'gguf' or 'dummy'")
+
+
+LOG_FORMATS = ("text", "json")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """HTTP server settings (``jaxserve serve`` flags that are not engine fields).
+
+    Fields:
+      host / port: where to listen (port 0: any free port).
+      api_key: when set, every ``/v1/*``, ``/tokenize`` and ``/detokenize`` request needs
+        ``Authorization: Bearer <api_key>`` (else 401); ``/health``, ``/metrics`` and
+        ``/openapi.json`` stay open.
+      max_waiting_requests: a generation request arriving while the engine holds this many
+        requests not yet running gets 503 with ``Retry-After``.
+      request_timeout_s: a generation request still unfinished this long after it arrived is
+        aborted (504, or an error event in a stream); None: no limit.
+      drain_timeout_s: on SIGTERM, how long in-flight requests may take to finish before they
+        are aborted.
+      log_level: "debug", "info", "warning" or "error".
+      log_format: "text" or "json" (one object per line).
+
+    Raises:
+      ValueError: naming the field and value, for invalid settings.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_waiting_requests: int = 1024
+    request_timeout_s: float | None = None
+    drain_timeout_s: float = 30.0
+    log_level: str = "info"
+    log_format: str = "text"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"{self.port=} must be in [0, 65535]")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
+        if self.max_waiting_requests < 1:
+            raise ValueError(f"{self.max_waiting_requests=} must be >= 1")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"{self.request_timeout_s=} must be > 0")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"{self.drain_timeout_s=} must be >= 0")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ValueError(f"{self.log_level=} must be debug, info, warning or error")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"{self.log_format=} must be one of {LOG_FORMATS}")

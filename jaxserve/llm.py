@@ -57,21 +57,32 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete each prompt; outputs in input order.
 
-        prompts: a string, a ``{"prompt_token_ids": [...]}`` dict, or a list of those.
+        prompts: a string, a ``{"prompt": str}`` or ``{"prompt_token_ids": [int, ...]}`` dict
+          (vLLM's TextPrompt / TokensPrompt), or a list of those.
         sampling_params: one for all prompts or one per prompt (default ``SamplingParams()``).
         Raises ValueError (naming the prompt index) for a bad prompt; nothing is run then.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a string, a dict or a list of those, got "
+                             f"{type(prompts).__name__}")
         tok = self.engine.tokenizer
         reqs = []
         for i, p in enumerate(prompts):
             if isinstance(p, str):
                 reqs.append((p, tok.encode(p)))
             elif isinstance(p, dict) and "prompt_token_ids" in p:
-                reqs.append((p.get("prompt"), list(p["prompt_token_ids"])))
+                ids = p["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(
+                        isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    raise ValueError(f"prompts[{i}]['prompt_token_ids'] must be a list of "
+                                     f"integers, got {ids!r:.80}")
+                reqs.append((p.get("prompt"), list(ids)))
+            elif isinstance(p, dict) and isinstance(p.get("prompt"), str):
+                reqs.append((p["prompt"], tok.encode(p["prompt"])))
             else:
-                raise ValueError(f"prompts[{i}] must be a string or a dict with "
+                raise ValueError(f"prompts[{i}] must be a string or a dict with 'prompt' or "
                                  f"'prompt_token_ids', got {type(p).__name__}")
         return self._run(reqs, sampling_params, use_tqdm)
 
@@ -96,6 +107,10 @@ class LLM:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(reqs)
         else:
+            if not isinstance(sampling_params, (list, tuple)) or not all(
+                    isinstance(x, SamplingParams) for x in sampling_params):
+                raise ValueError("sampling_params must be a SamplingParams or a list of them, "
+                                 f"got {sampling_params!r:.80}")
             params = list(sampling_params)
             if len(params) != len(reqs):
                 raise ValueError(f"sampling_params has {len(params)} entries for "

@@ -5,9 +5,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+ok_python() { "$1" -c 'import sys, venv; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null; }
+
 find_python() {
+  if [ -n "${PYTHON:-}" ]; then  # an explicit choice is used or refused, never second-guessed
+    if command -v "$PYTHON" >/dev/null 2>&1 && ok_python "$PYTHON"; then command -v "$PYTHON"; return 0; fi
+    echo "error: PYTHON=$PYTHON is not a Python 3.12+ interpreter with venv" >&2
+    exit 1
+  fi
   local cands=()
-  [ -n "${PYTHON:-}" ] && cands+=("$PYTHON")
   cands+=(python3.14 python3.13 python3.12 python3 python)
   if command -v pyenv >/dev/null 2>&1; then
     local root; root=$(pyenv root)
@@ -17,7 +23,7 @@ find_python() {
     [ -x "$d" ] && cands+=("$d")
   done
   for c in "${cands[@]}"; do
-    if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys, venv; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null; then
+    if command -v "$c" >/dev/null 2>&1 && ok_python "$c"; then
       command -v "$c"; return 0
     fi
   done
@@ -26,6 +32,7 @@ find_python() {
 
 if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null; then
   PY=$(find_python) || {
+    [ -n "${PYTHON:-}" ] && exit 1
     echo "error: jaxserve needs Python 3.12 or newer (jax 0.11 requires it) and none was found." >&2
     echo "Install one (e.g. 'pyenv install 3.12' or your OS package python3.12) or set PYTHON=/path/to/python3.12." >&2
     exit 1

@@ -76,6 +76,18 @@ def test_bad_arguments(llm: LLM) -> None:
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="unknown engine argument"):
         LLM(max_num_seq=4)  # typo of max_num_seqs
+    with pytest.raises(ValueError, match="max_model_len must be int"):
+        LLM(max_model_len="abc")
+    with pytest.raises(ValueError, match="prompts must be"):
+        llm.generate(None)
+    with pytest.raises(ValueError, match="sampling_params must be"):
+        llm.generate(["a"], {"temperature": 0})
+    with pytest.raises(ValueError, match="must be a list of integers"):
+        llm.generate([{"prompt_token_ids": [1.5]}])
+    with pytest.raises(ValueError, match="stop_token_ids must be a list"):
+        SamplingParams(stop_token_ids=5)
+    [out] = llm.generate([{"prompt": "Hello"}], GREEDY, use_tqdm=False)  # vLLM's TextPrompt
+    assert out.prompt == "Hello" and len(out.outputs[0].token_ids) >= 1
 
 
 def test_huge_top_k_means_off(llm: LLM) -> None:
