@@ -211,7 +211,7 @@ class Tokenizer:
             ids = self.backend.encode(text, add_special_tokens=False).ids
         except TypeError as e:
             if isinstance(text, str):
-                raise ValueError(f"text is not valid Unicode (lone surrogate?): {e}") from e  # noqa: TRY004
+                raise ValueError(f"text is not valid Unicode (lone surrogate?): {e}") from e
             raise
         if add_special_tokens:
             if self.add_bos_token and self.bos_token_id is not None:
@@ -277,7 +277,7 @@ def normalize_messages(messages: object) -> list[dict]:
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise ValueError(f"{where} must be an object with 'role' and 'content'")  # noqa: TRY004
+            raise ValueError(f"{where} must be an object with 'role' and 'content'")
         role = m.get("role")
         if role not in CHAT_ROLES:
             raise ValueError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
