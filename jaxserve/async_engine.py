@@ -5,7 +5,8 @@ once, with a ValueError, and nothing reaches the engine), then sends an "add" co
 thread-safe queue and awaits its own ``asyncio.Queue``. The engine thread drains commands (adds,
 aborts) between steps, runs ``step()``, and hands each ``RequestOutput`` to the owning event loop
 with ``call_soon_threadsafe``. Closing or cancelling the generator sends an "abort", which frees
-the request's blocks before the next step. The engine state is touched by the engine thread only.
+the request's blocks before the next step. The engine state is touched by the engine thread only;
+``num_waiting()`` (the server's queue bound) reads counts the engine thread publishes under a lock.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class AsyncEngine:
         self.ready = False
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
+        self._num_queued = 0  # "add" commands not yet applied (under _lock)
+        self._num_engine_waiting = 0  # the scheduler's waiting list, published by the engine thread
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -72,6 +75,13 @@ class AsyncEngine:
         with self._lock:
             return len(self._streams)
 
+    def num_waiting(self) -> int:
+        """Requests accepted but not yet running: queued for the engine thread, or waiting in
+        the scheduler (preempted ones included). Cheap and thread-safe; the scheduler's part is
+        as of the engine thread's last step."""
+        with self._lock:
+            return self._num_queued + self._num_engine_waiting
+
     # -- requests ------------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        request_id: str, prompt: str | None = None
@@ -93,6 +103,7 @@ class AsyncEngine:
                 n += 1
                 request_id = f"{base}#{n}"
             self._streams[request_id] = stream
+            self._num_queued += 1
         self._cmds.put(("add", (request_id, list(prompt_token_ids), sampling_params, prompt)))
         finished = False
         try:
@@ -128,14 +139,22 @@ class AsyncEngine:
             rid, ids, params, prompt = arg
             with self._lock:
                 live = rid in self._streams
-            if not live:  # the caller went away before the engine saw the request
-                return
             try:
-                eng.add_request(rid, ids, params, prompt)
+                if live:  # else the caller went away before the engine saw the request
+                    eng.add_request(rid, ids, params, prompt)
             except ValueError as e:
                 self._deliver(rid, e)
+            finally:
+                with self._lock:  # one update: the request moves from queued to waiting
+                    self._num_queued -= 1
+                    self._num_engine_waiting = eng.num_waiting
         elif cmd == "abort":
             eng.abort_request(arg)
+            self._publish_waiting()
+
+    def _publish_waiting(self) -> None:
+        with self._lock:
+            self._num_engine_waiting = self.engine.num_waiting
 
     def _run(self) -> None:
         eng = self.engine
@@ -158,6 +177,8 @@ class AsyncEngine:
                 eng.abort_request(ids)
                 for rid in ids:
                     self._deliver(rid, RuntimeError(f"engine step failed: {e}"))
+                self._publish_waiting()
                 continue
+            self._publish_waiting()
             for out in outputs:
                 self._deliver(out.request_id, out)

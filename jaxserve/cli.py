@@ -1,22 +1,25 @@
 """The ``jaxserve`` command line.
 
 ``jaxserve serve [MODEL] [--flags]`` loads the model, compiles every step program (progress bar,
-times printed), then serves the OpenAI-compatible API with uvicorn. Engine flags map 1:1 onto
-``EngineConfig`` fields (``--max-num-seqs`` -> ``max_num_seqs``); ``--config FILE.yaml`` takes the
-same keys (underscores or dashes); flags given on the command line win. Unknown flags are errors.
+times printed), then serves the OpenAI-compatible API with uvicorn until SIGTERM has drained it
+(exit 0) or SIGINT stops it. Engine flags map 1:1 onto ``EngineConfig`` fields
+(``--max-num-seqs`` -> ``max_num_seqs``); ``--config FILE.yaml`` takes the same keys (underscores
+or dashes); flags given on the command line win. Server flags (``--host``, ``--api-key``, ...)
+make a ``ServerConfig``. Unknown flags are errors.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
 import sys
 import time
 import typing
 
-from jaxserve.config import EngineConfig, LoadConfig
+from jaxserve.config import LOG_FORMATS, EngineConfig, LoadConfig, ServerConfig
+
+API_KEY_ENV = "JAXSERVE_API_KEY"
 
 ENGINE_HELP = {
     "block_size": "tokens per KV-cache block (power of two)",
@@ -82,6 +85,40 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**values)  # type: ignore[arg-type]
 
 
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """The ServerConfig flags (defaults from ServerConfig)."""
+    d = ServerConfig()
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default=d.host, help="address to listen on")
+    g.add_argument("--port", type=int, default=d.port, help="port to listen on (0: any free)")
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize; "
+                        f"when not given, ${API_KEY_ENV} if set")
+    g.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
+                   help="answer 503 (Retry-After) to new generation requests while this many "
+                        "are waiting to run")
+    g.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s,
+                   help="abort a generation request unfinished after this many seconds (504); "
+                        "None: no limit")
+    g.add_argument("--drain-timeout-s", type=float, default=d.drain_timeout_s,
+                   help="on SIGTERM, seconds in-flight requests get to finish before they are "
+                        "aborted")
+    g.add_argument("--log-level", default=d.log_level,
+                   choices=["debug", "info", "warning", "error"], help="log level")
+    g.add_argument("--log-format", default=d.log_format, choices=LOG_FORMATS,
+                   help="text, or json: one object per line (time, level, logger, message, "
+                        "request_id)")
+
+
+def server_config_from_args(ns: argparse.Namespace) -> ServerConfig:
+    """ServerConfig from the flags; the API key falls back to $JAXSERVE_API_KEY."""
+    return ServerConfig(
+        host=ns.host, port=ns.port, api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_waiting_requests=ns.max_waiting_requests, request_timeout_s=ns.request_timeout_s,
+        drain_timeout_s=ns.drain_timeout_s, log_level=ns.log_level, log_format=ns.log_format,
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``jaxserve`` argument parser."""
     p = argparse.ArgumentParser(prog="jaxserve", description="JAX/XLA LLM serving engine")
@@ -97,11 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dummy: random weights of a built-in config")
     s.add_argument("--served-model-name", default=None,
                    help="the model id in /v1/models and requests (default: from the model)")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    s.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free)")
     s.add_argument("--config", default=None, help="YAML file with engine settings (flag names)")
-    s.add_argument("--log-level", default="info",
-                   choices=["debug", "info", "warning", "error"], help="log level")
+    add_server_args(s)
     add_engine_args(s)
     b = sub.add_parser("bench", help="benchmark an OpenAI-compatible server")
     bsub = b.add_subparsers(dest="bench_command", required=True)
@@ -114,18 +148,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(ns: argparse.Namespace) -> None:
-    """Load, compile, then serve until interrupted."""
-    import uvicorn
-
+    """Load, compile, then serve until SIGTERM has drained the server or SIGINT stops it."""
     from jaxserve.async_engine import AsyncEngine
     from jaxserve.engine import LLMEngine
+    from jaxserve.logs import configure_logging
     from jaxserve.metrics import EngineMetrics
     from jaxserve.server import build_app
+    from jaxserve.server_ops import run_server
 
-    logging.basicConfig(level=ns.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if ns.model and ns.model_opt and ns.model != ns.model_opt:
         raise ValueError(f"MODEL {ns.model!r} and --model {ns.model_opt!r} disagree")
+    server_cfg = server_config_from_args(ns)
+    configure_logging(server_cfg.log_level, server_cfg.log_format)
     cfg = engine_config_from_args(ns)
     load = LoadConfig(ns.model or ns.model_opt, ns.load_format, ns.served_model_name)
     t0 = time.perf_counter()
@@ -138,12 +172,8 @@ def serve(ns: argparse.Namespace) -> None:
     st = aeng.warmup_stats
     print(f"compiled {int(st['num_programs'])} programs in {st['compile_s']:.1f} s; ready in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
-    app = build_app(aeng, engine.model_name)
-    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
-                            timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
     try:
-        server.run()
+        run_server(build_app(aeng, engine.model_name, server_cfg))
     finally:
         aeng.shutdown()
 

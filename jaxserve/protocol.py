@@ -205,6 +205,54 @@ def _check_common(req: _SamplingFields) -> None:
         )
 
 
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """Body of ``POST /tokenize`` (as vLLM's): ``prompt`` or ``messages`` (with the chat
+    template), not both. ``add_special_tokens`` defaults to true for a prompt and false for
+    messages (the template holds them), as the generation endpoints encode them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
+
+
+class TokenizeResponse(msgspec.Struct, kw_only=True):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    """Body of ``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(msgspec.Struct, kw_only=True):
+    prompt: str
+
+
+_tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
+_detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
+
+
+def decode_tokenize_request(body: bytes) -> TokenizeRequest:
+    """Decode a /tokenize body; exactly one of prompt / messages; raises RequestError."""
+    req = _decode(_tokenize_decoder, body)
+    if (req.prompt is None) == (req.messages is None):
+        raise RequestError("exactly one of prompt and messages is required", param="prompt")
+    if req.messages is not None and not req.messages:
+        raise RequestError("messages must hold at least one message", param="messages")
+    return req
+
+
+def decode_detokenize_request(body: bytes) -> DetokenizeRequest:
+    """Decode a /detokenize body; raises RequestError."""
+    return _decode(_detokenize_decoder, body)
+
+
 def completion_prompt(req: CompletionRequest) -> str | list[int]:
     """The single prompt of a completions request: text or token ids; raises RequestError."""
     p = req.prompt
@@ -223,10 +271,10 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
     )
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, str]]:
     """The messages as plain dicts for the chat template; text content parts are joined."""
     out: list[dict[str, str]] = []
-    for i, m in enumerate(req.messages):
+    for i, m in enumerate(req.messages or []):
         if isinstance(m.content, list):
             texts = []
             for part in m.content:

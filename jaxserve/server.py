@@ -18,9 +18,14 @@
       ``data: {"error": {...}}`` then ``data: [DONE]``. On disconnect Starlette cancels the
       stream; the body iterator is always closed, which closes the engine's generator (abort).
 
-Request ids: an incoming ``X-Request-Id`` header (else a random hex id) is echoed in the response
-header; the engine request id and the response ``id`` are ``cmpl-<id>`` / ``chatcmpl-<id>``.
-Every error is an OpenAI-style JSON body (protocol.ErrorResponse); bad input never gives a 500.
+Before any endpoint, ``server_ops.GateMiddleware`` picks the request id (``X-Request-Id`` or a
+random hex id; echoed in the response header and carried by every log line of the request),
+checks the API key, refuses requests while draining or while the waiting queue is full (503),
+and gives generation requests a ``RequestBudget``: every engine output is awaited under it, and a
+request past its deadline is aborted and answered 504 (an error event then ``[DONE]`` once a
+stream has started). The engine request id and the response ``id`` are ``cmpl-<id>`` /
+``chatcmpl-<id>``. Every error is an OpenAI-style JSON body (protocol.ErrorResponse); bad input
+never gives a 500.
 """
 
 from __future__ import annotations
@@ -39,21 +44,28 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from jaxserve import protocol as p
+from jaxserve.config import ServerConfig
+from jaxserve.logs import install_request_id
 from jaxserve.metrics import EngineMetrics
+from jaxserve.openapi import openapi_document
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.server_ops import Gate, GateMiddleware, RequestBudget
+from jaxserve.server_ops import error_response as _error
 
 logger = logging.getLogger(__name__)
 
-_MAX_REQUEST_ID_LEN = 128
 _DONE = b"data: [DONE]\n\n"
 
 
 class Tokenizer(Protocol):
+    vocab_size: int
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> str: ...
@@ -77,6 +89,10 @@ class EngineClient(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
+    def num_waiting(self) -> int:
+        """Requests accepted but not yet running (cheap, thread-safe, approximate)."""
+        ...
+
 
 class _StreamState:
     """Whether a streamed request has finished in the engine (else closing the stream aborts it)."""
@@ -86,21 +102,6 @@ class _StreamState:
 
 class _ClientGone(Exception):
     """The client disconnected before the response was sent."""
-
-
-def _error(
-    status: int,
-    message: str,
-    type: str,
-    param: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> Response:
-    return Response(
-        p.error_body(message, type, status, param),
-        status_code=status,
-        media_type="application/json",
-        headers=headers,
-    )
 
 
 def _json(obj: msgspec.Struct, headers: dict[str, str] | None = None) -> Response:
@@ -125,35 +126,6 @@ def _endpoint(
             )
 
     return wrapper
-
-
-class _RequestIdMiddleware:
-    """Pick the request id (``X-Request-Id`` or random), store it in ``request.state.request_id``
-    and echo it on the response."""
-
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        rid = ""
-        for key, value in scope["headers"]:
-            if key == b"x-request-id":
-                rid = value.decode("latin-1").strip()
-        if not rid or len(rid) > _MAX_REQUEST_ID_LEN or not rid.isprintable():
-            rid = p.random_id()
-        scope.setdefault("state", {})["request_id"] = rid
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = [(k, v) for k, v in message.get("headers", []) if k != b"x-request-id"]
-                headers.append((b"x-request-id", rid.encode("latin-1")))
-                message = {**message, "headers": headers}
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
 
 
 class _ClosingStreamingResponse(StreamingResponse):
@@ -263,12 +235,13 @@ class _OpenAIServer:
         chat: bool,
     ) -> Response:
         rid = f"{kind}-{request.state.request_id}"
+        budget: RequestBudget = request.state.budget
         created = int(time.time())
         gen = self.engine.generate(ids, params, rid, prompt=text)
         finished = False
         try:
             try:
-                first = await _unless_disconnected(request, _first(gen))
+                first = await _unless_disconnected(request, budget.bound(_first(gen)))
             except ValueError as exc:
                 raise p.RequestError(str(exc), param="prompt" if "prompt" in str(exc) else None)
             except StopAsyncIteration:
@@ -285,15 +258,21 @@ class _OpenAIServer:
 
                 finished = True  # the response owns the generator from here
                 return _ClosingStreamingResponse(
-                    self._events(gen, first, fmt, state),
+                    self._events(gen, first, fmt, state, budget),
                     on_close,
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache"},
                 )
-            final = first if first.finished else await _unless_disconnected(request, _collect(gen))
+            final = first
+            if not first.finished:
+                final = await _unless_disconnected(request, budget.bound(_collect(gen)))
             finished = True
         except _ClientGone:
             return Response(status_code=499)
+        except TimeoutError:
+            status, message, err_type = budget.error()
+            logger.warning("aborted: %s", message)
+            return _error(status, message, err_type)
         finally:
             if not finished:
                 await gen.aclose()
@@ -306,6 +285,7 @@ class _OpenAIServer:
         first: RequestOutput,
         fmt: p.StreamFormatter,
         state: _StreamState,
+        budget: RequestBudget,
     ) -> AsyncIterator[bytes]:
         """The SSE body; sets ``state.finished`` once the engine request has finished."""
         try:
@@ -319,11 +299,15 @@ class _OpenAIServer:
                     state.finished = True
                     break
                 try:
-                    out = await anext(gen)
+                    out = await budget.bound(anext(gen))
                 except StopAsyncIteration:
                     raise RuntimeError("the engine stream ended before the request finished")
             for event in fmt.end(out):
                 yield event
+        except TimeoutError:
+            status, message, err_type = budget.error()
+            logger.warning("aborted mid-stream: %s", message)
+            yield b"data: " + p.error_body(message, err_type, status) + b"\n\n"
         except Exception as exc:
             logger.exception("error in stream %s", fmt.id)
             bad = isinstance(exc, ValueError)
@@ -343,6 +327,37 @@ class _OpenAIServer:
             id=self.model, created=self.created, max_model_len=self.engine.max_model_len
         )
         return _json(p.ModelList(data=[card]))
+
+    async def tokenize(self, request: Request) -> Response:
+        req = p.decode_tokenize_request(await self._body(request))
+        self._check_model(req.model)
+        tok = self.engine.tokenizer
+        try:
+            if req.messages is not None:
+                text = tok.apply_chat_template(
+                    p.chat_messages(req), add_generation_prompt=req.add_generation_prompt
+                )
+                special = bool(req.add_special_tokens)
+            else:
+                assert req.prompt is not None
+                text = req.prompt
+                special = req.add_special_tokens is not False
+            ids = tok.encode(text, add_special_tokens=special)
+        except ValueError as exc:
+            raise p.RequestError(f"cannot tokenize: {exc}",
+                                 param="messages" if req.messages else "prompt") from exc
+        return _json(p.TokenizeResponse(tokens=ids, count=len(ids),
+                                        max_model_len=self.engine.max_model_len))
+
+    async def detokenize(self, request: Request) -> Response:
+        req = p.decode_detokenize_request(await self._body(request))
+        self._check_model(req.model)
+        vocab = self.engine.tokenizer.vocab_size
+        for i, t in enumerate(req.tokens):
+            if not 0 <= t < vocab:
+                raise p.RequestError(f"tokens[{i}] = {t} is out of range [0, {vocab})",
+                                     param="tokens")
+        return _json(p.DetokenizeResponse(prompt=self.engine.tokenizer.decode(req.tokens)))
 
     async def health(self, request: Request) -> Response:
         if not self.engine.ready:
@@ -382,22 +397,40 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return _error(500, f"internal server error: {type(exc).__name__}", "server_error")
 
 
-def build_app(engine: EngineClient, served_model_name: str) -> Starlette:
+def build_app(
+    engine: EngineClient, served_model_name: str, config: ServerConfig | None = None
+) -> Starlette:
     """The OpenAI-compatible Starlette app serving ``engine`` as ``served_model_name``.
 
-    Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health
-    (503 until ``engine.ready``), GET /metrics (Prometheus text).
+    Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
+    POST /detokenize, GET /health (503 until ``engine.ready`` and while draining), GET /metrics
+    (Prometheus text), GET /openapi.json. ``config`` supplies the API key, queue bound and
+    timeouts (default: ``ServerConfig()``); ``app.state.gate`` is the admission state that
+    ``server_ops.run_server`` drains.
     """
+    config = config or ServerConfig()
+    install_request_id()
     api = _OpenAIServer(engine, served_model_name)
+    doc = msgspec.json.encode(openapi_document(api_key=config.api_key is not None))
+
+    async def openapi(request: Request) -> Response:
+        return Response(doc, media_type="application/json")
+
     routes = [
         Route("/v1/completions", _endpoint(api.completions), methods=["POST"]),
         Route("/v1/chat/completions", _endpoint(api.chat_completions), methods=["POST"]),
         Route("/v1/models", _endpoint(api.models), methods=["GET"]),
+        Route("/tokenize", _endpoint(api.tokenize), methods=["POST"]),
+        Route("/detokenize", _endpoint(api.detokenize), methods=["POST"]),
         Route("/health", _endpoint(api.health), methods=["GET"]),
         Route("/metrics", _endpoint(api.metrics), methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
     ]
-    return Starlette(
+    gate = Gate(engine, config)
+    app = Starlette(
         routes=routes,
-        middleware=[Middleware(_RequestIdMiddleware)],
+        middleware=[Middleware(GateMiddleware, gate=gate)],
         exception_handlers={HTTPException: _http_error, Exception: _internal_error},
     )
+    app.state.gate = gate
+    return app

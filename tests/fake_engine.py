@@ -48,7 +48,8 @@ class FakeEngine:
       max_model_len: the context window.
       step_s: sleep between outputs (0 still yields to the event loop).
       fail_after: raise RuntimeError after this many outputs (an engine fault mid-stream).
-      first_delay_s: extra sleep before the first output (a queued request).
+      first_delay_s: extra sleep before the first output (a queued request: counted by
+        ``num_waiting``).
     """
 
     def __init__(
@@ -72,9 +73,13 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.steps: dict[str, int] = {}
         self.running: set[str] = set()
+        self.waiting: set[str] = set()  # running requests still in their first_delay_s
 
     def num_unfinished(self) -> int:
         return len(self.running)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting)
 
     def abort(self, request_id: str) -> None:
         if request_id in self.running:
@@ -108,7 +113,11 @@ class FakeEngine:
         self.steps[request_id] = 0
         try:
             if self.first_delay_s:
-                await asyncio.sleep(self.first_delay_s)
+                self.waiting.add(request_id)
+                try:
+                    await asyncio.sleep(self.first_delay_s)
+                finally:
+                    self.waiting.discard(request_id)
             async for out in self._run(
                 request_id, prompt_token_ids, prompt, sampling_params, max_tokens
             ):
