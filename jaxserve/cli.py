@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import socket
 import sys
 import time
 import typing
@@ -54,7 +55,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineConfig):
         default = f.default
         g.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_field_type(f),
-                       default=None, metavar=f.name.upper(),
+                       default=argparse.SUPPRESS, metavar=f.name.upper(),
                        help=f"{ENGINE_HELP[f.name]} (default: {default})")
 
 
@@ -68,8 +69,14 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
     if getattr(ns, "config", None):
         import yaml
 
-        with open(ns.config, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh) or {}
+        try:
+            with open(ns.config, encoding="utf-8") as fh:
+                data = yaml.safe_load(fh) or {}
+        except OSError as e:
+            raise ValueError(f"cannot read config file {ns.config}: {e.strerror or e}") from None
+        except yaml.YAMLError as e:
+            raise ValueError(f"config file {ns.config} is not valid YAML: "
+                             f"{str(e).splitlines()[0]}") from None
         if not isinstance(data, dict):
             raise ValueError(f"config file {ns.config} must hold a mapping of flag: value")
         names = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -147,6 +154,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raise ValueError if ``host:port`` cannot be bound now (port 0 always can)."""
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def serve(ns: argparse.Namespace) -> None:
     """Load, compile, then serve until SIGTERM has drained the server or SIGINT stops it."""
     from jaxserve.async_engine import AsyncEngine
@@ -159,6 +179,7 @@ def serve(ns: argparse.Namespace) -> None:
     if ns.model and ns.model_opt and ns.model != ns.model_opt:
         raise ValueError(f"MODEL {ns.model!r} and --model {ns.model_opt!r} disagree")
     server_cfg = server_config_from_args(ns)
+    check_port_free(server_cfg.host, server_cfg.port)  # fail before minutes of loading
     configure_logging(server_cfg.log_level, server_cfg.log_format)
     cfg = engine_config_from_args(ns)
     load = LoadConfig(ns.model or ns.model_opt, ns.load_format, ns.served_model_name)

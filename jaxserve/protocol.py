@@ -87,12 +87,13 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    stream: bool = False
+    # null means the default for these (OpenAI clients send explicit nulls): see _fill_nulls
+    ignore_eos: bool | None = False
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int | None = 1
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -105,6 +106,15 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     function_call: Any = None
     best_of: int | None = None
     suffix: str | None = None
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    prompt_logprobs: int | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -113,8 +123,9 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 
     prompt: str | list[int | str | list[int]]
     max_tokens: int | None = 16
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = None
+    top_logprobs: int | None = None
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -135,9 +146,10 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = True
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    echo: bool | None = None
 
 
 _AT_FIELD = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
@@ -145,9 +157,23 @@ _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 
 
+_NULL_DEFAULTS = {"ignore_eos": False, "include_stop_str_in_output": False,
+                  "skip_special_tokens": True, "stream": False, "n": 1, "echo": False,
+                  "add_generation_prompt": True}
+
+
+def _fill_nulls[T](req: T) -> T:
+    for name, default in _NULL_DEFAULTS.items():
+        if getattr(req, name, default) is None:
+            setattr(req, name, default)
+    return req
+
+
 def _decode[T](decoder: msgspec.json.Decoder[T], body: bytes) -> T:
     try:
-        return decoder.decode(body)
+        return _fill_nulls(decoder.decode(body))
+    except RecursionError:
+        raise RequestError("invalid JSON body: nested too deeply") from None
     except msgspec.DecodeError as exc:
         if isinstance(exc, msgspec.ValidationError):
             m = _AT_FIELD.search(str(exc))
@@ -160,7 +186,7 @@ def decode_completion_request(body: bytes) -> CompletionRequest:
     req = _decode(_completion_decoder, body)
     if req.echo:
         raise RequestError("echo=true is not supported yet", param="echo")
-    if req.logprobs is not None:
+    if req.logprobs is not None or req.top_logprobs is not None:
         raise RequestError("logprobs is not supported yet", param="logprobs")
     _check_common(req)
     return req
@@ -171,6 +197,8 @@ def decode_chat_request(body: bytes) -> ChatCompletionRequest:
     req = _decode(_chat_decoder, body)
     if req.logprobs or req.top_logprobs is not None:
         raise RequestError("logprobs is not supported yet", param="logprobs")
+    if req.echo:
+        raise RequestError("echo is not supported yet", param="echo")
     if not req.messages:
         raise RequestError("messages must hold at least one message", param="messages")
     _check_common(req)
@@ -195,6 +223,15 @@ def _check_common(req: _SamplingFields) -> None:
         "function_call": req.function_call not in (None, "none"),
         "best_of": req.best_of not in (None, 1),
         "suffix": bool(req.suffix),
+        "min_tokens": req.min_tokens not in (None, 0),
+        "repetition_penalty": req.repetition_penalty not in (None, 1.0),
+        "use_beam_search": bool(req.use_beam_search),
+        "length_penalty": req.length_penalty not in (None, 1.0),
+        "prompt_logprobs": req.prompt_logprobs is not None,
+        "guided_json": req.guided_json is not None,
+        "guided_regex": req.guided_regex is not None,
+        "guided_choice": req.guided_choice is not None,
+        "guided_grammar": req.guided_grammar is not None,
     }
     for name, used in unsupported.items():
         if used:
@@ -278,9 +315,14 @@ def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict[str
         if isinstance(m.content, list):
             texts = []
             for part in m.content:
-                if part.type != "text" or part.text is None:
+                if part.type != "text":
                     raise RequestError(
                         f"messages[{i}]: only text content parts are supported, got {part.type!r}",
+                        param="messages",
+                    )
+                if part.text is None:
+                    raise RequestError(
+                        f"messages[{i}]: a text content part needs a 'text' string",
                         param="messages",
                     )
                 texts.append(part.text)
@@ -317,10 +359,13 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest) -> Sampli
             skip_special_tokens=req.skip_special_tokens,
         )
     except ValueError as exc:
-        param = str(exc).split(" ", 1)[0]
-        if param == "max_tokens" and isinstance(req, ChatCompletionRequest):
-            param = "max_completion_tokens" if req.max_completion_tokens is not None else param
-        raise RequestError(str(exc), param=param if param.isidentifier() else None) from exc
+        msg = str(exc)
+        param = msg.split(" ", 1)[0]
+        if param == "max_tokens" and isinstance(req, ChatCompletionRequest) \
+                and req.max_completion_tokens is not None:
+            param = "max_completion_tokens"
+            msg = msg.replace("max_tokens", param, 1)
+        raise RequestError(msg, param=param if param.isidentifier() else None) from exc
 
 
 def random_id() -> str:

@@ -41,7 +41,7 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -193,7 +193,10 @@ class _OpenAIServer:
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype != "application/json" and not ctype.endswith("+json"):
             raise p.RequestError(f"Content-Type must be application/json, got {ctype or 'none'!r}")
-        return await request.body()
+        try:
+            return await request.body()
+        except ClientDisconnect:
+            raise p.RequestError("the client disconnected while sending the body") from None
 
     async def completions(self, request: Request) -> Response:
         req = p.decode_completion_request(await self._body(request))
@@ -201,7 +204,8 @@ class _OpenAIServer:
         params = p.to_sampling_params(req)
         prompt = p.completion_prompt(req)
         if isinstance(prompt, str):
-            ids, text = self.engine.tokenizer.encode(prompt), prompt
+            # off the event loop: a multi-megabyte prompt must not stall other streams
+            ids, text = await asyncio.to_thread(self.engine.tokenizer.encode, prompt), prompt
         else:
             ids, text = prompt, None
         return await self._serve(
@@ -212,13 +216,14 @@ class _OpenAIServer:
         req = p.decode_chat_request(await self._body(request))
         self._check_model(req.model)
         params = p.to_sampling_params(req)
+        tok = self.engine.tokenizer
         try:
-            rendered = self.engine.tokenizer.apply_chat_template(
-                p.chat_messages(req), add_generation_prompt=req.add_generation_prompt
+            rendered = await asyncio.to_thread(
+                tok.apply_chat_template, p.chat_messages(req), req.add_generation_prompt
             )
         except ValueError as exc:
             raise p.RequestError(f"invalid messages: {exc}", param="messages") from exc
-        ids = self.engine.tokenizer.encode(rendered, add_special_tokens=False)
+        ids = await asyncio.to_thread(tok.encode, rendered, False)
         return await self._serve(
             request, "chatcmpl", ids, rendered, params, req.stream, req.stream_options, chat=True
         )

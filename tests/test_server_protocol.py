@@ -89,6 +89,13 @@ MALFORMED_CHAT = [
     (json.dumps({"messages": HI, "functions": [{"name": "f"}]}).encode(), J, 400),
     (json.dumps({"messages": [{"role": "user", "content": None}]}).encode(), J, 400),
     (json.dumps({"messages": [{"role": "user"}]}).encode(), J, 400),
+    (json.dumps({"messages": HI, "min_tokens": 20}).encode(), J, 400),
+    (json.dumps({"messages": HI, "repetition_penalty": 5.0}).encode(), J, 400),
+    (json.dumps({"messages": HI, "use_beam_search": True}).encode(), J, 400),
+    (json.dumps({"messages": HI, "guided_json": {"type": "object"}}).encode(), J, 400),
+    (json.dumps({"messages": HI, "echo": True}).encode(), J, 400),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "x": ' + b"[" * 5000 + b"]" * 5000
+     + b"}", J, 400),  # nesting deeper than the decoder's recursion limit
     (json.dumps({"messages": HI, "n": 0}).encode(), J, 400),
     (json.dumps({"messages": HI, "n": 2}).encode(), J, 400),
     (json.dumps({"messages": HI, "stop": [""]}).encode(), J, 400),
@@ -147,6 +154,8 @@ def test_malformed_chat_bodies_are_4xx_json(body: bytes, headers: dict, status: 
         ({"prompt": "hi", "suffix": "bye"}, 400),
         ({"prompt": "hi", "best_of": 2}, 400),
         ({"prompt": "hi", "logit_bias": {"5": -100}}, 400),
+        ({"prompt": "hi", "top_logprobs": 2}, 400),
+        ({"prompt": "hi", "min_tokens": 3}, 400),
         ({"prompt": "hi", "model": "other"}, 404),
     ],
 )
@@ -519,3 +528,23 @@ def test_disconnect_aborts_under_uvicorn() -> None:
         assert http.post(COMPL, json={"prompt": "x"}).status_code == 200
     assert engine.steps["cmpl-u1"] < 1000 and engine.steps["cmpl-u2"] < 1000
     assert engine.running == set()
+
+
+def test_explicit_nulls_mean_the_defaults() -> None:
+    """OpenAI clients send explicit nulls; they are the documented defaults, not type errors."""
+    client, _ = make_client()
+    nulls = {"n": None, "stream": None, "ignore_eos": None, "include_stop_str_in_output": None,
+             "skip_special_tokens": None, "max_tokens": None}
+    r = client.post(COMPL, json={"model": MODEL, "prompt": "hi", "echo": None, **nulls})
+    assert r.status_code == 200, r.text
+    r = client.post(CHAT, json={"model": MODEL, "messages": HI, "add_generation_prompt": None,
+                                **nulls})
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "chat.completion"  # stream: null is not a stream
+
+
+def test_max_completion_tokens_error_names_that_field() -> None:
+    client, _ = make_client()
+    err = assert_error(client.post(CHAT, json={"messages": HI, "max_completion_tokens": 0}), 400)
+    assert err["param"] == "max_completion_tokens"
+    assert err["message"].startswith("max_completion_tokens")
