@@ -29,6 +29,7 @@ from jaxserve.config import EngineConfig
 
 
 def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative integers."""
     return -(-a // b)
 
 
@@ -130,19 +131,25 @@ class SchedulerOutput:
 
 @dataclass
 class UpdateResult:
+    """What ``update`` changed: the token each request got this step, and the requests that
+    finished with their reason ("stop" or "length")."""
+
     new_token_ids: dict[str, int] = field(default_factory=dict)  # request -> token appended
     finished: dict[str, str] = field(default_factory=dict)  # request -> "stop" | "length"
 
 
 def new_state(config: SchedulerConfig) -> SchedulerState:
+    """An empty scheduler with a fresh block pool of ``config.num_blocks`` blocks."""
     return SchedulerState(config=config, block_pool=BlockPool(config.num_blocks))
 
 
 def num_unfinished(state: SchedulerState) -> int:
+    """Requests waiting or running."""
     return len(state.waiting) + len(state.running)
 
 
 def has_unfinished(state: SchedulerState) -> bool:
+    """True while any request is waiting or running."""
     return num_unfinished(state) > 0
 
 

@@ -41,6 +41,7 @@ from pallas_kernels import (
     ref_ragged_paged_attention,
     write_kv,
 )
+from pallas_kernels.testing import make_case
 
 H200_BF16_TFLOPS = 989.0  # dense bf16 tensor-core peak of an H100/H200 SXM
 
@@ -98,32 +99,6 @@ def check_bandwidth(rep: Report, nbytes: int) -> float:
 
 
 # -- 2. correctness on the device ------------------------------------------------------------------
-def make_case(rng, q_lens, ctx_lens, *, block_size, num_seqs_pad, tokens_pad, kv_heads, group,
-              head_dim, num_layers=2):
-    """Random paged cache (NaN in every page/slot no sequence owns), permuted block tables."""
-    nbs = [-(-c // block_size) for c in ctx_lens]
-    num_blocks = 2 + sum(nbs)
-    shape = (num_layers, num_blocks, block_size, kv_heads, head_dim)
-    k, v = np.full(shape, np.nan), np.full(shape, np.nan)
-    perm = rng.permutation(np.arange(1, num_blocks))
-    tables = np.zeros((num_seqs_pad, max(nbs) + 1), np.int32)
-    used = 0
-    for s, (c, nb) in enumerate(zip(ctx_lens, nbs)):
-        tables[s, :nb] = perm[used:used + nb]
-        used += nb
-        pos = np.arange(c)
-        blk, off = tables[s, pos // block_size], pos % block_size
-        k[:, blk, off] = rng.standard_normal((num_layers, c, kv_heads, head_dim))
-        v[:, blk, off] = rng.standard_normal((num_layers, c, kv_heads, head_dim))
-    qsl = np.zeros(num_seqs_pad + 1, np.int32)
-    qsl[1:len(q_lens) + 1] = np.cumsum(q_lens)
-    qsl[len(q_lens) + 1:] = qsl[len(q_lens)]
-    seq_lens = np.zeros(num_seqs_pad, np.int32)
-    seq_lens[:len(ctx_lens)] = ctx_lens
-    q = rng.standard_normal((tokens_pad, kv_heads * group, head_dim)) * 2.0
-    return q, k, v, tables, seq_lens, qsl, np.array([len(q_lens)], np.int32)
-
-
 def check_correctness(rep: Report, interpret: bool, group: int, head_dim: int) -> None:
     rng = np.random.default_rng(0)
     q_lens = [1, 13, 1, 5, 1, 16, 1]

@@ -7,43 +7,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import ragged_paged_attention, ref_ragged_paged_attention, write_kv
-
-
-def _case(rng: np.random.Generator, q_lens: list[int], ctx_lens: list[int], *, block_size: int,
-          num_seqs_pad: int, tokens_pad: int, num_layers: int = 2, kv_heads: int = 2,
-          group: int = 3, head_dim: int = 16):
-    """Random cache with NaN in every page no sequence owns, randomly permuted block tables."""
-    max_blocks = max(-(-c // block_size) for c in ctx_lens) + 1
-    need = sum(-(-c // block_size) for c in ctx_lens)
-    num_blocks = need + 5
-    k = rng.standard_normal((num_layers, num_blocks, block_size, kv_heads, head_dim))
-    v = rng.standard_normal((num_layers, num_blocks, block_size, kv_heads, head_dim))
-    perm = rng.permutation(np.arange(1, num_blocks))
-    tables = np.zeros((num_seqs_pad, max_blocks), np.int32)
-    owned = set()
-    used = 0
-    for s, c in enumerate(ctx_lens):
-        nb = -(-c // block_size)
-        tables[s, :nb] = perm[used:used + nb]
-        used += nb
-        for j in range(nb):
-            owned.add(int(tables[s, j]))
-    for b in range(num_blocks):
-        if b not in owned:
-            k[:, b] = np.nan
-            v[:, b] = np.nan
-    # positions past each context inside owned blocks are garbage too
-    for s, c in enumerate(ctx_lens):
-        for p in range(c, -(-c // block_size) * block_size):
-            k[:, tables[s, p // block_size], p % block_size] = np.nan
-            v[:, tables[s, p // block_size], p % block_size] = np.nan
-    qsl = np.zeros(num_seqs_pad + 1, np.int32)
-    qsl[1:len(q_lens) + 1] = np.cumsum(q_lens)
-    qsl[len(q_lens) + 1:] = qsl[len(q_lens)]
-    seq_lens = np.zeros(num_seqs_pad, np.int32)
-    seq_lens[:len(ctx_lens)] = ctx_lens
-    q = rng.standard_normal((tokens_pad, kv_heads * group, head_dim))
-    return q, k, v, tables, seq_lens, qsl, np.array([len(q_lens)], np.int32)
+from pallas_kernels.testing import make_case
 
 
 @pytest.mark.parametrize("tiles", [(128, 128), (4, 8)], ids=["default-tiles", "small-tiles"])
@@ -55,8 +19,8 @@ def test_matches_naive_reference(block_size: int, window: int | None, cap: float
     # a mix: decodes (q_len 1), a fresh prefill, continued chunks; lengths off block boundaries
     q_lens = [1, 1, 13, 5, 1, 3]
     ctx_lens = [1, 37, 13, 23, 65, 133]
-    q, k, v, bt, sl, qsl, ns = _case(rng, q_lens, ctx_lens, block_size=block_size,
-                                     num_seqs_pad=8, tokens_pad=32)
+    q, k, v, bt, sl, qsl, ns = make_case(rng, q_lens, ctx_lens, block_size=block_size,
+                                         num_seqs_pad=8, tokens_pad=32)
     scale = 16 ** -0.5
     for layer in (0, 1):
         got = ragged_paged_attention(
