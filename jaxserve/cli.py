@@ -32,6 +32,9 @@ ENGINE_HELP = {
     "max_num_seqs": "most sequences in one step",
     "max_num_batched_tokens": "most tokens (prefill chunks + decode tokens) in one step; the "
                               "largest compiled bucket",
+    "long_prefill_token_threshold": "when > 0, the most prompt tokens one request computes in a "
+                                    "step, leaving budget to admit others behind a long prompt; "
+                                    "0: off",
     "max_model_len": "context window, prompt + output tokens (default: the model's)",
     "dtype": "weights and activations: auto (float32 on CPU, bfloat16 on accelerators), "
              "float32, bfloat16, float16",

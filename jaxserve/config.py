@@ -28,6 +28,8 @@ class EngineConfig:
         cache on accelerators (default 0.8).
       max_num_seqs: most sequences in one step.
       max_num_batched_tokens: most tokens (prefill chunks + decode tokens) in one step.
+      long_prefill_token_threshold: when > 0, the most prompt tokens one request computes in a
+        step, so that a long prompt leaves budget to admit others (vLLM's name); 0: off.
       max_model_len: context window (prompt + output); None: the model's own.
       dtype: activation and weight dtype ("float32", "bfloat16", "float16"); "auto" means
         float32 on the CPU and bfloat16 on accelerators.
@@ -47,6 +49,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.8
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    long_prefill_token_threshold: int = 0
     max_model_len: int | None = None
     dtype: str = "auto"
     seed: int = 0
@@ -73,6 +76,8 @@ class EngineConfig:
                 f"{self.max_num_batched_tokens=} must be >= {self.max_num_seqs=} "
                 "(every running sequence needs a token each step)"
             )
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"{self.long_prefill_token_threshold=} must be >= 0 (0: off)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"{self.max_model_len=} must be >= 2")
         if self.dtype not in DTYPES + ("auto",):

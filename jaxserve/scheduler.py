@@ -42,6 +42,7 @@ class SchedulerConfig:
     block_size: int
     max_model_len: int
     num_blocks: int  # including the reserved padding block 0
+    long_prefill_token_threshold: int = 0  # > 0: most prompt tokens one request gets per step
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
@@ -60,6 +61,7 @@ class SchedulerConfig:
             block_size=cfg.block_size,
             max_model_len=max_model_len,
             num_blocks=num_blocks,
+            long_prefill_token_threshold=cfg.long_prefill_token_threshold,
         )
 
 
@@ -195,7 +197,8 @@ def schedule(state: SchedulerState) -> tuple[SchedulerState, SchedulerOutput]:
     """Plan one step. Consumes ``state``; returns the new state and the plan.
 
     Each scheduled request gets ``num_new = min(len(token_ids) - num_computed_tokens, budget)``
-    tokens, and blocks so that its table covers every position up to the end of the chunk::
+    tokens (at most ``long_prefill_token_threshold`` when that is > 0, so that one long prompt
+    leaves budget for admitting others), and blocks so that its table covers every position up to the end of the chunk::
 
         |<-------------------------- len(token_ids) -------------------------->|
         |<--- num_computed_tokens --->|<--- num_new --->|<--- later steps ---->|
@@ -237,7 +240,7 @@ def schedule(state: SchedulerState) -> tuple[SchedulerState, SchedulerOutput]:
     i = 0
     while i < len(state.running) and budget > 0:
         seq = state.running[i]
-        num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+        num_new = _chunk(seq, budget, cfg)
         if num_new <= 0:  # defensive: after update a running request always has a token left
             i += 1
             continue
@@ -257,7 +260,7 @@ def schedule(state: SchedulerState) -> tuple[SchedulerState, SchedulerOutput]:
 
     while not preempted and state.waiting and len(state.running) < cfg.max_num_seqs and budget > 0:
         seq = state.waiting[0]
-        num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+        num_new = _chunk(seq, budget, cfg)
         need = cdiv(seq.num_computed_tokens + num_new, cfg.block_size) - len(seq.block_ids)
         if need > pool.num_free_blocks:
             break
@@ -272,6 +275,12 @@ def schedule(state: SchedulerState) -> tuple[SchedulerState, SchedulerOutput]:
         preempted_ids=tuple(preempted),
     )
     return state, output
+
+
+def _chunk(seq: SeqState, budget: int, cfg: SchedulerConfig) -> int:
+    num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+    cap = cfg.long_prefill_token_threshold
+    return cap if 0 < cap < num_new else num_new
 
 
 def update(

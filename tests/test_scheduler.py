@@ -42,9 +42,11 @@ def make_state(
     block_size: int = 4,
     max_model_len: int = 64,
     num_blocks: int = 33,
+    long_prefill_token_threshold: int = 0,
 ) -> SchedulerState:
     return new_state(
-        SchedulerConfig(max_num_seqs, max_num_batched_tokens, block_size, max_model_len, num_blocks)
+        SchedulerConfig(max_num_seqs, max_num_batched_tokens, block_size, max_model_len, num_blocks,
+                        long_prefill_token_threshold)
     )
 
 
@@ -77,7 +79,7 @@ def test_from_engine_config() -> None:
     cfg = SchedulerConfig.from_engine_config(
         EngineConfig(block_size=8, max_num_seqs=3, max_num_batched_tokens=32), 100, 256
     )
-    assert cfg == SchedulerConfig(3, 32, 8, 256, 100)
+    assert cfg == SchedulerConfig(3, 32, 8, 256, 100, 0)
     with pytest.raises(ValueError, match="max_num_seqs=0"):
         SchedulerConfig(0, 32, 8, 256, 100)
 
@@ -129,6 +131,18 @@ def test_chunked_prefill_across_steps() -> None:
     state, out, _ = step(state)
     (s,) = out.scheduled
     assert (s.token_ids, s.start_pos, s.sample, len(s.block_ids)) == ((9,), 20, True, 6)
+
+
+def test_long_prefill_token_threshold_leaves_room_to_admit_others() -> None:
+    state = new_state(SchedulerConfig(4, 16, 4, 64, 33, long_prefill_token_threshold=6))
+    state = add_request(state, make_seq("long", 30))
+    state, out, _ = step(state)
+    assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [("long", 6)]
+    state = add_request(state, make_seq("short", 3))
+    state, out, _ = step(state)
+    # without the threshold "long" would take all 16 tokens and "short" would wait
+    assert [(s.request_id, len(s.token_ids), s.sample) for s in out.scheduled] == [
+        ("long", 6, False), ("short", 3, True)]
 
 
 def test_decode_goes_first_and_prefill_chunks_fill_the_budget() -> None:
@@ -357,6 +371,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_batched_tokens=st.integers(1, 24),
         max_model_len=st.integers(2, 40),
         seed=st.integers(0, 2**16),
+        long_prefill=st.sampled_from([0, 0, 1, 3]),
     )
     def init(
         self,
@@ -366,9 +381,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_batched_tokens: int,
         max_model_len: int,
         seed: int,
+        long_prefill: int,
     ) -> None:
         self.state = make_state(
-            max_num_seqs, max_num_batched_tokens, block_size, max_model_len, num_blocks
+            max_num_seqs, max_num_batched_tokens, block_size, max_model_len, num_blocks,
+            long_prefill,
         )
         self.rng = random.Random(seed)
         self.expected: dict[str, list[int]] = {}  # live request -> its token ids
