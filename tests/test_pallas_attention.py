@@ -65,7 +65,7 @@ def check_against_reference(case, dtype: str, *, sliding_window=None, logit_soft
 
 
 BS = 16
-CONTEXTS = [1, 3, BS - 1, BS, BS + 1, 100]  # off and on block boundaries, and a longer one
+CONTEXTS = [1, 3, BS - 1, BS, BS + 1, 513]  # off and on block boundaries, and a long one
 
 
 def test_decode_only() -> None:
@@ -90,7 +90,7 @@ def test_prefill_only() -> None:
     check_against_reference(case, "float32", block_k=16)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_mixed(dtype: str) -> None:
     """Decodes, a fresh prefill, continued chunks (one ending on a block boundary)."""
     rng = np.random.default_rng()
@@ -114,6 +114,9 @@ def test_sliding_window_and_soft_cap(window: int | None, cap: float | None) -> N
     (1, 1, 32, 4),  # MHA-like, tiny pages
     (2, 5, 16, 8),  # group padded 5 -> 8
     (1, 16, 16, 32),  # the widest group the issue asks for
+    (3, 3, 64, 16),  # SmolLM2's layout: 9 q heads over 3 kv heads
+    (2, 2, 128, 16),  # Llama's head_dim
+    (1, 2, 256, 8),  # Gemma's widest head_dim
 ])
 def test_head_layouts(kv_heads: int, group: int, head_dim: int, block_size: int) -> None:
     rng = np.random.default_rng()
