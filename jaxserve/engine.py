@@ -76,12 +76,12 @@ def load_model(load: LoadConfig, dtype: jnp.dtype, seed: int
     """
     from jaxserve.model_files import default_gguf_path
     from models.config import builtin_config
-    from models.llama import LlamaForCausalLM
     from models.loader import dummy_params, gguf_name, load_gguf_params
+    from models.registry import get_architecture
 
     if load.load_format == "dummy":
         cfg = builtin_config(load.model or "smollm2-135m")
-        params = dummy_params(LlamaForCausalLM(cfg, dtype), seed)
+        params = dummy_params(get_architecture(cfg.architecture).model(cfg, dtype), seed)
         return cfg, params, Tokenizer.from_gguf(default_gguf_path()), cfg.name
     path = load.model or default_gguf_path()
     if os.path.isdir(path) or not path.lower().endswith(".gguf"):
@@ -108,7 +108,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None, load: LoadConfig | None = None,
                  metrics=None) -> None:
-        from models.llama import LlamaForCausalLM
+        from models.registry import get_architecture
 
         self.config = config = config or EngineConfig()
         self.load_config = load = load or LoadConfig()
@@ -134,7 +134,7 @@ class LLMEngine:
                 f"max_model_len")
         kv = allocate_kv_cache(mc.num_layers, self.num_blocks, config.block_size,
                                mc.num_kv_heads, mc.head_dim, self.dtype)
-        self.model = LlamaForCausalLM(
+        self.model = get_architecture(mc.architecture).model(
             mc, self.dtype, attention_fn=attention_fn_for_backend(config.attention_backend))
         vocab_limit = self.tokenizer.vocab_size if self.tokenizer.vocab_size < mc.vocab_size \
             else None

@@ -1,4 +1,5 @@
-"""Flax model definitions and weight loaders (GGUF, dummy)."""
+"""Flax model definitions, weight loaders (GGUF, dummy) and the registry of architectures by
+name (``models.registry``)."""
 
 from models.config import BUILTIN_CONFIGS, ModelConfig, RopeScaling, builtin_config
 from models.llama import AttentionMetadata, LlamaForCausalLM, LlamaModel

@@ -46,6 +46,7 @@ class ModelConfig:
     qkv_bias: bool = False
     max_position_embeddings: int = 8192
     name: str = "llama"
+    architecture: str = "llama"
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -56,6 +57,29 @@ class ModelConfig:
     def replace(self, **changes: object) -> ModelConfig:
         """A copy with some fields changed."""
         return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        """JSON-able fields (the ``config.json`` of an orbax checkpoint); ``from_dict`` inverts
+        it."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ModelConfig:
+        """A config from ``to_dict()``'s form (other keys of ``config.json`` are not allowed).
+
+        Raises:
+          ValueError: naming an unknown or missing key, or an invalid value.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(data) - names):
+            raise ValueError(f"unknown model config keys {unknown}; known: {sorted(names)}")
+        values = dict(data)
+        if isinstance(values.get("rope_scaling"), dict):
+            values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
+        try:
+            return cls(**values)
+        except TypeError as e:
+            raise ValueError(f"model config: {e}") from None
 
     @property
     def num_params(self) -> int:

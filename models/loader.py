@@ -1,4 +1,6 @@
-"""Weights for ``LlamaModel``: random ("dummy") weights of a named config, or a GGUF file.
+"""Weights: random ("dummy") weights of any registered model, and GGUF files (the generic entry
+``load_gguf_params`` dispatches on ``general.architecture`` through ``models.registry``; the llama
+reader is here).
 
 Params pytree (``LlamaModel``): ``embed [vocab, hidden]``, ``final_norm/weight [hidden]``,
 ``lm_head [hidden, vocab]`` (untied only) and ``layers/{attn_norm,mlp_norm}/weight [L, hidden]``,
@@ -16,11 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig, RopeScaling
-from models.llama import LlamaForCausalLM
 
 
-def dummy_params(model: LlamaForCausalLM, seed: int):
-    """Random weights created on the device in the model's dtype, deterministic for ``seed``.
+def dummy_params(model, seed: int):
+    """Random weights created on the device in the model's dtype, deterministic for ``seed``,
+    for any model with ``param_shapes()`` (``models.registry.CausalLM``).
 
     Norm weights are 1, every other leaf N(0, 0.02). Nothing is built on the host, so the
     shapes of Llama-3.1-8B cost only device memory.
@@ -98,58 +100,89 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
             .reshape(w.shape))
 
 
-def load_gguf_params(path: str, dtype: jnp.dtype) -> tuple[ModelConfig, dict]:
-    """Read a Llama-family GGUF file, dequantise every tensor with ``gguf``, return
-    (config, params) with params on the default device in ``dtype``.
+def gguf_tensor_getter(reader, path: str = "GGUF file"):
+    """``get(name) -> f32 ndarray`` dequantising one tensor of a ``gguf.GGUFReader`` (shape as
+    GGUF reports it, e.g. ``[out, in]`` for a linear weight).
 
-    Raises:
-      ValueError: unsupported architecture or a missing tensor.
+    Raises (from ``get``):
+      ValueError: the file lacks that tensor.
     """
-    import gguf  # file formats are a layer above the core: import only here
+    import gguf
 
-    reader = gguf.GGUFReader(path)
-    cfg = gguf_model_config(reader)
     tensors = {t.name: t for t in reader.tensors}
 
     def get(name: str) -> np.ndarray:
         if name not in tensors:
-            raise ValueError(f"GGUF file {path} lacks tensor {name}")
+            raise ValueError(f"{path} lacks tensor {name}")
         t = tensors[name]
         return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+
+    return get
+
+
+def stack_layers(per_layer: list[dict], dtype: jnp.dtype) -> dict:
+    """Stack a list (one per layer) of equal pytrees of host arrays on a new leading axis and put
+    each stacked leaf on the device in ``dtype`` (one leaf at a time, to bound host memory)."""
+    return jax.tree_util.tree_map(lambda *xs: jnp.asarray(np.stack(xs), dtype=dtype), *per_layer)
+
+
+def llama_gguf_params(reader, cfg: ModelConfig, dtype: jnp.dtype) -> dict:
+    """Params of ``LlamaForCausalLM`` from a llama GGUF (q/k rows un-permuted, linear weights
+    transposed to ``[in, out]``), on the default device in ``dtype``.
+
+    Raises:
+      ValueError: a missing tensor.
+    """
+    get = gguf_tensor_getter(reader)
 
     def put(a: np.ndarray) -> jax.Array:
         return jnp.asarray(a, dtype=dtype)
 
     names = {"wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output",
              "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
-    layers: dict = {"attn_norm": {"weight": []}, "mlp_norm": {"weight": []}}
-    layers.update({k: [] for k in names})
-    if cfg.qkv_bias:
-        layers.update({"bq": [], "bk": [], "bv": []})
+    per_layer = []
     for i in range(cfg.num_layers):
         p = f"blk.{i}."
-        layers["attn_norm"]["weight"].append(get(p + "attn_norm.weight"))
-        layers["mlp_norm"]["weight"].append(get(p + "ffn_norm.weight"))
+        layer: dict = {"attn_norm": {"weight": get(p + "attn_norm.weight")},
+                       "mlp_norm": {"weight": get(p + "ffn_norm.weight")}}
         for ours, theirs in names.items():
             w = get(p + theirs + ".weight")  # [out, in]
             if ours == "wq":
                 w = _unpermute(w, cfg.num_heads)
             elif ours == "wk":
                 w = _unpermute(w, cfg.num_kv_heads)
-            layers[ours].append(w.T)
+            layer[ours] = w.T
         if cfg.qkv_bias:
-            layers["bq"].append(_unpermute(get(p + "attn_q.bias"), cfg.num_heads))
-            layers["bk"].append(_unpermute(get(p + "attn_k.bias"), cfg.num_kv_heads))
-            layers["bv"].append(get(p + "attn_v.bias"))
-    stacked = jax.tree_util.tree_map(lambda *xs: put(np.stack(xs)), *[
-        jax.tree_util.tree_map(lambda lst, j=j: lst[j], layers,
-                               is_leaf=lambda x: isinstance(x, list))
-        for j in range(cfg.num_layers)])
-    params = {"embed": put(get("token_embd.weight")), "layers": stacked,
+            layer["bq"] = _unpermute(get(p + "attn_q.bias"), cfg.num_heads)
+            layer["bk"] = _unpermute(get(p + "attn_k.bias"), cfg.num_kv_heads)
+            layer["bv"] = get(p + "attn_v.bias")
+        per_layer.append(layer)
+    params = {"embed": put(get("token_embd.weight")), "layers": stack_layers(per_layer, dtype),
               "final_norm": {"weight": put(get("output_norm.weight"))}}
     if not cfg.tie_word_embeddings:
         params["lm_head"] = put(get("output.weight").T)
-    return cfg, params
+    return params
+
+
+def load_gguf_params(path: str, dtype: jnp.dtype):
+    """Read a GGUF file of any registered architecture (``general.architecture``), dequantise
+    every tensor with ``gguf``, return (config, params) with params on the default device in
+    ``dtype``.
+
+    Raises:
+      ValueError: an unregistered architecture, one without a GGUF loader, or a missing tensor.
+    """
+    import gguf  # file formats are a layer above the core: import only here
+
+    from models.registry import get_architecture
+
+    reader = gguf.GGUFReader(path)
+    name = _field(reader, "general.architecture")
+    arch = get_architecture(str(name))
+    if arch.gguf_config is None or arch.gguf_params is None:
+        raise ValueError(f"{path}: architecture {name!r} has no GGUF loader")
+    cfg = arch.gguf_config(reader)
+    return cfg, arch.gguf_params(reader, cfg, dtype)
 
 
 def gguf_name(path: str) -> str:
