@@ -144,6 +144,8 @@ class LLMEngine:
                                   max_blocks_per_seq=max_blocks, vocab_limit=vocab_limit)
         self.state = sched.new_state(sched.SchedulerConfig.from_engine_config(
             config, self.num_blocks, self.max_model_len))
+        if metrics is not None:
+            metrics.set_batch_limits(config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, _Request] = {}
         self._rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
@@ -234,11 +236,13 @@ class LLMEngine:
         return aborted
 
     def _record_step(self, num_prompt_tokens: int = 0, num_generation_tokens: int = 0,
-                     num_preemptions: int = 0) -> None:
+                     num_preemptions: int = 0, plan: sched.SchedulerOutput | None = None) -> None:
         if self.metrics is not None:
             self.metrics.record_step(len(self.state.running), len(self.state.waiting),
                                      self.state.block_pool.usage, num_prompt_tokens,
                                      num_generation_tokens, num_preemptions)
+            if plan is not None:  # batch occupancy of the step that ran (0, 0 when idle)
+                self.metrics.record_batch(len(plan.scheduled), plan.num_scheduled_tokens)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
@@ -258,7 +262,7 @@ class LLMEngine:
         preempted_before = self.state.num_preemptions_total
         self.state, plan = sched.schedule(self.state)
         if plan.is_empty:
-            self._record_step()
+            self._record_step(plan=plan)
             return []
         now = time.monotonic()
         rows, num_prompt_tokens = [], 0
@@ -282,7 +286,7 @@ class LLMEngine:
         outputs = [self._process(rid, tok, result.finished.get(rid), now)
                    for rid, tok in result.new_token_ids.items()]
         self._record_step(num_prompt_tokens, len(result.new_token_ids),
-                          self.state.num_preemptions_total - preempted_before)
+                          self.state.num_preemptions_total - preempted_before, plan)
         return [o for o in outputs if o is not None]
 
     def _process(self, rid: str, token: int, finish: str | None, now: float

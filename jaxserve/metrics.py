@@ -8,7 +8,10 @@ Exposed series (prometheus-client appends ``_total`` to counters and ``_bucket``
 to histograms):
 
   gauges     jaxserve:num_requests_running, jaxserve:num_requests_waiting,
-             jaxserve:kv_cache_usage_perc (0-1)
+             jaxserve:kv_cache_usage_perc (0-1); batch occupancy of the last step:
+             jaxserve:num_scheduled_seqs, jaxserve:num_scheduled_tokens, their limits
+             jaxserve:max_num_seqs, jaxserve:max_num_batched_tokens, and the ratios
+             jaxserve:batch_seqs_usage_perc, jaxserve:batch_tokens_usage_perc (0-1)
   counters   jaxserve:prompt_tokens_total, jaxserve:generation_tokens_total,
              jaxserve:request_success_total{finished_reason}, jaxserve:num_preemptions_total,
              jaxserve:num_aborted_requests_total
@@ -58,6 +61,7 @@ class EngineMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
+        self._limits = (0, 0)  # (max_num_seqs, max_num_batched_tokens) once set_batch_limits ran
         self.num_requests_running = Gauge(
             PREFIX + "num_requests_running", "Requests in the running batch.", registry=r
         )
@@ -67,6 +71,32 @@ class EngineMetrics:
         self.kv_cache_usage_perc = Gauge(
             PREFIX + "kv_cache_usage_perc",
             "Fraction (0-1) of KV-cache blocks held by live requests.",
+            registry=r,
+        )
+        self.num_scheduled_seqs = Gauge(
+            PREFIX + "num_scheduled_seqs", "Sequences in the last engine step's batch.", registry=r
+        )
+        self.num_scheduled_tokens = Gauge(
+            PREFIX + "num_scheduled_tokens",
+            "Tokens (prefill chunks + decode tokens) in the last engine step.",
+            registry=r,
+        )
+        self.max_num_seqs = Gauge(
+            PREFIX + "max_num_seqs", "Most sequences one step may hold (max_num_seqs).", registry=r
+        )
+        self.max_num_batched_tokens = Gauge(
+            PREFIX + "max_num_batched_tokens",
+            "Token budget of one step (max_num_batched_tokens).",
+            registry=r,
+        )
+        self.batch_seqs_usage_perc = Gauge(
+            PREFIX + "batch_seqs_usage_perc",
+            "Last step's sequences over max_num_seqs (0-1).",
+            registry=r,
+        )
+        self.batch_tokens_usage_perc = Gauge(
+            PREFIX + "batch_tokens_usage_perc",
+            "Last step's tokens over max_num_batched_tokens (0-1).",
             registry=r,
         )
         self.prompt_tokens = Counter(
@@ -140,6 +170,22 @@ class EngineMetrics:
             self.generation_tokens.inc(num_generation_tokens)
         if num_preemptions:
             self.num_preemptions.inc(num_preemptions)
+
+    def set_batch_limits(self, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        """Publish the engine's per-step limits (the denominators of the usage ratios)."""
+        self._limits = (max_num_seqs, max_num_batched_tokens)
+        self.max_num_seqs.set(max_num_seqs)
+        self.max_num_batched_tokens.set(max_num_batched_tokens)
+
+    def record_batch(self, num_seqs: int, num_tokens: int) -> None:
+        """Record the last step's batch: ``num_seqs`` sequences and ``num_tokens`` tokens
+        scheduled (0 and 0 for an idle step); the ratios use the limits of
+        ``set_batch_limits`` (0 before it is called)."""
+        self.num_scheduled_seqs.set(num_seqs)
+        self.num_scheduled_tokens.set(num_tokens)
+        max_seqs, max_tokens = self._limits
+        self.batch_seqs_usage_perc.set(num_seqs / max_seqs if max_seqs else 0.0)
+        self.batch_tokens_usage_perc.set(num_tokens / max_tokens if max_tokens else 0.0)
 
     def record_first_token(self, ttft_s: float, queue_s: float) -> None:
         """Record a request's first output token: time to first token and time spent queued."""
