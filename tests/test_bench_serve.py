@@ -19,7 +19,20 @@ import pytest
 
 from jaxserve.bench.arrivals import arrival_offsets, inter_arrival_times, paced
 from jaxserve.bench.client import build_payload
-from jaxserve.bench.datasets import WORDS, SampleRequest, prefix_dataset, random_dataset
+from jaxserve.bench.datasets import (
+    CORPUS_PATH,
+    SHAREGPT_MEAN_INPUT_LEN,
+    SHAREGPT_MEAN_OUTPUT_LEN,
+    WORDS,
+    SampleRequest,
+    TextCorpus,
+    prefix_dataset,
+    random_dataset,
+    sample_lengths,
+    sharegpt_like_dataset,
+    sharegpt_like_lengths,
+    trace_dataset,
+)
 from jaxserve.bench.metrics import (
     RequestResult,
     build_result,
@@ -318,3 +331,90 @@ def test_bad_flags_exit_2(tmp_path: Path) -> None:
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--goodput", "itl:5"]) == 2
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m",
                  "--max-concurrency", "0"]) == 2
+
+
+# -- length distributions, sharegpt-like, trace -------------------------------------------------
+
+
+@pytest.mark.parametrize(("dist", "ratio", "std"), [
+    ("normal", 0.3, 30.0),  # std r * len
+    ("lognormal", 0.5, 50.0),  # coefficient of variation r: std r * mean
+])
+def test_length_distributions(dist: str, ratio: float, std: float) -> None:
+    lens = sample_lengths(np.random.default_rng(0), 100_000, 100, dist, ratio)
+    assert lens.dtype == np.int64 and lens.min() >= 1
+    assert lens.mean() == pytest.approx(100, rel=0.01)
+    assert lens.std() == pytest.approx(std, rel=0.03)
+
+
+def test_length_distribution_edges() -> None:
+    rng = np.random.default_rng(0)
+    assert set(sample_lengths(rng, 50, 7, "fixed", 0.0).tolist()) == {7}
+    u = sample_lengths(rng, 10_000, 10, "uniform", 0.5)
+    assert (u.min(), u.max()) == (5, 15)
+    assert sample_lengths(rng, 1000, 2, "normal", 5.0).min() == 1  # clipped at the minimum
+    for dist, ratio in (("fixed", 0.1), ("uniform", 1.0), ("normal", -0.1), ("zipf", 0.0)):
+        with pytest.raises(ValueError):
+            sample_lengths(rng, 3, 10, dist, ratio)
+    reqs = random_dataset(200, 50, 20, 0.4, seed=1, chat=False, distribution="lognormal")
+    assert all(len(r.prompt) == r.prompt_len >= 1 for r in reqs)
+
+
+def test_sharegpt_like_lengths_match_published_means() -> None:
+    ins, outs = sharegpt_like_lengths(100_000, np.random.default_rng(0))
+    assert ins.mean() == pytest.approx(SHAREGPT_MEAN_INPUT_LEN, rel=0.02)
+    assert outs.mean() == pytest.approx(SHAREGPT_MEAN_OUTPUT_LEN, rel=0.02)
+    assert ins.min() >= 4 and outs.min() >= 4 and ins.max() <= 1024
+    assert (ins + outs).max() <= 2048
+
+
+def test_sharegpt_like_prompts_are_real_text(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    corpus = TextCorpus(tokenizer.backend)
+    reqs = sharegpt_like_dataset(20, seed=3, chat=False, corpus=corpus)
+    assert all(len(r.prompt) == r.prompt_len for r in reqs)
+    text = tokenizer.decode(reqs[0].prompt)
+    with open(CORPUS_PATH, encoding="utf-8") as fh:
+        book = fh.read()
+    assert text[5:-5] in book  # a window of the book (ends may be cut mid-token)
+    chat = sharegpt_like_dataset(20, seed=3, chat=True, corpus=corpus)
+    assert [r.prompt_len for r in chat] == [r.prompt_len for r in reqs]
+    assert chat[0].prompt == text
+
+
+def test_trace_dataset(tmp_path: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    corpus = TextCorpus(tokenizer.backend)
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"timestamp": 2500, "input_length": 12, "output_length": 3}\n\n'
+                 '{"timestamp": 1000, "prompt": "It is a truth", "output_length": 5}\n'
+                 '{"timestamp": 1200, "input_length": 7, "output_length": 1}\n')
+    reqs, times = trace_dataset(str(p), None, 0, chat=False, corpus=corpus)
+    np.testing.assert_allclose(times, [0.0, 0.2, 1.5])
+    assert reqs[0].prompt == "It is a truth" and reqs[0].expected_output_len == 5
+    assert reqs[0].prompt_len == len(tokenizer.encode("It is a truth", add_special_tokens=False))
+    assert [(len(r.prompt), r.expected_output_len) for r in reqs[1:]] == [(7, 1), (12, 3)]
+    first, t = trace_dataset(str(p), 2, 0, chat=False, corpus=corpus)
+    assert len(first) == 2 and t.tolist() == pytest.approx([0.0, 0.2])
+    for bad, field in (('{"arrival_time": 1, "output_length": 2}', "prompt"),
+                       (('{"arrival_time": 1, "timestamp": 3, "input_length": 2, '
+                         '"output_length": 2}'), "arrival_time"),
+                       ('{"arrival_time": -1, "input_length": 2, "output_length": 2}',
+                        "arrival_time"),
+                       ('{"arrival_time": 0, "input_length": 2, "output_length": 0}',
+                        "output_length"),
+                       ("[1]", "object"), ("{", "JSON")):
+        p.write_text(bad + "\n")
+        with pytest.raises(ValueError, match=field):
+            trace_dataset(str(p), None, 0, chat=False, corpus=corpus)
+
+
+def test_trace_end_to_end_keeps_arrival_times(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"arrival_time": t, "input_length": 5,
+                                         "output_length": 3}) + "\n" for t in (0.0, 0.3, 0.6)))
+    with serve_app(build_app(FakeEngine(max_model_len=256), "m")) as url:
+        rc, res = _bench(url, tmp_path, "--dataset-name", "trace", "--dataset-path", str(trace))
+        assert main(["bench", "serve", "--base-url", url, "--dataset-name", "trace",
+                     "--dataset-path", str(trace), "--request-rate", "2"]) == 2
+    assert rc == 0 and res["completed"] == 3 and res["output_lens"] == [3, 3, 3]
+    assert res["input_lens"] == [5, 5, 5]
+    assert res["start_times"][1] >= 0.29 and res["start_times"][2] >= 0.59

@@ -35,13 +35,19 @@ from jaxserve.bench.arrivals import arrival_offsets, paced
 from jaxserve.bench.client import build_payload, first_model, send_request
 from jaxserve.bench.datasets import (
     DEFAULT_TOKEN_RANGE,
+    LENGTH_DISTRIBUTIONS,
     SampleRequest,
+    TextCorpus,
+    load_tokenizer,
     prefix_dataset,
     random_dataset,
+    sharegpt_like_dataset,
+    trace_dataset,
 )
 from jaxserve.bench.metrics import METRICS, RequestResult, build_result, format_table, parse_goodput
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+DATASETS = ("random", "sharegpt-like", "prefix", "prefix_repetition", "trace")
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -51,13 +57,24 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     a("--endpoint", default="/v1/completions", choices=ENDPOINTS, help="API path")
     a("--model", default=None, help="model id in requests (default: first of GET /v1/models)")
     a("--label", default=None, help="result file name prefix (default: openai / openai-chat)")
-    a("--dataset-name", default="random", choices=["random", "prefix", "prefix_repetition"],
-      help="workload: random lengths, or shared prefixes (prefix_repetition: the same)")
+    a("--dataset-name", default="random", choices=DATASETS,
+      help="workload: random lengths; sharegpt-like (published ShareGPT length statistics, "
+           "real text); shared prefixes (prefix_repetition: the same); trace (--dataset-path "
+           "JSONL replayed at its own arrival times)")
+    a("--dataset-path", default=None,
+      help="the trace file of --dataset-name trace: JSONL of arrival_time (s) or timestamp "
+           "(ms), prompt or input_length, output_length")
+    a("--tokenizer", default=None,
+      help="tokenizer that cuts sharegpt-like and trace prompts from real text: a .gguf file, "
+           "a tokenizer.json or a folder holding one (default: SmolLM2-135M-Instruct's)")
     a("--num-prompts", type=int, default=1000, help="requests measured")
     a("--random-input-len", type=int, default=1024, help="mean prompt length (tokens)")
     a("--random-output-len", type=int, default=128, help="mean output length (tokens)")
     a("--random-range-ratio", type=float, default=0.0,
-      help="lengths uniform in [len*(1-r), len*(1+r)], r in [0, 1)")
+      help="spread r of the random lengths: uniform in [len*(1-r), len*(1+r)] (r in [0, 1)); "
+           "normal: std r*len; lognormal: coefficient of variation r")
+    a("--random-length-distribution", default="uniform", choices=LENGTH_DISTRIBUTIONS,
+      help="distribution of the random lengths (jaxserve only; uniform is vLLM's rule)")
     a("--random-token-range", type=int, nargs=2, default=list(DEFAULT_TOKEN_RANGE),
       metavar=("LOW", "HIGH"), help="prompt token ids drawn from [LOW, HIGH) (jaxserve only)")
     a("--prefix-repetition-prefix-len", type=int, default=256, help="shared prefix (tokens)")
@@ -100,16 +117,35 @@ def _check(ns: argparse.Namespace) -> None:
         raise ValueError("--request-rate and --burstiness must be > 0")
 
 
-def build_workload(ns: argparse.Namespace) -> list[SampleRequest]:
-    """The requests of ``--dataset-name`` for ``--endpoint``."""
+def build_workload(ns: argparse.Namespace) -> tuple[list[SampleRequest], np.ndarray | None]:
+    """The requests of ``--dataset-name`` for ``--endpoint``, and their send times (s) when the
+    workload carries its own (a trace), else None.
+
+    Raises:
+      ValueError: bad workload flags (a trace without ``--dataset-path`` or with a finite
+        ``--request-rate``, bad lengths, a malformed trace line).
+    """
     chat = ns.endpoint.endswith("chat/completions")
     rng_range = (ns.random_token_range[0], ns.random_token_range[1])
-    if ns.dataset_name == "random":
+    name = ns.dataset_name
+    if name == "random":
         return random_dataset(ns.num_prompts, ns.random_input_len, ns.random_output_len,
-                              ns.random_range_ratio, ns.seed, chat, rng_range)
-    return prefix_dataset(ns.num_prompts, ns.prefix_repetition_prefix_len,
-                          ns.prefix_repetition_suffix_len, ns.prefix_repetition_num_prefixes,
-                          ns.prefix_repetition_output_len, ns.seed, chat, rng_range)
+                              ns.random_range_ratio, ns.seed, chat, rng_range,
+                              ns.random_length_distribution), None
+    if name in ("prefix", "prefix_repetition"):
+        return prefix_dataset(ns.num_prompts, ns.prefix_repetition_prefix_len,
+                              ns.prefix_repetition_suffix_len, ns.prefix_repetition_num_prefixes,
+                              ns.prefix_repetition_output_len, ns.seed, chat, rng_range), None
+    if name == "trace":
+        if not ns.dataset_path:
+            raise ValueError("--dataset-name trace needs --dataset-path FILE.jsonl")
+        if not math.isinf(ns.request_rate):
+            raise ValueError("--request-rate does not apply to a trace (it sets its own arrival "
+                             "times); leave it at inf")
+    corpus = TextCorpus(load_tokenizer(ns.tokenizer))
+    if name == "trace":
+        return trace_dataset(ns.dataset_path, ns.num_prompts, ns.seed, chat, corpus)
+    return sharegpt_like_dataset(ns.num_prompts, ns.seed, chat, corpus), None
 
 
 async def run_benchmark(ns: argparse.Namespace) -> tuple[dict[str, Any], str]:
@@ -123,9 +159,10 @@ async def run_benchmark(ns: argparse.Namespace) -> tuple[dict[str, Any], str]:
     base = ns.base_url.rstrip("/")
     url = base + ns.endpoint
     chat = ns.endpoint.endswith("chat/completions")
-    samples = build_workload(ns)
-    offsets = arrival_offsets(len(samples), ns.request_rate, ns.burstiness,
-                              np.random.default_rng(ns.seed))
+    samples, offsets = build_workload(ns)
+    if offsets is None:
+        offsets = arrival_offsets(len(samples), ns.request_rate, ns.burstiness,
+                                  np.random.default_rng(ns.seed))
     extra = {k: v for k, v in (("temperature", ns.temperature), ("top_p", ns.top_p),
                                ("top_k", ns.top_k)) if v is not None}
     cap = ns.max_concurrency
