@@ -154,6 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_serve_args(bsub.add_parser(
         "serve", help="load generator with vllm bench serve's flags and JSON keys",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    from jaxserve.bench.throughput import add_cli_args as add_bench_throughput_args
+
+    add_bench_throughput_args(bsub.add_parser(
+        "throughput", help="offline engine throughput: continuous against static batching",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     return p
 
 
@@ -211,10 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.command == "serve":
             serve(ns)
-        elif ns.command == "bench":
+        elif ns.command == "bench" and ns.bench_command == "serve":
             from jaxserve.bench.serve import run as bench_serve
 
             return bench_serve(ns)
+        elif ns.command == "bench":
+            from jaxserve.bench.throughput import run as bench_throughput
+
+            return bench_throughput(ns)
     except (ValueError, FileNotFoundError) as e:
         print(f"jaxserve: error: {e}", file=sys.stderr)
         return 2

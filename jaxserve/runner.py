@@ -135,13 +135,15 @@ class ModelRunner:
 
     # -- host side -----------------------------------------------------------------------------
     def pack_step(self, token_ids: Sequence[Sequence[int]], start_pos: Sequence[int],
-                  block_ids: Sequence[Sequence[int]], rows: Sequence[RowParams]
-                  ) -> tuple[Bucket, np.ndarray]:
+                  block_ids: Sequence[Sequence[int]], rows: Sequence[RowParams],
+                  sample_index: Sequence[int] | None = None) -> tuple[Bucket, np.ndarray]:
         """Fill the bucket's buffer for a ragged batch.
 
         Args (one entry per scheduled sequence, in batch order): token_ids (this step's tokens),
         start_pos (position of the first of them), block_ids (the whole block table), rows
-        (sampling inputs).
+        (sampling inputs), sample_index (which of this step's tokens each sequence samples
+        from, in ``[0, len(token_ids[i]))``; default: its last token; the static-batching
+        baseline samples a right-padded prompt at its last real token).
         Returns the bucket and its packed ``i32`` buffer (reused across steps).
         Raises ValueError if no bucket fits, or a block table is wider than max_blocks_per_seq.
         """
@@ -173,7 +175,10 @@ class ModelRunner:
         slots[:num_tokens] = blk * self.block_size + pos % self.block_size
         buf[sl["seq_lens"]][:num_seqs] = np.asarray(start_pos, np.int32) + np.asarray(q_lens)
         buf[sl["num_seqs"]] = num_seqs
-        buf[sl["logits_indices"]][:num_seqs] = qsl[1:num_seqs + 1] - 1
+        if sample_index is None:
+            buf[sl["logits_indices"]][:num_seqs] = qsl[1:num_seqs + 1] - 1
+        else:
+            buf[sl["logits_indices"]][:num_seqs] = qsl[:num_seqs] + np.asarray(sample_index)
         temp = np.zeros(b.num_seqs, np.float32)
         top_p = np.ones(b.num_seqs, np.float32)
         temp[:num_seqs] = [r.temperature for r in rows]

@@ -50,13 +50,9 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 DATASETS = ("random", "sharegpt-like", "prefix", "prefix_repetition", "trace")
 
 
-def add_cli_args(p: argparse.ArgumentParser) -> None:
-    """``jaxserve bench serve``'s flags (vLLM's names and defaults unless noted)."""
+def add_dataset_args(p: argparse.ArgumentParser, num_prompts: int = 1000) -> None:
+    """The workload flags (shared with ``jaxserve bench throughput`` and ``jaxserve sweep``)."""
     a = p.add_argument
-    a("--base-url", default="http://127.0.0.1:8000", help="server URL without the path")
-    a("--endpoint", default="/v1/completions", choices=ENDPOINTS, help="API path")
-    a("--model", default=None, help="model id in requests (default: first of GET /v1/models)")
-    a("--label", default=None, help="result file name prefix (default: openai / openai-chat)")
     a("--dataset-name", default="random", choices=DATASETS,
       help="workload: random lengths; sharegpt-like (published ShareGPT length statistics, "
            "real text); shared prefixes (prefix_repetition: the same); trace (--dataset-path "
@@ -67,7 +63,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     a("--tokenizer", default=None,
       help="tokenizer that cuts sharegpt-like and trace prompts from real text: a .gguf file, "
            "a tokenizer.json or a folder holding one (default: SmolLM2-135M-Instruct's)")
-    a("--num-prompts", type=int, default=1000, help="requests measured")
+    a("--num-prompts", type=int, default=num_prompts, help="requests measured")
     a("--random-input-len", type=int, default=1024, help="mean prompt length (tokens)")
     a("--random-output-len", type=int, default=128, help="mean output length (tokens)")
     a("--random-range-ratio", type=float, default=0.0,
@@ -81,6 +77,16 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     a("--prefix-repetition-suffix-len", type=int, default=256, help="unique suffix (tokens)")
     a("--prefix-repetition-num-prefixes", type=int, default=10, help="distinct prefixes")
     a("--prefix-repetition-output-len", type=int, default=128, help="output length (tokens)")
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    """``jaxserve bench serve``'s flags (vLLM's names and defaults unless noted)."""
+    a = p.add_argument
+    a("--base-url", default="http://127.0.0.1:8000", help="server URL without the path")
+    a("--endpoint", default="/v1/completions", choices=ENDPOINTS, help="API path")
+    a("--model", default=None, help="model id in requests (default: first of GET /v1/models)")
+    a("--label", default=None, help="result file name prefix (default: openai / openai-chat)")
+    add_dataset_args(p)
     a("--request-rate", type=float, default=float("inf"),
       help="arrivals per second; inf sends every request at once")
     a("--burstiness", type=float, default=1.0,
@@ -117,15 +123,15 @@ def _check(ns: argparse.Namespace) -> None:
         raise ValueError("--request-rate and --burstiness must be > 0")
 
 
-def build_workload(ns: argparse.Namespace) -> tuple[list[SampleRequest], np.ndarray | None]:
-    """The requests of ``--dataset-name`` for ``--endpoint``, and their send times (s) when the
-    workload carries its own (a trace), else None.
+def build_workload(ns: argparse.Namespace, chat: bool
+                   ) -> tuple[list[SampleRequest], np.ndarray | None]:
+    """The requests of ``--dataset-name`` (text prompts if ``chat``, else token ids), and their
+    send times (s) when the workload carries its own (a trace), else None.
 
     Raises:
       ValueError: bad workload flags (a trace without ``--dataset-path`` or with a finite
         ``--request-rate``, bad lengths, a malformed trace line).
     """
-    chat = ns.endpoint.endswith("chat/completions")
     rng_range = (ns.random_token_range[0], ns.random_token_range[1])
     name = ns.dataset_name
     if name == "random":
@@ -139,7 +145,7 @@ def build_workload(ns: argparse.Namespace) -> tuple[list[SampleRequest], np.ndar
     if name == "trace":
         if not ns.dataset_path:
             raise ValueError("--dataset-name trace needs --dataset-path FILE.jsonl")
-        if not math.isinf(ns.request_rate):
+        if not math.isinf(getattr(ns, "request_rate", math.inf)):
             raise ValueError("--request-rate does not apply to a trace (it sets its own arrival "
                              "times); leave it at inf")
     corpus = TextCorpus(load_tokenizer(ns.tokenizer))
@@ -159,7 +165,7 @@ async def run_benchmark(ns: argparse.Namespace) -> tuple[dict[str, Any], str]:
     base = ns.base_url.rstrip("/")
     url = base + ns.endpoint
     chat = ns.endpoint.endswith("chat/completions")
-    samples, offsets = build_workload(ns)
+    samples, offsets = build_workload(ns, chat)
     if offsets is None:
         offsets = arrival_offsets(len(samples), ns.request_rate, ns.burstiness,
                                   np.random.default_rng(ns.seed))
