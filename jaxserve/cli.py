@@ -159,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_throughput_args(bsub.add_parser(
         "throughput", help="offline engine throughput: continuous against static batching",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    from jaxserve.bench.sweep import add_cli_args as add_sweep_args
+
+    add_sweep_args(sub.add_parser(
+        "sweep", help="raise concurrency (and optionally vary engine settings) to find the knee, "
+                      "the SLO limit and recommended configurations",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     return p
 
 
@@ -224,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
             from jaxserve.bench.throughput import run as bench_throughput
 
             return bench_throughput(ns)
+        elif ns.command == "sweep":
+            from jaxserve.bench.sweep import run as sweep
+
+            return sweep(ns)
     except (ValueError, FileNotFoundError) as e:
         print(f"jaxserve: error: {e}", file=sys.stderr)
         return 2
