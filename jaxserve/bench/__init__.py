@@ -1,11 +1,14 @@
-"""``jaxserve bench``: load generation and measurement for OpenAI-compatible servers.
+"""``jaxserve bench`` and ``jaxserve sweep``: load generation, measurement and tuning.
 
 Modules:
-  datasets  -- synthetic workloads (``random``, ``prefix``) as ``SampleRequest`` lists.
-  arrivals  -- request arrival times: closed burst, Poisson, or gamma (burstiness) open loop.
-  client    -- one streamed request over httpx, timed per chunk (TTFT, ITL, latency).
-  metrics   -- vLLM ``benchmark_serving`` metrics from per-request timelines; the result table.
-  serve     -- ``jaxserve bench serve``: flags (vLLM's names), the run, the saved JSON.
-
-Only ``serve`` (issue 6 item 1) exists so far; ``bench throughput`` and ``sweep`` come later.
+  datasets      workloads (``random``, ``sharegpt-like``, ``prefix``, ``trace``) as
+                ``SampleRequest`` lists; the shipped public-domain text (data/).
+  arrivals      request arrival times: closed burst, Poisson, or gamma (burstiness) open loop.
+  client        one streamed request over httpx, timed per chunk (TTFT, ITL, latency).
+  metrics       vLLM ``benchmark_serving`` metrics from per-request timelines; the result table.
+  serve         ``jaxserve bench serve``: flags (vLLM's names), the run, the saved JSON.
+  static_batch  the static-batching baseline on an engine's own runner.
+  throughput    ``jaxserve bench throughput``: offline, continuous against static batching.
+  sweep         ``jaxserve sweep``: concurrency (and engine-setting) sweep, knee, SLO limit,
+                plots and recommended ``--config`` files.
 """

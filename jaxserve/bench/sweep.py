@@ -177,9 +177,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 def _check(ns: argparse.Namespace) -> None:
     if ns.base_url and ns.grid:
         raise ValueError("--grid needs freshly started servers; drop --base-url")
-    if ns.concurrency_start < 1 or ns.concurrency_factor <= 1 or ns.max_concurrency_limit < 1:
-        raise ValueError("--concurrency-start must be >= 1, --concurrency-factor > 1 and "
-                         "--max-concurrency-limit >= 1")
+    if not 1 <= ns.concurrency_start <= ns.max_concurrency_limit or ns.concurrency_factor <= 1:
+        raise ValueError("--concurrency-start must be in [1, --max-concurrency-limit] and "
+                         "--concurrency-factor > 1")
+    if ns.num_prompts < 1 or ns.prompts_per_concurrency < 0 or ns.num_warmups < 0:
+        raise ValueError("--num-prompts must be >= 1, --prompts-per-concurrency and "
+                         "--num-warmups >= 0")
     if ns.patience < 1 or not 0 <= ns.gain_threshold < 1:
         raise ValueError("--patience must be >= 1 and --gain-threshold in [0, 1)")
     if not 0 <= ns.headroom < 1:
