@@ -10,6 +10,7 @@ The async server (``AsyncEngine``) and the offline ``LLM`` both drive this objec
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
@@ -22,7 +23,7 @@ import numpy as np
 from jaxserve import scheduler as sched
 from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from jaxserve.runner import ModelRunner, RowParams
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
@@ -33,20 +34,41 @@ GIB = 1 << 30
 
 
 @dataclass
-class _Request:
+class _Group:
+    """One user request: its ``n`` choices share the prompt and the metrics."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    arrival_time: float
+    choices: list[_Request] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_finished: int = 0
+
+
+@dataclass
+class _Request:
+    """One choice of a group: one scheduler sequence (id: the group's id when n == 1, else
+    ``<id>[<index>]``)."""
+
+    request_id: str
+    group: _Group
+    index: int
+    params: SamplingParams
     seed: int  # u64
     seq: sched.SeqState
     detok: IncrementalDetokenizer
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
     last_token_time: float | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_emitted_tokens: int = 0
+    slot: int = -1  # penalty-state slot while running, else -1
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    output: CompletionOutput | None = None  # the latest one
+    finished: bool = False
 
 
 def setup_compilation_cache(cache_dir: str) -> None:
@@ -92,6 +114,9 @@ def load_model(load: LoadConfig, dtype: jnp.dtype, seed: int
         raise FileNotFoundError(f"model file {path!r} does not exist")
     cfg, params = load_gguf_params(path, dtype)
     return cfg, params, Tokenizer.from_gguf(path), gguf_name(path)
+
+
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads choice seeds (SplitMix64)
 
 
 class LLMEngine:
@@ -146,7 +171,11 @@ class LLMEngine:
             config, self.num_blocks, self.max_model_len))
         if metrics is not None:
             metrics.set_batch_limits(config.max_num_seqs, config.max_num_batched_tokens)
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, _Request] = {}  # by sequence id
+        self.groups: dict[str, _Group] = {}  # by request id
+        self._free_slots = list(range(self.runner.num_penalty_slots - 1, -1, -1))
+        self._slot_owner: dict[int, _Request] = {}
+        self._biased_slots: set[int] = set()  # slots whose bias row is not all zeros
         self._rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self.load_s = time.perf_counter() - t0
@@ -195,45 +224,98 @@ class LLMEngine:
         for t in params.stop_token_ids:
             if t >= vocab:
                 raise ValueError(f"stop_token_ids holds {t}, outside the vocabulary [0, {vocab})")
+        for t in params.logit_bias or {}:
+            if t >= vocab:
+                raise ValueError(f"logit_bias holds token id {t}, outside the vocabulary "
+                                 f"[0, {vocab})")
         room = self.max_model_len - n
         return room if params.max_tokens is None else min(params.max_tokens, room)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams | None = None, prompt: str | None = None,
                     arrival_time: float | None = None) -> None:
-        """Queue a request. Raises ValueError (see ``validate``; also a duplicate id)."""
+        """Queue a request (``params.n`` sequences). Raises ValueError (see ``validate``; also
+        a duplicate id)."""
         params = params or SamplingParams()
-        if request_id in self.requests:
+        n = params.n
+        seq_ids = [request_id] if n == 1 else [f"{request_id}[{i}]" for i in range(n)]
+        if request_id in self.groups or any(i in self.requests for i in seq_ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
         max_tokens = self.validate(prompt_token_ids, params)
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= set(self.tokenizer.eos_token_ids)
-        seq = sched.SeqState(request_id=request_id, token_ids=list(prompt_token_ids),
-                             num_prompt_tokens=len(prompt_token_ids), max_tokens=max_tokens,
-                             stop_token_ids=frozenset(stop_ids))
-        self.state = sched.add_request(self.state, seq)
-        seed = params.seed % 2**64 if params.seed is not None else int(self._rng.integers(2**63))
-        self.requests[request_id] = _Request(
-            request_id, prompt, prompt_token_ids, params, seed, seq,
-            IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
-                                   skip_special_tokens=params.skip_special_tokens,
-                                   stop=params.stop,
-                                   include_stop_str_in_output=params.include_stop_str_in_output),
-            arrival_time if arrival_time is not None else time.monotonic())
+        group = _Group(request_id, prompt, prompt_token_ids, params,
+                       arrival_time if arrival_time is not None else time.monotonic())
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(prompt_token_ids)
+        base_seed = params.seed % 2**64 if params.seed is not None else None
+        for i, sid in enumerate(seq_ids):
+            seq = sched.SeqState(
+                request_id=sid, token_ids=list(prompt_token_ids),
+                num_prompt_tokens=len(prompt_token_ids), max_tokens=max_tokens,
+                stop_token_ids=frozenset(stop_ids),
+                skip_prefix_cache=params.uses_penalty_state or (
+                    i == 0 and params.prompt_logprobs is not None))
+            self.state = sched.add_request(self.state, seq)
+            if base_seed is None:
+                seed = int(self._rng.integers(2**63))
+            else:  # choice 0 keeps the seed; the others get distinct streams derived from it
+                seed = (base_seed + i * _GOLDEN_GAMMA) % 2**64
+            req = _Request(
+                sid, group, i, params, seed, seq,
+                IncrementalDetokenizer(
+                    self.tokenizer, prompt_token_ids,
+                    skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+                    include_stop_str_in_output=params.include_stop_str_in_output),
+                logprobs=[] if params.logprobs is not None else None)
+            group.choices.append(req)
+            self.requests[sid] = req
+        self.groups[request_id] = group
 
     def abort_request(self, request_ids: str | list[str]) -> list[str]:
-        """Abort requests (unknown ids ignored); their blocks go back at once."""
+        """Abort requests (unknown ids ignored; every choice of a request); their blocks go
+        back at once. Returns the aborted sequence ids that were waiting or running."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self.state, aborted = sched.abort_requests(self.state, ids)
-        for rid in ids:
-            req = self.requests.pop(rid, None)
-            if req is not None and self.metrics is not None:
-                self.metrics.record_finished("abort", time.monotonic() - req.arrival_time)
+        groups = [g for rid in dict.fromkeys(ids) if (g := self.groups.pop(rid, None))]
+        seq_ids = [c.request_id for g in groups for c in g.choices if not c.finished]
+        self.state, aborted = sched.abort_requests(self.state, seq_ids)
+        for sid in seq_ids:
+            self._release_slot(self.requests.pop(sid))
+        if self.metrics is not None:
+            for g in groups:
+                self.metrics.record_finished("abort", time.monotonic() - g.arrival_time)
         if aborted:
             self._record_step()  # the gauges must show the freed blocks even if no step follows
         return aborted
+
+    # -- penalty-state slots ---------------------------------------------------------------------
+    def _acquire_slot(self, req: _Request) -> int:
+        if req.slot < 0:
+            req.slot = self._free_slots.pop()  # never empty: slots >= running >= holders
+            self._slot_owner[req.slot] = req
+            if req.params.logit_bias:
+                self.runner.set_logit_bias(req.slot, req.params.logit_bias)
+                self._biased_slots.add(req.slot)
+            elif req.slot in self._biased_slots:
+                self.runner.set_logit_bias(req.slot, {})
+                self._biased_slots.discard(req.slot)
+        return req.slot
+
+    def _release_slot(self, req: _Request) -> None:
+        if req.slot >= 0:
+            del self._slot_owner[req.slot]
+            self._free_slots.append(req.slot)
+            req.slot = -1
+
+    def _release_idle_slots(self) -> None:
+        """Free the slots of requests no longer running (preempted): they restart at position
+        0, where a fresh slot is reset, so holders never outnumber ``max_num_seqs``."""
+        if self._slot_owner:
+            running = {s.request_id for s in self.state.running}
+            for req in [r for r in self._slot_owner.values() if r.request_id not in running]:
+                self._release_slot(req)
 
     def _record_step(self, num_prompt_tokens: int = 0, num_generation_tokens: int = 0,
                      num_preemptions: int = 0, plan: sched.SchedulerOutput | None = None) -> None:
@@ -264,43 +346,96 @@ class LLMEngine:
         if plan.is_empty:
             self._record_step(plan=plan)
             return []
+        self._release_idle_slots()
         now = time.monotonic()
-        rows, num_prompt_tokens = [], 0
-        for s in plan.scheduled:
+        rows, num_prompt_tokens, want_lp, prompt_lp_rows = [], 0, False, []
+        vocab = self.tokenizer.vocab_size
+        for i, s in enumerate(plan.scheduled):
             req = self.requests[s.request_id]
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-            p = req.params
-            top_k = p.top_k if 0 < p.top_k < self.tokenizer.vocab_size else 0  # else: off
-            rows.append(RowParams(p.temperature, top_k, p.top_p, req.seed,
-                                  s.start_pos + len(s.token_ids) - len(req.prompt_token_ids)))
-            num_prompt_tokens += max(0, min(len(req.prompt_token_ids),
-                                            s.start_pos + len(s.token_ids)) - s.start_pos)
+            g, p = req.group, req.params
+            if g.first_scheduled_time is None:
+                g.first_scheduled_time = now
+            num_prompt = len(g.prompt_token_ids)
+            end = s.start_pos + len(s.token_ids)
+            targets = None
+            if g.prompt_logprobs is not None and req.index == 0 and s.start_pos < num_prompt - 1:
+                targets = [g.prompt_token_ids[q + 1] if q + 1 < num_prompt else -1
+                           for q in range(s.start_pos, end)]
+                prompt_lp_rows.append(i)
+            want_lp |= s.sample and p.logprobs is not None
+            rows.append(RowParams(
+                p.temperature, p.top_k if 0 < p.top_k < vocab else 0, p.top_p, req.seed,
+                end - num_prompt, min_p=p.min_p,
+                slot=self._acquire_slot(req) if p.uses_penalty_state else -1,
+                repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+                frequency_penalty=p.frequency_penalty, reset=s.start_pos == 0,
+                num_prompt_tokens=num_prompt, prompt_targets=targets))
+            num_prompt_tokens += max(0, min(num_prompt, end) - s.start_pos)
         bucket, packed = self.runner.pack_step([s.token_ids for s in plan.scheduled],
                                                [s.start_pos for s in plan.scheduled],
-                                               [s.block_ids for s in plan.scheduled], rows)
-        ids = self.runner.execute(bucket, packed)
-        sampled = [int(ids[i]) if s.sample else None for i, s in enumerate(plan.scheduled)]
+                                               [s.block_ids for s in plan.scheduled], rows,
+                                               want_logprobs=want_lp)
+        out = self.runner.execute(bucket, packed)
+        if prompt_lp_rows:
+            self._record_prompt_logprobs(plan, rows, prompt_lp_rows, out.prompt_logprobs())
+        lp = out.logprobs() if want_lp else None
+        row_of = {s.request_id: i for i, s in enumerate(plan.scheduled)}
+        sampled = [int(out.ids[i]) if s.sample else None for i, s in enumerate(plan.scheduled)]
         self.state, result = sched.update(self.state, plan, sampled)
         now = time.monotonic()
-        outputs = [self._process(rid, tok, result.finished.get(rid), now)
-                   for rid, tok in result.new_token_ids.items()]
+        touched: dict[str, _Group] = {}
+        for rid, tok in result.new_token_ids.items():
+            req = self.requests[rid]
+            if req.logprobs is not None and lp is not None:
+                self._record_logprobs(req, tok, lp, row_of[rid])
+            if self._process(req, tok, result.finished.get(rid), now):
+                touched[req.group.request_id] = req.group
+        outputs = [self._group_output(g, now) for g in touched.values()]
         self._record_step(num_prompt_tokens, len(result.new_token_ids),
                           self.state.num_preemptions_total - preempted_before, plan)
-        return [o for o in outputs if o is not None]
+        return outputs
 
-    def _process(self, rid: str, token: int, finish: str | None, now: float
-                 ) -> RequestOutput | None:
-        req = self.requests[rid]
+    def _entry(self, ids, vals, n: int, chosen: int, chosen_lp: float, chosen_rank: int,
+               skip_special: bool) -> TokenLogprobs:
+        tok = self.tokenizer
+        text = lambda t: tok.token_bytes(t, skip_special).decode("utf-8", "replace")
+        entry = {int(ids[j]): Logprob(float(vals[j]), j + 1, text(int(ids[j]))) for j in range(n)}
+        if chosen not in entry:
+            entry[chosen] = Logprob(float(chosen_lp), int(chosen_rank), text(chosen))
+        return entry
+
+    def _record_logprobs(self, req: _Request, tok: int, lp, row: int) -> None:
+        entry = self._entry(lp.top_ids[row], lp.top_logprobs[row], req.params.logprobs, tok,
+                            lp.chosen_logprob[row], lp.chosen_rank[row],
+                            req.params.skip_special_tokens)
+        req.logprobs.append(entry)
+        req.cumulative_logprob += entry[tok].logprob
+
+    def _record_prompt_logprobs(self, plan, rows: list[RowParams], which: list[int], plp
+                                ) -> None:
+        starts = np.cumsum([0] + [len(s.token_ids) for s in plan.scheduled])
+        for i in which:
+            s, g = plan.scheduled[i], self.requests[plan.scheduled[i].request_id].group
+            for j, target in enumerate(rows[i].prompt_targets):
+                q = s.start_pos + j + 1  # the prompt position this token's logits predict
+                if target < 0 or g.prompt_logprobs[q] is not None:
+                    continue  # recomputed after a preemption: keep the first values
+                t = starts[i] + j
+                g.prompt_logprobs[q] = self._entry(
+                    plp.top_ids[t], plp.top_logprobs[t], g.params.prompt_logprobs, target,
+                    plp.chosen_logprob[t], plp.chosen_rank[t], g.params.skip_special_tokens)
+
+    def _process(self, req: _Request, token: int, finish: str | None, now: float) -> bool:
+        """Advance one choice by a sampled token; True if it has a new output."""
+        rid, g, m = req.request_id, req.group, self.metrics
         req.output_token_ids.append(token)
-        m = self.metrics
-        if req.first_token_time is None:
-            req.first_token_time = now
+        if g.first_token_time is None:
+            g.first_token_time = now
             if m is not None:
-                m.record_first_token(now - req.arrival_time,
-                                     (req.first_scheduled_time or now) - req.arrival_time)
-        elif m is not None:
-            m.record_inter_token(now - (req.last_token_time or now))
+                m.record_first_token(now - g.arrival_time,
+                                     (g.first_scheduled_time or now) - g.arrival_time)
+        elif m is not None and req.last_token_time is not None:
+            m.record_inter_token(now - req.last_token_time)
         req.last_token_time = now
         stop_reason: str | int | None = None
         if finish == "stop":
@@ -317,21 +452,47 @@ class LLMEngine:
             delta += req.detok.finish()
         new_ids = req.output_token_ids[req.num_emitted_tokens:]
         if not delta and finish is None:
-            return None  # text held back (partial UTF-8 or a possible stop string)
+            return False  # text held back (partial UTF-8 or a possible stop string)
         req.num_emitted_tokens = len(req.output_token_ids)
-        out = CompletionOutput(index=0, text=req.detok.text, token_ids=list(req.output_token_ids),
-                               finish_reason=finish, stop_reason=stop_reason, delta_text=delta,
-                               delta_token_ids=new_ids)
-        metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time}
-        if req.first_scheduled_time is not None:
-            metrics["first_scheduled_time"] = req.first_scheduled_time
+        req.output = CompletionOutput(
+            index=req.index, text=req.detok.text, token_ids=list(req.output_token_ids),
+            finish_reason=finish, stop_reason=stop_reason, delta_text=delta,
+            delta_token_ids=new_ids,
+            logprobs=None if req.logprobs is None else list(req.logprobs),
+            cumulative_logprob=None if req.logprobs is None else req.cumulative_logprob)
         if finish is not None:
-            metrics["finished_time"] = now
+            req.finished = True
+            g.num_finished += 1
             del self.requests[rid]
-            if m is not None:
-                m.record_finished(finish, now - req.arrival_time)
-        return RequestOutput(rid, req.prompt, req.prompt_token_ids, [out],
-                             finished=finish is not None, metrics=metrics)
+            self._release_slot(req)
+        return True
+
+    def _group_output(self, g: _Group, now: float) -> RequestOutput:
+        """The request's output after a step in which some choice changed."""
+        outs = []
+        for c in g.choices:
+            o = c.output
+            if o is None:
+                o = CompletionOutput(index=c.index, text="", token_ids=[],
+                                     logprobs=None if c.logprobs is None else [])
+            elif o.delta_text or o.delta_token_ids:
+                c.output = dataclasses.replace(o, delta_text="", delta_token_ids=[])
+            outs.append(o)
+        metrics = {"arrival_time": g.arrival_time}
+        if g.first_token_time is not None:
+            metrics["first_token_time"] = g.first_token_time
+        if g.first_scheduled_time is not None:
+            metrics["first_scheduled_time"] = g.first_scheduled_time
+        finished = g.num_finished == len(g.choices)
+        if finished:
+            metrics["finished_time"] = now
+            del self.groups[g.request_id]
+            if self.metrics is not None:
+                self.metrics.record_finished(g.choices[0].output.finish_reason,
+                                             now - g.arrival_time)
+        return RequestOutput(g.request_id, g.prompt, g.prompt_token_ids, outs,
+                             finished=finished, metrics=metrics,
+                             prompt_logprobs=g.prompt_logprobs)
 
     def next_request_id(self) -> str:
         """A fresh id for callers that have none."""

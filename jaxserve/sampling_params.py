@@ -9,6 +9,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20
+"""Most alternatives ``logprobs`` / ``prompt_logprobs`` may ask for (vLLM's default
+``max_logprobs``; OpenAI's ``top_logprobs`` limit). The step program computes this many."""
+MAX_LOGIT_BIAS = 1024
+"""Most entries one request's ``logit_bias`` may hold."""
+
 
 @dataclass
 class SamplingParams:
@@ -29,6 +35,26 @@ class SamplingParams:
       stop_token_ids: token ids that end generation, in addition to EOS.
       ignore_eos: do not stop at EOS (nor the model's end-of-turn tokens).
       skip_special_tokens: leave special tokens out of the text.
+      n: number of choices (independent samples) to return, >= 1. Choice ``i`` samples with its
+        own stream: with a ``seed`` the whole set is reproducible, choice 0 draws exactly what
+        an ``n=1`` request with that seed draws, and the others use seeds derived from
+        ``(seed, i)``; without one every choice draws a fresh seed.
+      min_p: in [0, 1]; after temperature, drop tokens whose probability is below
+        ``min_p`` times the most likely token's (0 = off; 1 keeps only the most likely).
+      repetition_penalty: > 0 and <= 2 (1 = off); the logit of every token seen in the prompt
+        or the output so far is divided by it when positive and multiplied by it when negative
+        (CTRL, Keskar et al. 2019, arXiv:1909.05858; vLLM's semantics).
+      presence_penalty / frequency_penalty: in [-2, 2] (0 = off); subtracted from the logit
+        of every token generated so far, once (presence) or once per occurrence (frequency).
+        Prompt tokens do not count (OpenAI's semantics).
+      logit_bias: ``{token_id: bias}`` added to those logits before sampling, bias in
+        [-100, 100], at most ``MAX_LOGIT_BIAS`` entries; ids outside the vocabulary are
+        rejected by the engine.
+      logprobs: None (off) or 0..``MAX_LOGPROBS``: return, per generated token, its logprob and
+        that many most likely alternatives, all from the raw model distribution (before
+        logit_bias, penalties, temperature, top-k, top-p and min-p).
+      prompt_logprobs: None (off) or 0..``MAX_LOGPROBS``: the same for every prompt token
+        after the first (the first has no logprob: ``None``).
 
     Raises:
       ValueError: naming the field, for any out-of-range value.
@@ -44,6 +70,14 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    n: int = 1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,11 +116,51 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must hold non-negative integers, got {t!r}")
+        if not _int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _finite(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _finite(v) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got "
+                                 f"{self.logit_bias!r:.80}")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most "
+                                 f"{MAX_LOGIT_BIAS} are allowed")
+            for t, b in self.logit_bias.items():
+                if not _int(t) or t < 0:
+                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {t!r}")
+                if not _finite(b) or not -100.0 <= b <= 100.0:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} "
+                                     f"for token {t}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, "
+                                 f"got {v!r}")
 
     @property
     def greedy(self) -> bool:
         """True when the request samples by argmax."""
         return self.temperature == 0.0
+
+    @property
+    def uses_penalty_state(self) -> bool:
+        """True when sampling needs the request's token history or bias row on the device
+        (any penalty, or a logit_bias)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0 or bool(self.logit_bias))
+
+
+def _int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _finite(x: object) -> bool:

@@ -70,7 +70,10 @@ class SeqState:
     """One request as the scheduler sees it. ``token_ids[:num_prompt_tokens]`` is the prompt;
     ``max_tokens`` (>= 1) is clamped by the caller so that prompt + max_tokens <= max_model_len;
     ``stop_token_ids`` is empty when the request ignores EOS. ``block_ids`` is the block table:
-    block ``block_ids[p // block_size]`` holds the K/V of position ``p``."""
+    block ``block_ids[p // block_size]`` holds the K/V of position ``p``.
+    ``skip_prefix_cache``: every token of this request must go through the model (the engine
+    needs logits at prompt positions for prompt logprobs, or counts the fed tokens for
+    penalties), so cached blocks must not stand in for any of its tokens."""
 
     request_id: str
     token_ids: list[int]
@@ -81,6 +84,7 @@ class SeqState:
     block_ids: list[int] = field(default_factory=list)
     arrival_index: int = -1  # set by add_request
     num_preemptions: int = 0
+    skip_prefix_cache: bool = False
 
     @property
     def num_output_tokens(self) -> int:

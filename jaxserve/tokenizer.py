@@ -23,6 +23,7 @@ extension, a ``{% generation %}`` tag that renders its body, the ``tojson`` filt
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from functools import cached_property
@@ -48,6 +49,25 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end
 """Special tokens that end an assistant turn when a chat template uses them."""
 
 GGUF_CONTROL_TOKEN_TYPE = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table (openai/gpt-2 ``encoder.py``),
+    which byte-level BPE vocabularies are written in."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+            *range(ord("\xae"), ord("\xff") + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _byte_to_unicode().items()}
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class Tokenizer:
@@ -227,6 +247,35 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary string of one id (byte-level form, e.g. ``'Ġworld'``), None if unknown."""
         return self.backend.id_to_token(int(token_id))
+
+    def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes:
+        """The exact bytes one id contributes to decoded text (a byte-level piece may be part
+        of a multi-byte character); a special token gives its text, or ``b""`` when skipped.
+        Joining the bytes of a sequence's ids gives the UTF-8 of ``decode`` of the sequence
+        (for a SentencePiece-style decoder, up to the leading space it strips)."""
+        t = int(token_id)
+        if t in self.all_special_ids:
+            return b"" if skip_special_tokens else (self.id_to_token(t) or "").encode()
+        cache = self._token_bytes
+        if t not in cache:
+            piece = self.id_to_token(t) or ""
+            m = _BYTE_TOKEN.fullmatch(piece)
+            if m is not None:
+                cache[t] = bytes([int(m.group(1), 16)])
+            elif self._byte_level and all(c in _UNICODE_TO_BYTE for c in piece):
+                cache[t] = bytes(_UNICODE_TO_BYTE[c] for c in piece)
+            else:
+                cache[t] = piece.replace("\u2581", " ").encode()
+        return cache[t]
+
+    @cached_property
+    def _token_bytes(self) -> dict[int, bytes]:
+        return {}
+
+    @cached_property
+    def _byte_level(self) -> bool:
+        """Whether the backend's decoder maps pieces through the GPT-2 byte-to-unicode table."""
+        return '"ByteLevel"' in json.dumps(json.loads(self.backend.to_str()).get("decoder"))
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
         return [self.id_to_token(i) for i in ids]

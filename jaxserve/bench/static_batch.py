@@ -168,7 +168,7 @@ class StaticBatchEngine:
                 done[i] += k
                 budget -= k
             bucket, packed = eng.runner.pack_step(toks, starts, blocks, params, index)
-            ids = eng.runner.execute(bucket, packed)
+            ids = eng.runner.execute(bucket, packed).ids
             stats.num_prefill_steps += 1
             for j, i in enumerate(owners):
                 if i >= 0:
@@ -186,7 +186,7 @@ class StaticBatchEngine:
             starts.append(p[i] + t - 1)
             params.append(self._row(r, t))
         bucket, packed = eng.runner.pack_step(toks, starts, tables, params)
-        ids = eng.runner.execute(bucket, packed)
+        ids = eng.runner.execute(bucket, packed).ids
         for i in range(len(rows)):
             if t < n[i]:
                 outs[i].append(int(ids[i]))
