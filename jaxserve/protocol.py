@@ -2,8 +2,8 @@
 
 Requests are decoded strictly from bytes (no type coercion: ``"ten"`` is not an int, ``true`` is
 not a number); unknown fields are ignored, as OpenAI clients send fields we do not know. Fields we
-know but do not implement yet (``echo``, ``n > 1``, logprobs, penalties) are rejected when set to a
-non-default value rather than silently ignored. Every client mistake becomes a ``RequestError``,
+know but do not implement (tools, ``response_format``, ``guided_*``, beam search, ...) are rejected
+when set to a non-default value rather than silently ignored. Every client mistake becomes a ``RequestError``,
 which the server turns into an OpenAI-style error body with a 4xx status.
 
 Responses are Structs encoded with ``msgspec.json.encode``; fields left ``UNSET`` are omitted
@@ -13,14 +13,16 @@ Responses are Structs encoded with ``msgspec.json.encode``; fields left ``UNSET`
 
 from __future__ import annotations
 
+import math
 import re
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -97,8 +99,10 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None
     # features not built: accepted by the decoder only to be rejected with a 400 naming them
-    logit_bias: dict[str, Any] | None = None
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
@@ -107,7 +111,6 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     best_of: int | None = None
     suffix: str | None = None
     min_tokens: int | None = None
-    repetition_penalty: float | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
     prompt_logprobs: int | None = None
@@ -184,10 +187,9 @@ def _decode[T](decoder: msgspec.json.Decoder[T], body: bytes) -> T:
 def decode_completion_request(body: bytes) -> CompletionRequest:
     """Decode and check a completions body; raises RequestError."""
     req = _decode(_completion_decoder, body)
-    if req.echo:
-        raise RequestError("echo=true is not supported yet", param="echo")
-    if req.logprobs is not None or req.top_logprobs is not None:
-        raise RequestError("logprobs is not supported yet", param="logprobs")
+    if req.top_logprobs is not None:
+        raise RequestError("top_logprobs is a chat field; completions take logprobs=<int>",
+                           param="top_logprobs")
     _check_common(req)
     return req
 
@@ -195,8 +197,8 @@ def decode_completion_request(body: bytes) -> CompletionRequest:
 def decode_chat_request(body: bytes) -> ChatCompletionRequest:
     """Decode and check a chat-completions body; raises RequestError."""
     req = _decode(_chat_decoder, body)
-    if req.logprobs or req.top_logprobs is not None:
-        raise RequestError("logprobs is not supported yet", param="logprobs")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise RequestError("top_logprobs requires logprobs=true", param="top_logprobs")
     if req.echo:
         raise RequestError("echo is not supported yet", param="echo")
     if not req.messages:
@@ -208,14 +210,8 @@ def decode_chat_request(body: bytes) -> ChatCompletionRequest:
 def _check_common(req: _SamplingFields) -> None:
     if req.n < 1:
         raise RequestError(f"n must be at least 1, got {req.n}", param="n")
-    if req.n > 1:
-        raise RequestError(f"n={req.n} is not supported yet (only n=1)", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0.0):
-            raise RequestError(f"{name} is not supported yet", param=name)
     rf = req.response_format
     unsupported = {
-        "logit_bias": bool(req.logit_bias),
         "response_format": rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"),
         "tools": bool(req.tools),
         "tool_choice": req.tool_choice not in (None, "none"),
@@ -224,9 +220,9 @@ def _check_common(req: _SamplingFields) -> None:
         "best_of": req.best_of not in (None, 1),
         "suffix": bool(req.suffix),
         "min_tokens": req.min_tokens not in (None, 0),
-        "repetition_penalty": req.repetition_penalty not in (None, 1.0),
         "use_beam_search": bool(req.use_beam_search),
         "length_penalty": req.length_penalty not in (None, 1.0),
+        # the HTTP form of prompt logprobs is echo=true with logprobs (completions)
         "prompt_logprobs": req.prompt_logprobs is not None,
         "guided_json": req.guided_json is not None,
         "guided_regex": req.guided_regex is not None,
@@ -345,6 +341,19 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest) -> Sampli
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         max_tokens = req.max_completion_tokens
     stop = req.stop if req.stop is not None else []
+    bias = None
+    if req.logit_bias:
+        try:
+            bias = {int(k): v for k, v in req.logit_bias.items()}
+        except ValueError:
+            raise RequestError("logit_bias keys must be token ids (integers as strings)",
+                               param="logit_bias") from None
+    if isinstance(req, ChatCompletionRequest):
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        prompt_logprobs = None
+    else:
+        logprobs = req.logprobs
+        prompt_logprobs = req.logprobs if req.echo else None
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -357,10 +366,24 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest) -> Sampli
             ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
+            n=req.n,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            logit_bias=bias,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
     except ValueError as exc:
         msg = str(exc)
         param = msg.split(" ", 1)[0]
+        if param in ("logprobs", "prompt_logprobs") and isinstance(req, ChatCompletionRequest):
+            param = "top_logprobs"
+            msg = "top_logprobs" + msg[len(msg.split(" ", 1)[0]):]
+        elif param == "prompt_logprobs":
+            param = "logprobs"
+            msg = "logprobs" + msg[len("prompt_logprobs"):]
         if param == "max_tokens" and isinstance(req, ChatCompletionRequest) \
                 and req.max_completion_tokens is not None:
             param = "max_completion_tokens"
@@ -391,10 +414,21 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
     )
 
 
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    """Completions logprobs (OpenAI's legacy shape): per token its text, its offset in the
+    choice's text, its logprob (None for the first prompt token under echo) and the requested
+    most likely alternatives (None where the logprob is None)."""
+
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
 class CompletionChoice(msgspec.Struct, kw_only=True):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -416,6 +450,23 @@ class CompletionChunk(msgspec.Struct, kw_only=True):
     usage: UsageInfo | None | UnsetType = UNSET
 
 
+class TopLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct, kw_only=True):
+    content: list[ChatTokenLogprob]
+
+
 class ChatMessageOut(msgspec.Struct, kw_only=True):
     role: str = "assistant"
     content: str
@@ -424,7 +475,7 @@ class ChatMessageOut(msgspec.Struct, kw_only=True):
 class ChatChoice(msgspec.Struct, kw_only=True):
     index: int
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -445,7 +496,7 @@ class DeltaMessage(msgspec.Struct, kw_only=True):
 class ChatChunkChoice(msgspec.Struct, kw_only=True):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -479,21 +530,112 @@ def usage_of(out: RequestOutput) -> UsageInfo:
     return usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
 
 
+LOGPROB_FLOOR = -9999.0
+"""What a logprob of -inf (or NaN) is reported as, so that bodies stay strict JSON."""
+
+
+def _lp(x: float) -> float:
+    return min(x, 0.0) if math.isfinite(x) else LOGPROB_FLOOR
+
+
+class LogprobFormat:
+    """How one request's logprobs are rendered.
+
+    Args:
+      num_top: alternatives per token (the request's ``logprobs`` / ``top_logprobs``), or None
+        when the request did not ask for logprobs.
+      token_bytes: a token id's exact bytes in the output (``Tokenizer.token_bytes`` with the
+        request's ``skip_special_tokens``).
+      echo: completions ``echo``: the prompt (``echo_text``) leads each choice's text, and with
+        logprobs its tokens lead the logprobs (the first with logprob None).
+    Token strings are the bytes decoded as UTF-8, with U+FFFD standing for the part of a
+    multi-byte character; chat entries carry the exact ``bytes``.
+    """
+
+    def __init__(self, num_top: int | None, token_bytes: Callable[[int], bytes],
+                 echo: bool = False, echo_text: str = "") -> None:
+        self.num_top = num_top
+        self.token_bytes = token_bytes
+        self.echo = echo
+        self.echo_text = echo_text
+
+    def _text(self, t: int) -> str:
+        return self.token_bytes(t).decode("utf-8", "replace")
+
+    def _top(self, entry: TokenLogprobs) -> list[tuple[int, float]]:
+        return [(t, lp.logprob) for t, lp in list(entry.items())[: self.num_top]]
+
+    def chat(self, ids: list[int], entries: list[TokenLogprobs]) -> ChatLogprobs | None:
+        """Chat logprobs of ``ids`` (each with its entry), or None without logprobs."""
+        if self.num_top is None:
+            return None
+        content = []
+        for t, e in zip(ids, entries):
+            top = [TopLogprob(token=self._text(a), logprob=_lp(v), bytes=list(self.token_bytes(a)))
+                   for a, v in self._top(e)]
+            content.append(ChatTokenLogprob(token=self._text(t), logprob=_lp(e[t].logprob),
+                                            bytes=list(self.token_bytes(t)), top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+    def completion(self, ids: list[int], entries: list[TokenLogprobs | None], offset: int = 0
+                   ) -> CompletionLogprobs | None:
+        """Completions logprobs of ``ids``; ``offset`` is the text offset of the first."""
+        if self.num_top is None:
+            return None
+        out = CompletionLogprobs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
+        for t, e in zip(ids, entries):
+            text = self._text(t)
+            out.tokens.append(text)
+            out.text_offset.append(offset)
+            offset += len(text)
+            if e is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+            else:
+                out.token_logprobs.append(_lp(e[t].logprob))
+                top: dict[str, float] = {}
+                for a, v in self._top(e):
+                    top.setdefault(self._text(a), _lp(v))
+                out.top_logprobs.append(top)
+        return out
+
+    def prompt(self, out: RequestOutput) -> tuple[str, CompletionLogprobs | None]:
+        """The echoed prompt text and its logprobs (``("", None)`` without echo)."""
+        if not self.echo:
+            return "", None
+        plp = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        return self.echo_text, self.completion(out.prompt_token_ids, plp)
+
+
+def _join(a: CompletionLogprobs | None, b: CompletionLogprobs | None) -> CompletionLogprobs | None:
+    if a is None or b is None:
+        return a or b
+    shift = (a.text_offset[-1] + len(a.tokens[-1])) if a.tokens else 0
+    return CompletionLogprobs(text_offset=a.text_offset + [o + shift for o in b.text_offset],
+                              token_logprobs=a.token_logprobs + b.token_logprobs,
+                              tokens=a.tokens + b.tokens,
+                              top_logprobs=a.top_logprobs + b.top_logprobs)
+
+
 def final_response(
-    chat: bool, response_id: str, created: int, model: str, out: RequestOutput
+    chat: bool, response_id: str, created: int, model: str, out: RequestOutput,
+    fmt: LogprobFormat | None = None,
 ) -> CompletionResponse | ChatCompletionResponse:
-    """The non-streamed response body for a finished request."""
-    c = out.outputs[0]
+    """The non-streamed response body for a finished request (one choice per output)."""
+    fmt = fmt or LogprobFormat(None, lambda t: b"")
     if chat:
-        message = ChatMessageOut(content=c.text)
-        return ChatCompletionResponse(
-            id=response_id, created=created, model=model, usage=usage_of(out),
-            choices=[ChatChoice(index=0, message=message, finish_reason=c.finish_reason)],
-        )  # fmt: skip
-    return CompletionResponse(
-        id=response_id, created=created, model=model, usage=usage_of(out),
-        choices=[CompletionChoice(index=0, text=c.text, finish_reason=c.finish_reason)],
-    )  # fmt: skip
+        choices = [ChatChoice(index=c.index, message=ChatMessageOut(content=c.text),
+                              logprobs=fmt.chat(c.token_ids, c.logprobs or []),
+                              finish_reason=c.finish_reason) for c in out.outputs]
+        return ChatCompletionResponse(id=response_id, created=created, model=model,
+                                      usage=usage_of(out), choices=choices)
+    prompt_text, prompt_lp = fmt.prompt(out)
+    choices = [CompletionChoice(
+        index=c.index, text=prompt_text + c.text, finish_reason=c.finish_reason,
+        logprobs=_join(prompt_lp, fmt.completion(c.token_ids, c.logprobs or [])))
+        for c in out.outputs]
+    return CompletionResponse(id=response_id, created=created, model=model,
+                              usage=usage_of(out), choices=choices)
 
 
 def sse_event(obj: msgspec.Struct) -> bytes:
@@ -504,21 +646,29 @@ def sse_event(obj: msgspec.Struct) -> bytes:
 class StreamFormatter:
     """Turns one request's outputs into SSE chunks, for completions or chat.
 
-    Completions: one chunk per non-empty text delta; the last content chunk carries the
-    finish_reason (with whatever text came with it). Chat: a role chunk first, a chunk per
-    content delta, then a chunk with an empty delta and the finish_reason. With include_usage
-    every chunk has ``usage: null`` and ``end`` adds one chunk with ``choices: []`` and the usage;
-    without it no chunk has a ``usage`` key.
+    Each chunk carries one choice, with its ``index``. Completions: one chunk per non-empty text
+    delta of a choice (under echo, the prompt and its logprobs first); the last content chunk of
+    a choice carries its finish_reason. Chat: a role chunk per choice first, a chunk per content
+    delta, then a chunk with an empty delta and the finish_reason. Logprobs ride with the chunk
+    of the tokens they belong to (a stop token's entry with the last chunk of its choice). With
+    include_usage every chunk has ``usage: null`` and ``end`` adds one chunk with
+    ``choices: []`` and the usage; without it no chunk has a ``usage`` key.
     """
 
     def __init__(
-        self, chat: bool, response_id: str, created: int, model: str, include_usage: bool
+        self, chat: bool, response_id: str, created: int, model: str, include_usage: bool,
+        n: int = 1, fmt: LogprobFormat | None = None,
     ) -> None:
         self.chat = chat
         self.id = response_id
         self.created = created
         self.model = model
         self.include_usage = include_usage
+        self.n = n
+        self.fmt = fmt or LogprobFormat(None, lambda t: b"")
+        self._done: set[int] = set()
+        self._echoed = False
+        self._offset: dict[int, int] = {}  # text offset of each choice's next token
 
     def _chunk(self, choices: list, usage: UsageInfo | None = None) -> bytes:
         cls = ChatCompletionChunk if self.chat else CompletionChunk
@@ -531,25 +681,52 @@ class StreamFormatter:
         if not self.chat:
             return []
         delta = DeltaMessage(role="assistant", content="")
-        return [self._chunk([ChatChunkChoice(index=0, delta=delta)])]
+        return [self._chunk([ChatChunkChoice(index=i, delta=delta)]) for i in range(self.n)]
 
     def on_output(self, out: RequestOutput) -> list[bytes]:
         """Events for one engine output."""
-        c = out.outputs[0]
+        events = []
+        if not self.chat and self.fmt.echo and not self._echoed:
+            self._echoed = True
+            text, lp = self.fmt.prompt(out)
+            events += [self._chunk([CompletionChoice(index=i, text=text, logprobs=lp)])
+                       for i in range(self.n)]
+            self._offset = dict.fromkeys(range(self.n), len(text))
+        for c in out.outputs:
+            if c.index not in self._done:
+                events += self._choice_events(c)
+        return events
+
+    def _choice_events(self, c: CompletionOutput) -> list[bytes]:
+        new = c.delta_token_ids
+        first = len(c.token_ids) - len(new)
+        entries = (c.logprobs or [])[first:first + len(new)]
+        finished = c.finish_reason is not None
+        if finished:
+            self._done.add(c.index)
         events = []
         if self.chat:
-            if c.delta_text:
+            lp = self.fmt.chat(new, entries) if new else None
+            if c.delta_text or lp is not None:
                 delta = DeltaMessage(content=c.delta_text)
-                events.append(self._chunk([ChatChunkChoice(index=0, delta=delta)]))
-            if c.finish_reason is not None:
-                delta = DeltaMessage()
-                choice = ChatChunkChoice(index=0, delta=delta, finish_reason=c.finish_reason)
+                events.append(self._chunk([ChatChunkChoice(index=c.index, delta=delta,
+                                                           logprobs=lp)]))
+            if finished:
+                choice = ChatChunkChoice(index=c.index, delta=DeltaMessage(),
+                                         finish_reason=c.finish_reason)
                 events.append(self._chunk([choice]))
-        elif c.delta_text or c.finish_reason is not None:
-            choice = CompletionChoice(index=0, text=c.delta_text, finish_reason=c.finish_reason)
+        elif c.delta_text or new or finished:
+            lp = self.fmt.completion(new, entries, self._offset.get(c.index, 0)) if new else None
+            if lp is not None and lp.tokens:
+                self._offset[c.index] = lp.text_offset[-1] + len(lp.tokens[-1])
+            if lp is None and self.fmt.num_top is not None:
+                lp = CompletionLogprobs(text_offset=[], token_logprobs=[], tokens=[],
+                                        top_logprobs=[])
+            choice = CompletionChoice(index=c.index, text=c.delta_text, logprobs=lp,
+                                      finish_reason=c.finish_reason)
             events.append(self._chunk([choice]))
         return events
 
     def end(self, out: RequestOutput) -> list[bytes]:
-        """Events after the finish chunk (the usage chunk), before ``[DONE]``."""
+        """Events after the finish chunks (the usage chunk), before ``[DONE]``."""
         return [self._chunk([], usage_of(out))] if self.include_usage else []

@@ -30,8 +30,8 @@ from jaxserve.buckets import Bucket, make_buckets, pick_bucket
 from jaxserve.sampler import (
     Logprobs,
     PenaltyState,
-    feed_tokens,
     RowInputs,
+    feed_tokens,
     logprobs_of,
     new_penalty_state,
     sample,
@@ -305,7 +305,7 @@ class ModelRunner:
                      q_lens: list[int], qsl: np.ndarray, pos: np.ndarray, num_tokens: int,
                      want_logprobs: bool) -> None:
         """min-p, penalties and logprob fields (the cheap defaults when no row uses them)."""
-        sl, s, n = lay.slices, lay.bucket.num_seqs, len(rows)
+        sl, s = lay.slices, lay.bucket.num_seqs
         r = self.num_penalty_slots
         f32 = lambda name, vals, fill: _put_f32(buf, sl[name], s, vals, fill)
         f32("min_p", [x.min_p for x in rows], 0.0)

@@ -101,7 +101,14 @@ def feed_tokens(state: PenaltyState, reset_slots: jax.Array, tok_slot: jax.Array
     return state._replace(tokens=tokens)
 
 
-def _apply_penalties(logits: jax.Array, rows: RowInputs, state: PenaltyState) -> jax.Array:
+def apply_penalties(logits: jax.Array, rows: RowInputs, state: PenaltyState) -> jax.Array:
+    """Logits ``f32[S, V]`` after each row's repetition / frequency / presence penalties and
+    logit_bias, read from its slot of ``state``; rows without a slot pass through.
+
+    repetition (CTRL, arXiv:1909.05858, as vLLM): ``l / p`` where ``l > 0`` else ``l * p``, for
+    every token of the prompt or the output; then ``l - frequency * count - presence *
+    (count > 0)`` over output counts (OpenAI's formula); then ``+ bias``.
+    """
     r = state.tokens.shape[0]
     has = (rows.slot >= 0) & (rows.slot < r)
     idx = jnp.clip(rows.slot, 0, r - 1)
@@ -164,7 +171,7 @@ def sample(logits: jax.Array, rows: RowInputs, state: PenaltyState | None = None
     if state is not None:
         r = state.tokens.shape[0]
         any_pen = jnp.any((rows.slot >= 0) & (rows.slot < r))
-        logits = jax.lax.cond(any_pen, _apply_penalties, lambda lg, rw, st: lg, logits, rows,
+        logits = jax.lax.cond(any_pen, apply_penalties, lambda lg, rw, st: lg, logits, rows,
                               state)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     random_rows = rows.temperature > 0

@@ -66,6 +66,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+    def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes: ...
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> str: ...
@@ -92,6 +93,17 @@ class EngineClient(Protocol):
     def num_waiting(self) -> int:
         """Requests accepted but not yet running (cheap, thread-safe, approximate)."""
         ...
+
+
+_ENGINE_FIELDS = ("logit_bias", "stop_token_ids")
+
+
+def _param_of(message: str) -> str | None:
+    """The request field an engine validation message is about."""
+    head = message.split(" ", 1)[0]
+    if head in _ENGINE_FIELDS:
+        return head
+    return "prompt" if "prompt" in message else None
 
 
 class _StreamState:
@@ -208,8 +220,11 @@ class _OpenAIServer:
             ids, text = await asyncio.to_thread(self.engine.tokenizer.encode, prompt), prompt
         else:
             ids, text = prompt, None
+        fmt = self._logprob_format(params, echo=bool(req.echo),
+                                   echo_text=text if text is not None else None, ids=ids)
         return await self._serve(
-            request, "cmpl", ids, text, params, req.stream, req.stream_options, chat=False
+            request, "cmpl", ids, text, params, req.stream, req.stream_options, chat=False,
+            fmt=fmt,
         )
 
     async def chat_completions(self, request: Request) -> Response:
@@ -225,8 +240,19 @@ class _OpenAIServer:
             raise p.RequestError(f"invalid messages: {exc}", param="messages") from exc
         ids = await asyncio.to_thread(tok.encode, rendered, False)
         return await self._serve(
-            request, "chatcmpl", ids, rendered, params, req.stream, req.stream_options, chat=True
+            request, "chatcmpl", ids, rendered, params, req.stream, req.stream_options, chat=True,
+            fmt=self._logprob_format(params),
         )
+
+    def _logprob_format(self, params: SamplingParams, echo: bool = False,
+                        echo_text: str | None = None, ids: list[int] | None = None
+                        ) -> p.LogprobFormat:
+        tok = self.engine.tokenizer
+        skip = params.skip_special_tokens
+        if echo and echo_text is None:  # a token-id prompt is echoed as its text
+            echo_text = tok.decode(ids or [], skip_special_tokens=skip)
+        return p.LogprobFormat(params.logprobs, lambda t: tok.token_bytes(t, skip), echo=echo,
+                               echo_text=echo_text or "")
 
     async def _serve(
         self,
@@ -238,6 +264,7 @@ class _OpenAIServer:
         stream: bool,
         stream_options: p.StreamOptions | None,
         chat: bool,
+        fmt: p.LogprobFormat,
     ) -> Response:
         rid = f"{kind}-{request.state.request_id}"
         budget: RequestBudget = request.state.budget
@@ -248,12 +275,13 @@ class _OpenAIServer:
             try:
                 first = await _unless_disconnected(request, budget.bound(_first(gen)))
             except ValueError as exc:
-                raise p.RequestError(str(exc), param="prompt" if "prompt" in str(exc) else None)
+                raise p.RequestError(str(exc), param=_param_of(str(exc))) from None
             except StopAsyncIteration:
                 raise RuntimeError("the engine produced no output") from None
             if stream:
                 include_usage = stream_options is not None and stream_options.include_usage
-                fmt = p.StreamFormatter(chat, rid, created, self.model, include_usage)
+                sfmt = p.StreamFormatter(chat, rid, created, self.model, include_usage,
+                                         n=params.n, fmt=fmt)
                 state = _StreamState()
 
                 async def on_close() -> None:
@@ -263,7 +291,7 @@ class _OpenAIServer:
 
                 finished = True  # the response owns the generator from here
                 return _ClosingStreamingResponse(
-                    self._events(gen, first, fmt, state, budget),
+                    self._events(gen, first, sfmt, state, budget),
                     on_close,
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache"},
@@ -282,7 +310,7 @@ class _OpenAIServer:
             if not finished:
                 await gen.aclose()
                 self.engine.abort(rid)
-        return _json(p.final_response(chat, rid, created, self.model, final))
+        return _json(p.final_response(chat, rid, created, self.model, final, fmt))
 
     @staticmethod
     async def _events(

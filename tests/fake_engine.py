@@ -29,6 +29,9 @@ class FakeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids if i != EOS)
 
+    def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes:
+        return b"" if token_id == EOS else chr(token_id).encode()
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not messages:
             raise ValueError("messages must be a non-empty list of message objects")

@@ -82,7 +82,8 @@ MALFORMED_CHAT = [
     (json.dumps({"messages": HI, "top_k": -2}).encode(), J, 400),
     (json.dumps({"messages": HI, "seed": 2**64}).encode(), J, 400),
     # features not built are refused, never silently ignored
-    (json.dumps({"messages": HI, "logit_bias": {"1": 5}}).encode(), J, 400),
+    (json.dumps({"messages": HI, "logit_bias": {"1": 500}}).encode(), J, 400),
+    (json.dumps({"messages": HI, "logit_bias": {"one": 5}}).encode(), J, 400),
     (json.dumps({"messages": HI, "response_format": {"type": "json_object"}}).encode(), J, 400),
     (json.dumps({"messages": HI, "tools": [{"type": "function"}]}).encode(), J, 400),
     (json.dumps({"messages": HI, "tool_choice": "auto"}).encode(), J, 400),
@@ -97,13 +98,17 @@ MALFORMED_CHAT = [
     (b'{"messages": [{"role": "user", "content": "hi"}], "x": ' + b"[" * 5000 + b"]" * 5000
      + b"}", J, 400),  # nesting deeper than the decoder's recursion limit
     (json.dumps({"messages": HI, "n": 0}).encode(), J, 400),
-    (json.dumps({"messages": HI, "n": 2}).encode(), J, 400),
+    (json.dumps({"messages": HI, "n": 1.5}).encode(), J, 400),
     (json.dumps({"messages": HI, "stop": [""]}).encode(), J, 400),
     (json.dumps({"messages": HI, "stop": 5}).encode(), J, 400),
     (json.dumps({"messages": HI, "stream": "yes"}).encode(), J, 400),
     (json.dumps({"messages": HI, "stream_options": {"include_usage": True}}).encode(), J, 400),
-    (json.dumps({"messages": HI, "logprobs": True}).encode(), J, 400),
-    (json.dumps({"messages": HI, "presence_penalty": 0.5}).encode(), J, 400),
+    (json.dumps({"messages": HI, "logprobs": True, "top_logprobs": 21}).encode(), J, 400),
+    (json.dumps({"messages": HI, "top_logprobs": 2}).encode(), J, 400),  # needs logprobs
+    (json.dumps({"messages": HI, "presence_penalty": 2.5}).encode(), J, 400),
+    (json.dumps({"messages": HI, "frequency_penalty": -3}).encode(), J, 400),
+    (json.dumps({"messages": HI, "min_p": 1.5}).encode(), J, 400),
+    (json.dumps({"messages": HI, "repetition_penalty": 0}).encode(), J, 400),
     (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', J, 400),
     (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}', J, 400),
     (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e400}', J, 400),
@@ -147,13 +152,14 @@ def test_malformed_chat_bodies_are_4xx_json(body: bytes, headers: dict, status: 
         ({"prompt": [0x110000]}, 400),
         ({"prompt": {"text": "x"}}, 400),
         ({}, 400),  # prompt is required
-        ({"prompt": "hi", "echo": True}, 400),
-        ({"prompt": "hi", "n": 3}, 400),
-        ({"prompt": "hi", "logprobs": 2}, 400),
+        ({"prompt": "hi", "echo": True, "max_tokens": 0}, 400),  # prompt scoring: not built
+        ({"prompt": "hi", "logprobs": 21}, 400),
+        ({"prompt": "hi", "logprobs": -1}, 400),
         ({"prompt": "hi", "max_tokens": -5}, 400),
         ({"prompt": "hi", "suffix": "bye"}, 400),
         ({"prompt": "hi", "best_of": 2}, 400),
-        ({"prompt": "hi", "logit_bias": {"5": -100}}, 400),
+        ({"prompt": "hi", "logit_bias": {"5": -101}}, 400),
+        ({"prompt": "hi", "prompt_logprobs": 1}, 400),  # echo + logprobs is the HTTP form
         ({"prompt": "hi", "top_logprobs": 2}, 400),
         ({"prompt": "hi", "min_tokens": 3}, 400),
         ({"prompt": "hi", "model": "other"}, 404),
@@ -178,7 +184,7 @@ def test_error_names_the_field() -> None:
         == "max_tokens"
     )
     assert (
-        assert_error(client.post(COMPL, json={"prompt": "x", "echo": True}), 400)["param"] == "echo"
+        assert_error(client.post(COMPL, json={"prompt": "x", "min_p": 2}), 400)["param"] == "min_p"
     )
 
 
