@@ -37,7 +37,7 @@ def _ids(llm: LLM, prompt, sp: SP) -> list[int]:
 
 def test_case9_argmax_four_ways(llm: LLM) -> None:
     """temperature 0 == (T=1, top_k=1) == (T=0.7, top_p=1e-9) == min_p=1, each alone."""
-    n = 32
+    n = 12
     greedy = _ids(llm, PROMPT, SP(temperature=0, max_tokens=n, ignore_eos=True))
     assert len(greedy) == n
     for sp in (SP(temperature=1.0, top_k=1, max_tokens=n, ignore_eos=True, seed=1),
@@ -49,18 +49,18 @@ def test_case9_argmax_four_ways(llm: LLM) -> None:
 
 
 def test_case10_seeded_request_ignores_its_batch_mates(llm: LLM) -> None:
-    a = SP(temperature=0.8, seed=42, max_tokens=12, ignore_eos=True)
+    a = SP(temperature=0.8, seed=42, max_tokens=8, ignore_eos=True)
     runs = []
     for b_seed, b_prompt in ((None, "Hi"), (7, PROMPT * 3), (8, "Tell me a story about a cat")):
         outs = llm.generate([PROMPT, b_prompt],
-                            [a, SP(temperature=0.8, seed=b_seed, max_tokens=20)], use_tqdm=False)
+                            [a, SP(temperature=0.8, seed=b_seed, max_tokens=10)], use_tqdm=False)
         runs.append(outs[0].outputs[0].token_ids)
     runs.append(_ids(llm, PROMPT, a))  # alone
     assert all(r == runs[0] for r in runs), runs
 
 
 def test_case11_n_choices_distinct_and_reproducible(llm: LLM) -> None:
-    sp = SP(n=8, temperature=1.0, max_tokens=16, ignore_eos=True, seed=123)
+    sp = SP(n=8, temperature=1.0, max_tokens=8, ignore_eos=True, seed=123)
     out = llm.generate([PROMPT], sp, use_tqdm=False)[0]
     assert [c.index for c in out.outputs] == list(range(8))
     texts = [tuple(c.token_ids) for c in out.outputs]
@@ -68,9 +68,9 @@ def test_case11_n_choices_distinct_and_reproducible(llm: LLM) -> None:
     again = llm.generate([PROMPT], sp, use_tqdm=False)[0]
     assert [tuple(c.token_ids) for c in again.outputs] == texts  # the set, choice by choice
     # choice 0 is what an n=1 request with the same seed draws
-    assert _ids(llm, PROMPT, SP(temperature=1.0, max_tokens=16, ignore_eos=True,
+    assert _ids(llm, PROMPT, SP(temperature=1.0, max_tokens=8, ignore_eos=True,
                                 seed=123)) == list(texts[0])
-    unseeded = llm.generate([PROMPT], SP(n=8, temperature=1.0, max_tokens=16, ignore_eos=True),
+    unseeded = llm.generate([PROMPT], SP(n=8, temperature=1.0, max_tokens=8, ignore_eos=True),
                             use_tqdm=False)[0]
     assert len({tuple(c.token_ids) for c in unseeded.outputs}) >= 4
 
@@ -84,13 +84,16 @@ def test_case12_penalty_semantics(llm: LLM) -> None:
                {"presence_penalty": -2.0}):
         # no generated token yet: presence / frequency cannot change the first token
         assert _ids(llm, BANANA, SP(temperature=0, max_tokens=1, **kw)) == base, kw
-    # the repetition penalty counts the prompt: " banana" is pushed down
-    assert llm.get_tokenizer().decode(base).strip() == "banana"
-    assert _ids(llm, BANANA, SP(temperature=0, max_tokens=1, repetition_penalty=1.5)) != base
+    # the repetition penalty counts the prompt: " banana", greedy's next token, is pushed down
+    bananas = "banana banana banana banana banana banana"
+    rep = _ids(llm, bananas, SP(temperature=0, max_tokens=1))
+    assert llm.get_tokenizer().decode(rep) == " banana"
+    assert _ids(llm, bananas, SP(temperature=0, max_tokens=1, repetition_penalty=1.5)) != rep
+    assert _ids(llm, bananas, SP(temperature=0, max_tokens=1, presence_penalty=2.0)) == rep
 
     def most_repeats(**kw) -> int:
         ids = _ids(llm, "Repeat after me: yes yes yes yes yes yes yes",
-                   SP(temperature=0, max_tokens=20, ignore_eos=True, **kw))
+                   SP(temperature=0, max_tokens=12, ignore_eos=True, **kw))
         return Counter(ids).most_common(1)[0][1]
 
     assert most_repeats(frequency_penalty=2.0) < most_repeats()
@@ -118,7 +121,7 @@ def test_logit_bias_forces_and_bans_tokens(llm: LLM) -> None:
 
 def test_case17_logprob_entries_agree_with_the_tokens(llm: LLM) -> None:
     tok = llm.get_tokenizer()
-    out = llm.generate([PROMPT], SP(temperature=0, max_tokens=32, logprobs=5),
+    out = llm.generate([PROMPT], SP(temperature=0, max_tokens=16, logprobs=5),
                        use_tqdm=False)[0].outputs[0]
     assert len(out.logprobs) == len(out.token_ids)
     total = 0.0
