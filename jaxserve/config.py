@@ -38,6 +38,8 @@ class EngineConfig:
         "reference" (the pure-jnp op), "pallas" (the Pallas Triton kernel), or
         "pallas-interpret" (that kernel in the Pallas interpreter; for CPU tests, slow).
       compilation_cache_dir: persistent XLA compilation cache directory ("" disables it).
+      tensor_parallel_size: devices one model is split over (Megatron-style heads / MLP /
+        vocabulary split, see jaxserve.sharding); 1: one device.
 
     Raises:
       ValueError: naming the field and value, for invalid settings.
@@ -55,6 +57,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     compilation_cache_dir: str = "~/.cache/jaxserve/xla"
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -84,6 +87,8 @@ class EngineConfig:
             raise ValueError(f"{self.dtype=} must be one of {DTYPES + ('auto',)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"{self.attention_backend=} must be one of {ATTENTION_BACKENDS}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"{self.tensor_parallel_size=} must be >= 1")
 
     def _check_types(self) -> None:
         """Each field holds its declared type (ints are not bools; floats accept ints)."""

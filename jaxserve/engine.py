@@ -149,6 +149,22 @@ class LLMEngine:
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context "
                              f"window of {mc.max_position_embeddings}")
+        self.mesh = None
+        attention_fn = attention_fn_for_backend(config.attention_backend)
+        if config.tensor_parallel_size > 1:
+            from jaxserve import sharding
+
+            tp = config.tensor_parallel_size
+            if getattr(mc, "architecture", "llama") != "llama":
+                raise ValueError(
+                    f"tensor_parallel_size={tp}: tensor parallelism is built for the llama "
+                    f"architecture (Llama, Mistral, Qwen2 layouts), not "
+                    f"{mc.architecture!r}; use tensor_parallel_size=1")
+            sharded_mc = sharding.sharded_config(mc, tp)  # raises naming the numbers
+            self.mesh = sharding.make_mesh(tp)
+            params = sharding.shard_params(params, mc, self.mesh)
+            self.model_config = mc = sharded_mc
+            attention_fn = sharding.shard_attention(attention_fn, self.mesh)
         self.num_blocks = self._num_kv_blocks(params)
         max_blocks = -(-self.max_model_len // config.block_size)
         if self.num_blocks - 1 < max_blocks:
@@ -157,16 +173,22 @@ class LLMEngine:
                 f"tokens, fewer than one request of max_model_len={self.max_model_len} needs "
                 f"({max_blocks}); raise num_kv_blocks / kv_cache_memory_gib or lower "
                 f"max_model_len")
+        kv_sharding = None
+        if self.mesh is not None:
+            from jaxserve.sharding import kv_cache_spec
+
+            kv_sharding = jax.sharding.NamedSharding(self.mesh, kv_cache_spec())
         kv = allocate_kv_cache(mc.num_layers, self.num_blocks, config.block_size,
-                               mc.num_kv_heads, mc.head_dim, self.dtype)
-        self.model = get_architecture(mc.architecture).model(
-            mc, self.dtype, attention_fn=attention_fn_for_backend(config.attention_backend))
+                               mc.num_kv_heads, mc.head_dim, self.dtype, sharding=kv_sharding)
+        self.model = get_architecture(mc.architecture).model(mc, self.dtype,
+                                                             attention_fn=attention_fn)
         vocab_limit = self.tokenizer.vocab_size if self.tokenizer.vocab_size < mc.vocab_size \
             else None
         self.runner = ModelRunner(self.model, params, kv,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_num_seqs=config.max_num_seqs,
-                                  max_blocks_per_seq=max_blocks, vocab_limit=vocab_limit)
+                                  max_blocks_per_seq=max_blocks, vocab_limit=vocab_limit,
+                                  mesh=self.mesh)
         self.state = sched.new_state(sched.SchedulerConfig.from_engine_config(
             config, self.num_blocks, self.max_model_len))
         if metrics is not None:
@@ -184,8 +206,10 @@ class LLMEngine:
         c, mc = self.config, self.model_config
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
+        # per device: with tensor parallelism each device holds num_kv_heads / tp heads, and
+        # both memory settings are budgets of one device (as vLLM's gpu_memory_utilization)
         per_block = kv_cache_bytes_per_block(mc.num_layers, c.block_size, mc.num_kv_heads,
-                                             mc.head_dim, self.dtype)
+                                             mc.head_dim, self.dtype) // c.tensor_parallel_size
         if c.kv_cache_memory_gib is not None:
             budget = c.kv_cache_memory_gib * GIB
         else:

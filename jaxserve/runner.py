@@ -128,6 +128,10 @@ class ModelRunner:
       vocab_limit: ids at or above it are never sampled (tokenizer smaller than the embedding).
       num_penalty_slots: rows of the penalty state (default ``max_num_seqs``: every running
         request may use penalties).
+      mesh: the tensor-parallel mesh when params and cache are sharded (jaxserve.sharding);
+        the step's host inputs, the penalty state and the outputs are then replicated over it,
+        and the logits are gathered once before sampling so the sampler runs without
+        collectives.
     """
 
     FLAG_LOGPROBS = 1
@@ -135,7 +139,8 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, params, kv_cache: KVCache, *,
                  max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
-                 vocab_limit: int | None = None, num_penalty_slots: int | None = None) -> None:
+                 vocab_limit: int | None = None, num_penalty_slots: int | None = None,
+                 mesh: jax.sharding.Mesh | None = None) -> None:
         self.model = model
         self.params = params
         self.kv_cache = kv_cache
@@ -145,9 +150,13 @@ class ModelRunner:
         self.layouts = {b: _Layout(b, max_blocks_per_seq) for b in self.buckets}
         self.buffers = {b: np.zeros(lay.size, np.int32) for b, lay in self.layouts.items()}
         self.vocab_limit = vocab_limit
+        self.mesh = mesh
+        self._replicated = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+                            if mesh is not None else None)
         self.num_penalty_slots = num_penalty_slots or max_num_seqs
-        self.penalty_state: PenaltyState = new_penalty_state(
-            self.num_penalty_slots, model.cfg.vocab_size)
+        self.penalty_state: PenaltyState = jax.jit(
+            lambda: new_penalty_state(self.num_penalty_slots, model.cfg.vocab_size),
+            out_shardings=self._replicated)()
         self.compiled: dict[Bucket, jax.stages.Compiled] = {}
         self._set_bias: jax.stages.Compiled | None = None
         self.num_compiles = 0
@@ -174,6 +183,8 @@ class ModelRunner:
                 f("tok_is_output"))
             hidden, kv_cache = model.forward(params, token_ids, f("positions"), kv_cache, md)
             logits = model.compute_logits(params, hidden[f("logits_indices")])
+            if self._replicated is not None:  # one all-gather of the vocab-split logits
+                logits = jax.lax.with_sharding_constraint(logits, self._replicated)
             seeds = jax.lax.bitcast_convert_type(
                 jnp.stack([f("seed_hi"), f("seed_lo")], axis=-1), jnp.uint32)  # [S, 2]
             rows = RowInputs(as_f32("temperature"), f("top_k"), as_f32("top_p"),
@@ -214,7 +225,7 @@ class ModelRunner:
         for b in todo:
             lay = self.layouts[b]
             jitted = jax.jit(self._step_fn(lay), donate_argnums=(1, 2))
-            packed = jax.ShapeDtypeStruct((lay.size,), jnp.int32)
+            packed = jax.ShapeDtypeStruct((lay.size,), jnp.int32, sharding=self._replicated)
             self.compiled[b] = jitted.lower(self.params, self.kv_cache, self.penalty_state,
                                             packed).compile()
             self.num_compiles += 1

@@ -99,7 +99,7 @@ SMOLLM2_135M = ModelConfig(
 
 BUILTIN_CONFIGS: dict[str, ModelConfig] = {
     "tiny": SMOLLM2_135M.replace(
-        hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+        hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=4,
         head_dim=16, max_position_embeddings=2048, name="tiny"),
     "smollm2-135m": SMOLLM2_135M,
     "llama-3.1-8b": ModelConfig(

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+
+# Eight simulated CPU devices for the tensor-parallel tests (tests/test_sharding.py); set before
+# jax initialises its backend. Everything else runs on device 0 as before.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=8").strip()
 
 import numpy as np
 import pytest
