@@ -42,6 +42,8 @@ ENGINE_HELP = {
     "attention_backend": "auto (Pallas kernel on GPUs, pure-jnp op elsewhere), reference, pallas, "
                          "or pallas-interpret (the kernel in the Pallas interpreter; CPU tests)",
     "compilation_cache_dir": "persistent XLA compilation cache directory ('' disables it)",
+    "tensor_parallel_size": "devices one model is split over (heads, MLP and vocabulary); "
+    "must divide num_heads",
 }
 
 
