@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None,
                    help="the model id in /v1/models and requests (default: from the model)")
     s.add_argument("--config", default=None, help="YAML file with engine settings (flag names)")
+    s.add_argument("--data-parallel-size", type=int, default=1,
+                   help="independent engine replicas behind this server, each on its own "
+                        "tensor_parallel_size devices; requests go to the least-loaded one")
     add_server_args(s)
     add_engine_args(s)
     b = sub.add_parser("bench", help="benchmark an OpenAI-compatible server")
@@ -200,11 +203,18 @@ def serve(ns: argparse.Namespace) -> None:
     cfg = engine_config_from_args(ns)
     load = LoadConfig(ns.model or ns.model_opt, ns.load_format, ns.served_model_name)
     t0 = time.perf_counter()
-    engine = LLMEngine(cfg, load, metrics=EngineMetrics())
+    if ns.data_parallel_size > 1:
+        from jaxserve.data_parallel import build_data_parallel
+
+        aeng = build_data_parallel(cfg, load, ns.data_parallel_size)
+        engine = aeng.replicas[0].engine
+    else:
+        engine = LLMEngine(cfg, load, metrics=EngineMetrics())
+        aeng = AsyncEngine(engine)
     print(f"loaded {engine.model_name} in {engine.load_s:.1f} s ({engine.dtype}, "
           f"{engine.num_blocks} KV blocks of {cfg.block_size} tokens, max_model_len "
-          f"{engine.max_model_len})", flush=True)
-    aeng = AsyncEngine(engine)
+          f"{engine.max_model_len}, {ns.data_parallel_size} replica(s) x "
+          f"{cfg.tensor_parallel_size} device(s))", flush=True)
     aeng.start(warmup=True, progress=True)
     st = aeng.warmup_stats
     print(f"compiled {int(st['num_programs'])} programs in {st['compile_s']:.1f} s; ready in "

@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import jax
@@ -126,13 +127,15 @@ class LLMEngine:
       config: engine settings.
       load: where weights come from.
       metrics: an ``EngineMetrics`` (or None) updated every step.
+      devices: the ``tensor_parallel_size`` devices this engine runs on (a data-parallel
+        replica's group); None: the first ones.
     Raises:
       ValueError: invalid settings (max_model_len above the model's, a KV cache too small for
         one full-length request).
     """
 
     def __init__(self, config: EngineConfig | None = None, load: LoadConfig | None = None,
-                 metrics=None) -> None:
+                 metrics=None, devices: Sequence[jax.Device] | None = None) -> None:
         from models.registry import get_architecture
 
         self.config = config = config or EngineConfig()
@@ -151,17 +154,17 @@ class LLMEngine:
                              f"window of {mc.max_position_embeddings}")
         self.mesh = None
         attention_fn = attention_fn_for_backend(config.attention_backend)
-        if config.tensor_parallel_size > 1:
+        if config.tensor_parallel_size > 1 or devices is not None:
             from jaxserve import sharding
 
             tp = config.tensor_parallel_size
-            if getattr(mc, "architecture", "llama") != "llama":
+            if tp > 1 and getattr(mc, "architecture", "llama") != "llama":
                 raise ValueError(
                     f"tensor_parallel_size={tp}: tensor parallelism is built for the llama "
                     f"architecture (Llama, Mistral, Qwen2 layouts), not "
                     f"{mc.architecture!r}; use tensor_parallel_size=1")
             sharded_mc = sharding.sharded_config(mc, tp)  # raises naming the numbers
-            self.mesh = sharding.make_mesh(tp)
+            self.mesh = sharding.make_mesh(tp, devices)
             params = sharding.shard_params(params, mc, self.mesh)
             self.model_config = mc = sharded_mc
             attention_fn = sharding.shard_attention(attention_fn, self.mesh)
@@ -213,7 +216,8 @@ class LLMEngine:
         if c.kv_cache_memory_gib is not None:
             budget = c.kv_cache_memory_gib * GIB
         else:
-            stats = jax.devices()[0].memory_stats() or {}
+            dev = self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]
+            stats = dev.memory_stats() or {}
             if "bytes_limit" in stats:
                 free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
                 budget = c.kv_cache_memory_fraction * free

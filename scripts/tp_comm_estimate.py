@@ -31,15 +31,15 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
-from jaxserve import sharding  # noqa: E402
-from jaxserve.runner import ModelRunner  # noqa: E402
-from models.config import builtin_config  # noqa: E402
-from models.llama import LlamaForCausalLM  # noqa: E402
-from pallas_kernels import KVCache, ragged_paged_attention  # noqa: E402
+from jaxserve import sharding
+from jaxserve.runner import ModelRunner
+from models.config import builtin_config
+from models.llama import LlamaForCausalLM
+from pallas_kernels import KVCache, ragged_paged_attention
 
 NVLINK_ONE_WAY_BPS = 450e9
 BF16_FLOPS = 989e12
