@@ -147,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None,
                    help="the model id in /v1/models and requests (default: from the model)")
     s.add_argument("--config", default=None, help="YAML file with engine settings (flag names)")
+    s.add_argument("--coordinator-address", default=None,
+                   help="HOST:PORT of process 0, for one model spanning several processes")
+    s.add_argument("--num-processes", type=int, default=1,
+                   help="processes (hosts) the model spans; every one runs this command")
+    s.add_argument("--process-id", type=int, default=0,
+                   help="this process's rank; 0 serves HTTP, the others follow its steps")
     s.add_argument("--data-parallel-size", type=int, default=1,
                    help="independent engine replicas behind this server, each on its own "
                         "tensor_parallel_size devices; requests go to the least-loaded one")
@@ -198,7 +204,21 @@ def serve(ns: argparse.Namespace) -> None:
     if ns.model and ns.model_opt and ns.model != ns.model_opt:
         raise ValueError(f"MODEL {ns.model!r} and --model {ns.model_opt!r} disagree")
     server_cfg = server_config_from_args(ns)
-    check_port_free(server_cfg.host, server_cfg.port)  # fail before minutes of loading
+    from jaxserve.multihost import initialize
+
+    multi = initialize(ns.coordinator_address, ns.num_processes, ns.process_id)
+    if multi and ns.data_parallel_size > 1:
+        raise ValueError("--data-parallel-size > 1 with --num-processes > 1 is not supported")
+    if multi:
+        import jax
+
+        tp = engine_config_from_args(ns).tensor_parallel_size
+        if tp != len(jax.devices()):
+            raise ValueError(
+                f"with --num-processes {ns.num_processes} the model spans every process's "
+                f"devices: --tensor-parallel-size must be {len(jax.devices())}, got {tp}")
+    if ns.process_id == 0:
+        check_port_free(server_cfg.host, server_cfg.port)  # fail before minutes of loading
     configure_logging(server_cfg.log_level, server_cfg.log_format)
     cfg = engine_config_from_args(ns)
     load = LoadConfig(ns.model or ns.model_opt, ns.load_format, ns.served_model_name)
@@ -215,6 +235,11 @@ def serve(ns: argparse.Namespace) -> None:
           f"{engine.num_blocks} KV blocks of {cfg.block_size} tokens, max_model_len "
           f"{engine.max_model_len}, {ns.data_parallel_size} replica(s) x "
           f"{cfg.tensor_parallel_size} device(s))", flush=True)
+    if multi and ns.process_id != 0:  # a follower: same programs, steps from process 0
+        engine.warmup(progress=False)
+        steps = engine.runner.follow()
+        print(f"process {ns.process_id}: process 0 stopped after {steps} steps", flush=True)
+        return
     aeng.start(warmup=True, progress=True)
     st = aeng.warmup_stats
     print(f"compiled {int(st['num_programs'])} programs in {st['compile_s']:.1f} s; ready in "
@@ -223,6 +248,8 @@ def serve(ns: argparse.Namespace) -> None:
         run_server(build_app(aeng, engine.model_name, server_cfg))
     finally:
         aeng.shutdown()
+        if multi:
+            engine.runner.stop_followers()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -216,7 +216,8 @@ class LLMEngine:
         if c.kv_cache_memory_gib is not None:
             budget = c.kv_cache_memory_gib * GIB
         else:
-            dev = self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]
+            dev = jax.local_devices()[0] if self.mesh is None else next(
+                d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
             stats = dev.memory_stats() or {}
             if "bytes_limit" in stats:
                 free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
@@ -256,6 +257,9 @@ class LLMEngine:
             if t >= vocab:
                 raise ValueError(f"logit_bias holds token id {t}, outside the vocabulary "
                                  f"[0, {vocab})")
+        if params.logit_bias and self.runner._multiprocess:
+            raise ValueError("logit_bias is not supported when one model spans several "
+                             "processes (--num-processes > 1)")
         room = self.max_model_len - n
         return room if params.max_tokens is None else min(params.max_tokens, room)
 

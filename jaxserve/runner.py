@@ -153,6 +153,7 @@ class ModelRunner:
         self.mesh = mesh
         self._replicated = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
                             if mesh is not None else None)
+        self._multiprocess = mesh is not None and jax.process_count() > 1
         self.num_penalty_slots = num_penalty_slots or max_num_seqs
         self.penalty_state: PenaltyState = jax.jit(
             lambda: new_penalty_state(self.num_penalty_slots, model.cfg.vocab_size),
@@ -162,6 +163,13 @@ class ModelRunner:
         self.num_compiles = 0
 
     # -- the device program ------------------------------------------------------------------
+    def _gathered(self, logits: jax.Array) -> jax.Array:
+        """Under tensor parallelism, one all-gather of the vocabulary-split logits, so what
+        follows (sampling, logprobs) runs without collectives."""
+        if self._replicated is None:
+            return logits
+        return jax.lax.with_sharding_constraint(logits, self._replicated)
+
     def _step_fn(self, layout: _Layout):
         model, sl, b = self.model, layout.slices, layout.bucket
 
@@ -183,8 +191,7 @@ class ModelRunner:
                 f("tok_is_output"))
             hidden, kv_cache = model.forward(params, token_ids, f("positions"), kv_cache, md)
             logits = model.compute_logits(params, hidden[f("logits_indices")])
-            if self._replicated is not None:  # one all-gather of the vocab-split logits
-                logits = jax.lax.with_sharding_constraint(logits, self._replicated)
+            logits = self._gathered(logits)
             seeds = jax.lax.bitcast_convert_type(
                 jnp.stack([f("seed_hi"), f("seed_lo")], axis=-1), jnp.uint32)  # [S, 2]
             rows = RowInputs(as_f32("temperature"), f("top_k"), as_f32("top_p"),
@@ -198,7 +205,8 @@ class ModelRunner:
                 lambda lg, ch: zero_logprobs(b.num_seqs, k), logits, ids)
             plp = jax.lax.cond(
                 (flags & self.FLAG_PROMPT_LOGPROBS) != 0,
-                lambda h, tg: logprobs_of(model.compute_logits(params, h), tg, k, limit),
+                lambda h, tg: logprobs_of(self._gathered(model.compute_logits(params, h)), tg,
+                                          k, limit),
                 lambda h, tg: zero_logprobs(b.num_tokens, k), hidden, f("tok_target"))
             return kv_cache, pen, ids, lp, plp
 
@@ -243,6 +251,9 @@ class ModelRunner:
         """
         if self._set_bias is None:
             raise RuntimeError("set_logit_bias before warmup()")
+        if self._multiprocess:  # a program on process 0 alone would leave the followers behind
+            raise ValueError("logit_bias is not supported when one model spans several "
+                             "processes")
         row = np.zeros(self.penalty_state.bias.shape[1], np.float32)
         for t, v in bias.items():
             row[t] = v
@@ -359,9 +370,48 @@ class ModelRunner:
         prog = self.compiled.get(bucket)
         if prog is None:
             raise RuntimeError(f"bucket {bucket} was not compiled; call warmup() first")
+        if self._multiprocess:  # process 0 drives; the followers run the same program
+            from jax.experimental import multihost_utils
+
+            multihost_utils.broadcast_one_to_all(
+                np.array([self.buckets.index(bucket)], np.int32))
+            packed = multihost_utils.broadcast_one_to_all(packed)
+            return self._run_global(prog, packed)
         self.kv_cache, self.penalty_state, ids, lp, plp = prog(
             self.params, self.kv_cache, self.penalty_state, packed)
         return StepOutput(np.asarray(ids), lp, plp)
+
+    # -- several processes (jax.distributed): process 0 schedules, the others follow ----------
+    def _run_global(self, prog, packed: np.ndarray) -> StepOutput:
+        host = np.asarray(packed)
+        arr = jax.make_array_from_callback(host.shape, self._replicated, lambda idx: host[idx])
+        self.kv_cache, self.penalty_state, ids, lp, plp = prog(
+            self.params, self.kv_cache, self.penalty_state, arr)
+        local = lambda tree: jax.tree_util.tree_map(lambda x: x.addressable_data(0), tree)
+        return StepOutput(np.asarray(ids.addressable_data(0)), local(lp), local(plp))
+
+    def follow(self) -> int:
+        """On processes other than 0: run every step process 0 broadcasts, until it calls
+        ``stop_followers``. Returns the number of steps run. Programs must be warm."""
+        from jax.experimental import multihost_utils
+
+        steps = 0
+        while True:
+            idx = int(multihost_utils.broadcast_one_to_all(np.zeros(1, np.int32))[0])
+            if idx < 0:
+                return steps
+            bucket = self.buckets[idx]
+            buf = multihost_utils.broadcast_one_to_all(
+                np.zeros(self.layouts[bucket].size, np.int32))
+            self._run_global(self.compiled[bucket], buf)
+            steps += 1
+
+    def stop_followers(self) -> None:
+        """On process 0: release the processes blocked in ``follow``."""
+        if self._multiprocess:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.broadcast_one_to_all(np.array([-1], np.int32))
 
 
 def _put_f32(buf: np.ndarray, where: slice, size: int, vals: list[float], fill: float) -> None:

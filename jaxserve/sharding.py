@@ -150,8 +150,16 @@ def shard_params(params, cfg: ModelConfig, mesh: Mesh):
     tp = mesh.shape[TP_AXIS]
     params = replicate_kv_heads(params, cfg, tp)
     specs = param_partition_specs(params, cfg)
-    return jax.tree_util.tree_map(
-        lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs)
+    if jax.process_count() == 1:
+        return jax.tree_util.tree_map(
+            lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs)
+
+    def place(a, s):  # every process holds the whole tree and contributes its own shards
+        host = np.asarray(a)
+        return jax.make_array_from_callback(host.shape, NamedSharding(mesh, s),
+                                            lambda idx: host[idx])
+
+    return jax.tree_util.tree_map(place, params, specs)
 
 
 def shard_attention(attention_fn: Callable[..., jax.Array], mesh: Mesh

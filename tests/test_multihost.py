@@ -1,0 +1,106 @@
+"""One model over two processes on 127.0.0.1 (jax.distributed, gloo CPU collectives).
+
+Two ``jaxserve serve`` processes with one CPU device each run the ``tiny`` dummy model with
+tensor parallelism 2 across them: process 0 serves HTTP and schedules, process 1 follows its
+steps. The completion must equal the single-process engine's, and SIGTERM on process 0 must
+release process 1 (exit 0).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from jaxserve.config import EngineConfig, LoadConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.sampling_params import SamplingParams
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+FLAGS = ["--max-model-len", "128", "--num-kv-blocks", "24", "--max-num-seqs", "4",
+         "--max-num-batched-tokens", "16", "--compilation-cache-dir", ""]
+PROMPT = [504, 3575, 3004, 314, 253, 1345, 30, 42, 9, 1000, 77, 12, 8, 3100, 2, 3, 901, 22]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_tensor_parallel_across_two_processes(tmp_path: Path) -> None:
+    coord, http = _free_port(), _free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    procs, logs = [], []
+    for pid in (0, 1):
+        cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "tiny", "--load-format", "dummy",
+               "--tensor-parallel-size", "2", "--num-processes", "2", "--process-id", str(pid),
+               "--coordinator-address", f"127.0.0.1:{coord}", "--port", str(http), *FLAGS]
+        log = tmp_path / f"p{pid}.log"
+        logs.append(log)
+        with open(log, "wb") as fh:
+            procs.append(subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
+                                          cwd=REPO_ROOT, env=env))
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{http}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            dead = [p.returncode for p in procs if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                raise AssertionError(f"not ready (exit codes {dead}):\n" + "\n".join(
+                    log.read_text(errors="replace")[-3000:] for log in logs))
+            time.sleep(0.5)
+        r = httpx.post(f"http://127.0.0.1:{http}/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        got = r.json()["choices"][0]["text"]
+
+        eng = LLMEngine(EngineConfig(max_model_len=128, num_kv_blocks=24, max_num_seqs=4,
+                                     max_num_batched_tokens=16, compilation_cache_dir=""),
+                        LoadConfig(model="tiny", load_format="dummy"))
+        eng.warmup(progress=False)
+        eng.add_request("a", PROMPT, SamplingParams(temperature=0.0, max_tokens=6,
+                                                    ignore_eos=True))
+        want = None
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    want = out.outputs[0].text
+        assert got == want
+
+        procs[0].send_signal(signal.SIGTERM)  # drain, exit 0, and release the follower
+        assert procs[0].wait(60) == 0
+        assert procs[1].wait(60) == 0, logs[1].read_text(errors="replace")[-3000:]
+        assert "process 0 stopped after" in logs[1].read_text()
+    finally:
+        for p in procs:
+            _kill(p)
+
+
+def test_multiprocess_flags_are_checked() -> None:
+    from jaxserve.multihost import initialize
+
+    assert initialize(None, 1, 0) is False
+    with pytest.raises(ValueError, match="--coordinator-address"):
+        initialize(None, 2, 0)
+    with pytest.raises(ValueError, match=r"process_id=2 must be in \[0, 2\)"):
+        initialize("127.0.0.1:1", 2, 2)
