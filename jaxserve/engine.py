@@ -257,7 +257,7 @@ class LLMEngine:
             if t >= vocab:
                 raise ValueError(f"logit_bias holds token id {t}, outside the vocabulary "
                                  f"[0, {vocab})")
-        if params.logit_bias and self.runner._multiprocess:
+        if params.logit_bias and self.runner.multiprocess:
             raise ValueError("logit_bias is not supported when one model spans several "
                              "processes (--num-processes > 1)")
         room = self.max_model_len - n

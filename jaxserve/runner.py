@@ -382,6 +382,11 @@ class ModelRunner:
         return StepOutput(np.asarray(ids), lp, plp)
 
     # -- several processes (jax.distributed): process 0 schedules, the others follow ----------
+    @property
+    def multiprocess(self) -> bool:
+        """True when the mesh spans several processes (see jaxserve.multihost)."""
+        return self._multiprocess
+
     def _run_global(self, prog, packed: np.ndarray) -> StepOutput:
         host = np.asarray(packed)
         arr = jax.make_array_from_callback(host.shape, self._replicated, lambda idx: host[idx])
