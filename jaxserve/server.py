@@ -1,12 +1,15 @@
 """The OpenAI-compatible HTTP front end (Starlette): one request's path through it.
 
-  POST body ─msgspec decode (protocol.py)─> model check ─> SamplingParams ─> token ids
-    (completions: the prompt's ids or ``tokenizer.encode(prompt)``; chat: the chat template,
-    encoded without special tokens) ─> ``engine.generate(ids, params, request_id)``.
+  POST body (at most ``RequestLimits.max_request_body_bytes``, else 413)
+    ─``OpenAIServer.prepare``: msgspec decode and checks (protocol.py), model check,
+    SamplingParams, token ids (completions: the prompt's ids or ``tokenizer.encode(prompt)``;
+    chat: the chat template, encoded without special tokens)─> ``GenerationJob``
+    ─> ``engine.generate(ids, params, request_id)``.
   The first output is awaited before any response byte is sent, so engine validation errors
   (empty prompt, prompt >= max_model_len, token id out of range: ValueError) become 400s, for
   streaming requests too. Then either
-    - stream=false: the rest is collected in a task, raced against the client's
+    - stream=false: ``OpenAIServer.respond`` (GenerationJob -> response body, the path that
+      ``jaxserve run-batch`` shares) runs in a task raced against the client's
       ``http.disconnect``; a disconnect cancels the task (closing the engine's generator aborts
       the request) and calls ``engine.abort``;
     - stream=true: SSE events ``data: <json>\\n\\n``, ending with ``data: [DONE]\\n\\n``.
@@ -35,6 +38,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import msgspec
@@ -47,7 +51,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from jaxserve import protocol as p
-from jaxserve.config import ServerConfig
+from jaxserve.config import RequestLimits, ServerConfig
 from jaxserve.logs import install_request_id
 from jaxserve.metrics import EngineMetrics
 from jaxserve.openapi import openapi_document
@@ -98,12 +102,15 @@ class EngineClient(Protocol):
 _ENGINE_FIELDS = ("logit_bias", "stop_token_ids")
 
 
-def _param_of(message: str) -> str | None:
-    """The request field an engine validation message is about."""
+def _param_of(message: str, chat: bool) -> str | None:
+    """The request field an engine validation message is about (a chat prompt is built from
+    ``messages``)."""
     head = message.split(" ", 1)[0]
     if head in _ENGINE_FIELDS:
         return head
-    return "prompt" if "prompt" in message else None
+    if "prompt" in message:
+        return "messages" if chat else "prompt"
+    return None
 
 
 class _StreamState:
@@ -183,12 +190,49 @@ async def _unless_disconnected[T](request: Request, aw: Awaitable[T]) -> T:
     return task.result()
 
 
-class _OpenAIServer:
-    """The endpoints, bound to one engine and one served model name."""
+@dataclass
+class GenerationJob:
+    """A generation request decoded, checked and tokenised: what the engine is given.
 
-    def __init__(self, engine: EngineClient, served_model_name: str) -> None:
+    Fields:
+      chat: a chat completion (else a text completion).
+      ids: the prompt's token ids (completions: the request's ids or the encoded text; chat: the
+        rendered template, encoded without special tokens).
+      text: the prompt text the ids came from (None for a token-id prompt).
+      params: the request's sampling parameters.
+      stream: the request asked for server-sent events.
+      include_usage: ``stream_options.include_usage``.
+      fmt: how logprobs (and a completions ``echo``) are rendered into the response.
+    """
+
+    chat: bool
+    ids: list[int]
+    text: str | None
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    fmt: p.LogprobFormat
+
+    @property
+    def kind(self) -> str:
+        """The prefix of the request and response ids: ``chatcmpl`` or ``cmpl``."""
+        return "chatcmpl" if self.chat else "cmpl"
+
+
+class OpenAIServer:
+    """The endpoints, bound to one engine and one served model name.
+
+    ``prepare`` (body bytes -> GenerationJob) and ``respond`` (GenerationJob -> response body)
+    are the request-handling path shared by the HTTP endpoints and ``jaxserve run-batch``
+    (``jaxserve.batch``); both raise ``protocol.RequestError`` for a client error.
+    """
+
+    def __init__(
+        self, engine: EngineClient, served_model_name: str, limits: RequestLimits | None = None
+    ) -> None:
         self.engine = engine
         self.model = served_model_name
+        self.limits = limits or RequestLimits()
         self.created = int(time.time())
 
     def _check_model(self, model: str | None) -> None:
@@ -200,49 +244,60 @@ class _OpenAIServer:
                 param="model",
             )
 
-    @staticmethod
-    async def _body(request: Request) -> bytes:
+    async def _body(self, request: Request) -> bytes:
+        """The JSON body, read up to ``limits.max_request_body_bytes`` (else 413)."""
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype != "application/json" and not ctype.endswith("+json"):
             raise p.RequestError(f"Content-Type must be application/json, got {ctype or 'none'!r}")
+        cap = self.limits.max_request_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > cap:
+            raise _too_large(int(declared), cap)
+        parts, size = [], 0
         try:
-            return await request.body()
+            async for part in request.stream():
+                size += len(part)
+                if size > cap:
+                    raise _too_large(size, cap)
+                parts.append(part)
         except ClientDisconnect:
             raise p.RequestError("the client disconnected while sending the body") from None
+        return b"".join(parts)
 
-    async def completions(self, request: Request) -> Response:
-        req = p.decode_completion_request(await self._body(request))
-        self._check_model(req.model)
-        params = p.to_sampling_params(req)
-        prompt = p.completion_prompt(req)
-        if isinstance(prompt, str):
-            # off the event loop: a multi-megabyte prompt must not stall other streams
-            ids, text = await asyncio.to_thread(self.engine.tokenizer.encode, prompt), prompt
+    async def prepare(self, chat: bool, body: bytes) -> GenerationJob:
+        """Decode and check a completions (``chat=False``) or chat-completions body, then
+        tokenise its prompt (off the event loop: a long prompt must not stall other streams).
+
+        Raises:
+          protocol.RequestError: invalid body or field values (400, naming the field), caps
+            exceeded (400), unknown model (404).
+        """
+        if not chat:
+            req = p.decode_completion_request(body, self.limits)
+            self._check_model(req.model)
+            params = p.to_sampling_params(req)
+            prompt = p.completion_prompt(req)
+            if isinstance(prompt, str):
+                ids = await asyncio.to_thread(self.engine.tokenizer.encode, prompt)
+                text: str | None = prompt
+            else:
+                ids, text = prompt, None
+            fmt = self._logprob_format(params, echo=bool(req.echo), echo_text=text, ids=ids)
         else:
-            ids, text = prompt, None
-        fmt = self._logprob_format(params, echo=bool(req.echo),
-                                   echo_text=text if text is not None else None, ids=ids)
-        return await self._serve(
-            request, "cmpl", ids, text, params, req.stream, req.stream_options, chat=False,
-            fmt=fmt,
-        )
-
-    async def chat_completions(self, request: Request) -> Response:
-        req = p.decode_chat_request(await self._body(request))
-        self._check_model(req.model)
-        params = p.to_sampling_params(req)
-        tok = self.engine.tokenizer
-        try:
-            rendered = await asyncio.to_thread(
-                tok.apply_chat_template, p.chat_messages(req), req.add_generation_prompt
-            )
-        except ValueError as exc:
-            raise p.RequestError(f"invalid messages: {exc}", param="messages") from exc
-        ids = await asyncio.to_thread(tok.encode, rendered, False)
-        return await self._serve(
-            request, "chatcmpl", ids, rendered, params, req.stream, req.stream_options, chat=True,
-            fmt=self._logprob_format(params),
-        )
+            req = p.decode_chat_request(body, self.limits)
+            self._check_model(req.model)
+            params = p.to_sampling_params(req)
+            tok = self.engine.tokenizer
+            try:
+                text = await asyncio.to_thread(
+                    tok.apply_chat_template, p.chat_messages(req), req.add_generation_prompt
+                )
+            except ValueError as exc:
+                raise p.RequestError(f"invalid messages: {exc}", param="messages") from exc
+            ids = await asyncio.to_thread(tok.encode, text, False)
+            fmt = self._logprob_format(params)
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return GenerationJob(chat, ids, text, params, bool(req.stream), include_usage, fmt)
 
     def _logprob_format(self, params: SamplingParams, echo: bool = False,
                         echo_text: str | None = None, ids: list[int] | None = None
@@ -254,63 +309,93 @@ class _OpenAIServer:
         return p.LogprobFormat(params.logprobs, lambda t: tok.token_bytes(t, skip), echo=echo,
                                echo_text=echo_text or "")
 
-    async def _serve(
-        self,
-        request: Request,
-        kind: str,
-        ids: list[int],
-        text: str | None,
-        params: SamplingParams,
-        stream: bool,
-        stream_options: p.StreamOptions | None,
-        chat: bool,
-        fmt: p.LogprobFormat,
-    ) -> Response:
-        rid = f"{kind}-{request.state.request_id}"
-        budget: RequestBudget = request.state.budget
+    async def _first(self, gen: AsyncIterator[RequestOutput], job: GenerationJob
+                     ) -> RequestOutput:
+        """The first engine output; the engine's ValueError (checked before anything is queued)
+        becomes a 400 naming the field."""
+        try:
+            return await anext(gen)
+        except ValueError as exc:
+            raise p.RequestError(str(exc), param=_param_of(str(exc), job.chat)) from None
+        except StopAsyncIteration:
+            raise RuntimeError("the engine produced no output") from None
+
+    async def respond(
+        self, job: GenerationJob, request_id: str
+    ) -> p.CompletionResponse | p.ChatCompletionResponse:
+        """Run a non-streamed request through the engine and return its response body.
+
+        If this coroutine is cancelled (client gone, timeout), the engine request is aborted.
+
+        Raises:
+          protocol.RequestError: the engine refused the request (empty or too long prompt,
+            token ids or stop_token_ids outside the vocabulary).
+          RuntimeError: the engine failed while running it.
+        """
         created = int(time.time())
-        gen = self.engine.generate(ids, params, rid, prompt=text)
+        gen = self.engine.generate(job.ids, job.params, request_id, prompt=job.text)
         finished = False
         try:
-            try:
-                first = await _unless_disconnected(request, budget.bound(_first(gen)))
-            except ValueError as exc:
-                raise p.RequestError(str(exc), param=_param_of(str(exc))) from None
-            except StopAsyncIteration:
-                raise RuntimeError("the engine produced no output") from None
-            if stream:
-                include_usage = stream_options is not None and stream_options.include_usage
-                sfmt = p.StreamFormatter(chat, rid, created, self.model, include_usage,
-                                         n=params.n, fmt=fmt)
-                state = _StreamState()
-
-                async def on_close() -> None:
-                    if not state.finished:
-                        await gen.aclose()  # type: ignore[attr-defined]
-                        self.engine.abort(rid)
-
-                finished = True  # the response owns the generator from here
-                return _ClosingStreamingResponse(
-                    self._events(gen, first, sfmt, state, budget),
-                    on_close,
-                    media_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache"},
-                )
-            final = first
-            if not first.finished:
-                final = await _unless_disconnected(request, budget.bound(_collect(gen)))
+            out = await self._first(gen, job)
+            if not out.finished:
+                out = await _collect(gen)
             finished = True
+        finally:
+            if not finished:
+                await gen.aclose()  # type: ignore[attr-defined]
+                self.engine.abort(request_id)
+        return p.final_response(job.chat, request_id, created, self.model, out, job.fmt)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, await self.prepare(False, await self._body(request)))
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, await self.prepare(True, await self._body(request)))
+
+    async def _serve(self, request: Request, job: GenerationJob) -> Response:
+        rid = f"{job.kind}-{request.state.request_id}"
+        budget: RequestBudget = request.state.budget
+        try:
+            if not job.stream:
+                body = await _unless_disconnected(request, budget.bound(self.respond(job, rid)))
+                return _json(body)
+            return await self._start_stream(request, job, rid, budget)
         except _ClientGone:
             return Response(status_code=499)
         except TimeoutError:
             status, message, err_type = budget.error()
             logger.warning("aborted: %s", message)
             return _error(status, message, err_type)
+
+    async def _start_stream(
+        self, request: Request, job: GenerationJob, rid: str, budget: RequestBudget
+    ) -> Response:
+        """Await the first output (so engine validation errors are still 400s), then hand the
+        generator to a streaming response that aborts the request if it ends early."""
+        gen = self.engine.generate(job.ids, job.params, rid, prompt=job.text)
+        handed_over = False
+        try:
+            first = await _unless_disconnected(request, budget.bound(self._first(gen, job)))
+            fmt = p.StreamFormatter(job.chat, rid, int(time.time()), self.model,
+                                    job.include_usage, n=job.params.n, fmt=job.fmt)
+            state = _StreamState()
+
+            async def on_close() -> None:
+                if not state.finished:
+                    await gen.aclose()  # type: ignore[attr-defined]
+                    self.engine.abort(rid)
+
+            handed_over = True  # the response owns the generator from here
+            return _ClosingStreamingResponse(
+                self._events(gen, first, fmt, state, budget),
+                on_close,
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         finally:
-            if not finished:
-                await gen.aclose()
+            if not handed_over:
+                await gen.aclose()  # type: ignore[attr-defined]
                 self.engine.abort(rid)
-        return _json(p.final_response(chat, rid, created, self.model, final, fmt))
 
     @staticmethod
     async def _events(
@@ -362,7 +447,7 @@ class _OpenAIServer:
         return _json(p.ModelList(data=[card]))
 
     async def tokenize(self, request: Request) -> Response:
-        req = p.decode_tokenize_request(await self._body(request))
+        req = p.decode_tokenize_request(await self._body(request), self.limits)
         self._check_model(req.model)
         tok = self.engine.tokenizer
         try:
@@ -402,8 +487,12 @@ class _OpenAIServer:
         return Response(m.render(), headers={"Content-Type": m.content_type})
 
 
-async def _first(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
-    return await anext(gen)
+def _too_large(size: int, cap: int) -> p.RequestError:
+    return p.RequestError(
+        f"the request body holds at least {size} bytes; the limit is {cap} "
+        "(--max-request-body-bytes)",
+        status=413,
+    )
 
 
 async def _collect(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -431,19 +520,23 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 
 def build_app(
-    engine: EngineClient, served_model_name: str, config: ServerConfig | None = None
+    engine: EngineClient,
+    served_model_name: str,
+    config: ServerConfig | None = None,
+    limits: RequestLimits | None = None,
 ) -> Starlette:
     """The OpenAI-compatible Starlette app serving ``engine`` as ``served_model_name``.
 
     Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
     POST /detokenize, GET /health (503 until ``engine.ready`` and while draining), GET /metrics
     (Prometheus text), GET /openapi.json. ``config`` supplies the API key, queue bound and
-    timeouts (default: ``ServerConfig()``); ``app.state.gate`` is the admission state that
+    timeouts (default: ``ServerConfig()``), ``limits`` the per-request caps (default:
+    ``RequestLimits()``); ``app.state.gate`` is the admission state that
     ``server_ops.run_server`` drains.
     """
     config = config or ServerConfig()
     install_request_id()
-    api = _OpenAIServer(engine, served_model_name)
+    api = OpenAIServer(engine, served_model_name, limits)
     doc = msgspec.json.encode(openapi_document(api_key=config.api_key is not None))
 
     async def openapi(request: Request) -> Response:

@@ -104,7 +104,11 @@ class FakeEngine:
             raise ValueError(f"prompt has {n} tokens; max_model_len is {self.max_model_len}")
         for t in prompt_token_ids:
             if not 0 <= t < self.tokenizer.vocab_size:
-                raise ValueError(f"token id {t} is out of range [0, {self.tokenizer.vocab_size})")
+                raise ValueError(
+                    f"prompt token id {t} is out of range [0, {self.tokenizer.vocab_size})")
+        for t in sampling_params.stop_token_ids:
+            if t >= self.tokenizer.vocab_size:
+                raise ValueError(f"stop_token_ids holds {t}, outside the vocabulary")
         window = self.max_model_len - n
         max_tokens = (
             window
