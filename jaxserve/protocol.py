@@ -19,7 +19,7 @@ import math
 import re
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -139,8 +139,11 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
-    role: str
+    role: ChatRole
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
