@@ -134,6 +134,12 @@ NUMERIC_CASES = [  # (path, field, bad value); vocabulary of the fake tokenizer:
     (COMPL, "best_of", 0), (COMPL, "best_of", 3), (CHAT, "min_tokens", -1),
     (COMPL, "length_penalty", -2.0), (COMPL, "prompt_logprobs", -1),
     (COMPL, "prompt", [BIG]), (COMPL, "prompt", [-1, 5]), (COMPL, "prompt", [1.5]),
+    # the sampling fields of item 1 (their ranges are chosen there; here: a 400 naming them)
+    (COMPL, "min_p", 1.5), (CHAT, "min_p", -0.1), (CHAT, "presence_penalty", 2.5),
+    (COMPL, "frequency_penalty", -3), (CHAT, "repetition_penalty", 0),
+    (COMPL, "repetition_penalty", -1.0), (COMPL, "logprobs", -1), (COMPL, "logprobs", BIG),
+    (CHAT, "top_logprobs", -1), (COMPL, "logit_bias", {"5": 101}),
+    (CHAT, "logit_bias", {"5": -BIG}), (COMPL, "logit_bias", {"x": 1}),
 ]  # fmt: skip
 
 
