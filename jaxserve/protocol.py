@@ -389,11 +389,13 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest) -> Sampli
     stop = req.stop if req.stop is not None else []
     bias = None
     if req.logit_bias:
-        try:
-            bias = {int(k): v for k, v in req.logit_bias.items()}
-        except ValueError:
-            raise RequestError("logit_bias keys must be token ids (integers as strings)",
-                               param="logit_bias") from None
+        # plain ASCII decimal keys only: int() would also take " 5", "+5", "5_0" and
+        # non-ASCII digits, reading another token id than the client meant
+        bad = [k for k in req.logit_bias if not (k.isascii() and k.isdigit())]
+        if bad:
+            raise RequestError(f"logit_bias keys must be token ids written as decimal digits, "
+                               f"got {bad[0]!r}", param="logit_bias")
+        bias = {int(k): v for k, v in req.logit_bias.items()}
     if isinstance(req, ChatCompletionRequest):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         prompt_logprobs = None

@@ -84,6 +84,11 @@ MALFORMED_CHAT = [
     # features not built are refused, never silently ignored
     (json.dumps({"messages": HI, "logit_bias": {"1": 500}}).encode(), J, 400),
     (json.dumps({"messages": HI, "logit_bias": {"one": 5}}).encode(), J, 400),
+    # int() would read these as ids: a space, a sign, an underscore, a non-ASCII digit
+    (json.dumps({"messages": HI, "logit_bias": {" 5": 5}}).encode(), J, 400),
+    (json.dumps({"messages": HI, "logit_bias": {"+5": 5}}).encode(), J, 400),
+    (json.dumps({"messages": HI, "logit_bias": {"5_0": 5}}).encode(), J, 400),
+    (json.dumps({"messages": HI, "logit_bias": {"\u0665": 5}}).encode(), J, 400),
     (json.dumps({"messages": HI, "response_format": {"type": "json_object"}}).encode(), J, 400),
     (json.dumps({"messages": HI, "tools": [{"type": "function"}]}).encode(), J, 400),
     (json.dumps({"messages": HI, "tool_choice": "auto"}).encode(), J, 400),
