@@ -158,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "tensor_parallel_size devices; requests go to the least-loaded one")
     add_server_args(s)
     add_engine_args(s)
+    from jaxserve.convert import add_cli_args as add_convert_args
+
+    add_convert_args(sub.add_parser(
+        "convert", help="write a model (GGUF, HF safetensors) as an orbax checkpoint directory",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     b = sub.add_parser("bench", help="benchmark an OpenAI-compatible server")
     bsub = b.add_subparsers(dest="bench_command", required=True)
     from jaxserve.bench.serve import add_cli_args as add_bench_serve_args
@@ -261,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.command == "serve":
             serve(ns)
+        elif ns.command == "convert":
+            from jaxserve.convert import run as convert
+
+            return convert(ns)
         elif ns.command == "bench" and ns.bench_command == "serve":
             from jaxserve.bench.serve import run as bench_serve
 
