@@ -124,10 +124,12 @@ def load_model(load: LoadConfig, dtype: jnp.dtype, seed: int
 
 def _load_model_dir(path: str, dtype: jnp.dtype) -> tuple[ModelConfig, object, Tokenizer, str]:
     """An orbax checkpoint written by ``jaxserve convert``, or an HF safetensors directory."""
-    from models import checkpoint
+    from models import checkpoint, hf
 
     if checkpoint.is_checkpoint(path):
         cfg, params = checkpoint.load_checkpoint(path, dtype)
+    elif hf.is_hf_dir(path):
+        cfg, params = hf.load_hf_params(path, dtype)
     else:
         raise ValueError(f"directory {path!r} is neither an orbax checkpoint written by "
                          f"'jaxserve convert' (config.json with format {checkpoint.FORMAT!r} and "

@@ -16,6 +16,7 @@ from models.llama import AttentionMetadata
 from pallas_kernels import allocate_kv_cache
 
 BLOCK_SIZE = 16
+_FNS: dict = {}  # (model class, config, dtype) -> jitted forward + logits, so tests share compiles
 
 
 def prefill_logits(model, params, seqs: Sequence[Sequence[int]]) -> list[np.ndarray]:
@@ -46,11 +47,14 @@ def prefill_logits(model, params, seqs: Sequence[Sequence[int]]) -> list[np.ndar
         query_start_loc=jnp.asarray(qsl, jnp.int32),
         num_seqs=jnp.asarray([len(seqs)], jnp.int32))
 
-    @jax.jit
-    def fn(params, kv, tok, pos, md):
-        hidden, _ = model.forward(params, tok, pos, kv, md)
-        return model.compute_logits(params, hidden)
+    key = (type(model), cfg, jnp.dtype(model.dtype))
+    if key not in _FNS:
+        def forward_logits(params, kv, tok, pos, md):
+            hidden, _ = model.forward(params, tok, pos, kv, md)
+            return model.compute_logits(params, hidden)
 
+        _FNS[key] = jax.jit(forward_logits)
+    fn = _FNS[key]
     logits = np.asarray(fn(params, kv, jnp.asarray(tok, jnp.int32), jnp.asarray(pos, jnp.int32),
                            md))
     return [logits[qsl[i]:qsl[i + 1]] for i in range(len(seqs))]
