@@ -238,7 +238,8 @@ def write_checkpoint(path: str, cfg: TinyGPTConfig, tokenizer, seed: int = 0) ->
 def main(argv: list[str]) -> int:
     """``write DIR`` or ``serve DIR [jaxserve serve flags]``."""
     if len(argv) < 2 or argv[0] not in ("write", "serve"):
-        print(__doc__.split("\n\n")[2], file=sys.stderr)
+        print("usage: python examples/tiny_gpt.py write DIR\n"
+              "       python examples/tiny_gpt.py serve DIR [jaxserve serve flags]", file=sys.stderr)
         return 2
     register()
     if argv[0] == "write":
