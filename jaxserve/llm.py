@@ -22,8 +22,9 @@ class LLM:
     """Offline engine.
 
     Args:
-      model: a GGUF file, or with ``load_format="dummy"`` a built-in config name; None: the
-        default SmolLM2-135M-Instruct.
+      model: a GGUF file, an HF safetensors directory, an orbax checkpoint directory (``jaxserve
+        convert``), or with ``load_format="dummy"`` a built-in config name; None: the default
+        SmolLM2-135M-Instruct.
       load_format: "auto" or "dummy".
       served_model_name: a name for outputs (unused offline; kept for symmetry).
       **engine_args: any ``EngineConfig`` field (block_size, max_num_seqs, max_model_len, ...).

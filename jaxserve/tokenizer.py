@@ -23,6 +23,7 @@ extension, a ``{% generation %}`` tag that renders its body, the ``tojson`` filt
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterable, Sequence
 from datetime import datetime
@@ -198,6 +199,91 @@ class Tokenizer:
                 raise ValueError(f"{what}={t!r} is not in the vocabulary of {tokenizer_json}")
         return cls(backend, bos_token_id=ids["bos_token"], eos_token_id=ids["eos_token"],
                    add_bos_token=add_bos_token, chat_template=chat_template, name=name)  # fmt: skip
+
+    @classmethod
+    def from_pretrained_dir(cls, path: str) -> Tokenizer:
+        """Build from a directory in HF layout: ``tokenizer.json``, and when present
+        ``tokenizer_config.json`` (``bos_token``/``eos_token`` as strings or ``{"content": ...}``,
+        ``add_bos_token``, ``add_eos_token``, ``chat_template`` as a string or a list of
+        ``{"name", "template"}``), ``chat_template.jinja`` and ``generation_config.json``
+        (``eos_token_id``: an id or a list of ids that end generation). HF directories and
+        checkpoints written by ``jaxserve convert`` both have this layout.
+
+        When ``add_bos_token`` is not given, BOS is added if the file's post-processor adds it
+        (as transformers' Llama-3 tokenizers do).
+
+        Raises:
+          ValueError: no tokenizer.json, unreadable JSON, or a BOS/EOS token not in the
+            vocabulary.
+        """
+        def read_json(name: str) -> dict:
+            file = os.path.join(path, name)
+            if not os.path.isfile(file):
+                return {}
+            try:
+                with open(file, encoding="utf-8") as fh:
+                    return json.load(fh)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"cannot read {file}: {e}") from None
+
+        tokenizer_json = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tokenizer_json):
+            raise ValueError(f"{path} has no tokenizer.json")
+        backend = tokenizers.Tokenizer.from_file(tokenizer_json)
+        config = read_json("tokenizer_config.json")
+
+        def token_id(key: str) -> int | None:
+            token = config.get(key)
+            if isinstance(token, dict):
+                token = token.get("content")
+            if token is None:
+                return None
+            i = backend.token_to_id(token)
+            if i is None:
+                raise ValueError(f"{path}/tokenizer_config.json: {key}={token!r} is not in the "
+                                 f"vocabulary")
+            return i
+
+        bos, eos = token_id("bos_token"), token_id("eos_token")
+        template = config.get("chat_template")
+        if isinstance(template, list):
+            template = next((t["template"] for t in template if t.get("name") == "default"),
+                            None)
+        jinja_file = os.path.join(path, "chat_template.jinja")
+        if template is None and os.path.isfile(jinja_file):
+            with open(jinja_file, encoding="utf-8") as fh:
+                template = fh.read()
+        add_bos = config.get("add_bos_token")
+        if add_bos is None:
+            add_bos = bos is not None and backend.encode("", add_special_tokens=True).ids[:1] == [
+                bos]
+        gen_eos = read_json("generation_config.json").get("eos_token_id")
+        extra = gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos]
+        if eos is None and extra:
+            eos = int(extra[0])
+        return cls(backend, bos_token_id=bos, eos_token_id=eos, add_bos_token=bool(add_bos),
+                   add_eos_token=bool(config.get("add_eos_token", False)),
+                   chat_template=template, extra_eos_token_ids=[int(i) for i in extra],
+                   name=os.path.basename(os.path.normpath(path)))
+
+    def save_pretrained(self, path: str) -> None:
+        """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``generation_config.json``
+        under ``path`` so that ``from_pretrained_dir(path)`` rebuilds an equal tokenizer (the
+        chat template only when the model has its own)."""
+        os.makedirs(path, exist_ok=True)
+        self.backend.save(os.path.join(path, "tokenizer.json"))
+        config: dict = {
+            "bos_token": None if self.bos_token_id is None else self.id_to_token(self.bos_token_id),
+            "eos_token": None if self.eos_token_id is None else self.id_to_token(self.eos_token_id),
+            "add_bos_token": self.add_bos_token, "add_eos_token": self.add_eos_token}
+        if self.has_chat_template:
+            config["chat_template"] = self.chat_template
+        eos_ids = sorted(self._extra_eos | ({self.eos_token_id} - {None}))
+        for name, data in (("tokenizer_config.json", config),
+                           ("generation_config.json", {"eos_token_id": eos_ids})):
+            with open(os.path.join(path, name), "w", encoding="utf-8") as fh:
+                json.dump(data, fh, indent=2, ensure_ascii=False)
+                fh.write("\n")
 
     # ---- facts ----------------------------------------------------------------------------
 

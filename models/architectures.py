@@ -1,12 +1,14 @@
 """The built-in architectures, registered in ``models.registry`` on import.
 
 ``llama`` covers the Llama family as HF transformers and llama.cpp name it: GGUF
-``general.architecture`` ``llama``; HF ``LlamaForCausalLM``.
+``general.architecture`` ``llama``; HF ``LlamaForCausalLM``, ``MistralForCausalLM`` and
+``Qwen2ForCausalLM`` (safetensors directories).
 """
 
 from __future__ import annotations
 
 from models.config import ModelConfig
+from models.hf import llama_hf_config, llama_hf_params
 from models.llama import LlamaForCausalLM
 from models.loader import gguf_model_config, llama_gguf_params
 from models.registry import Architecture, register_architecture
@@ -15,9 +17,11 @@ LLAMA = Architecture(
     name="llama",
     model=LlamaForCausalLM,
     config_from_dict=ModelConfig.from_dict,
-    aliases=("LlamaForCausalLM",),
+    aliases=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
     gguf_config=gguf_model_config,
     gguf_params=llama_gguf_params,
+    hf_config=llama_hf_config,
+    hf_params=llama_hf_params,
 )
 
 register_architecture(LLAMA)

@@ -26,10 +26,13 @@ class ModelConfig:
     Fields: vocab_size, hidden_size, intermediate_size (SwiGLU width), num_layers, num_heads
     (query heads), num_kv_heads (GQA), head_dim, rope_theta, rope_scaling (Llama-3 scaling or
     None), rms_norm_eps, tie_word_embeddings, qkv_bias, max_position_embeddings (the model's
-    own context window, tokens), name.
+    own context window, tokens), sliding_window (every layer attends to the last this many
+    positions, as Mistral's config says; None: full causal attention), name, architecture (the
+    ``models.registry`` name).
 
     Raises:
-      ValueError: if num_heads is not a multiple of num_kv_heads, or head_dim is odd.
+      ValueError: if num_heads is not a multiple of num_kv_heads, head_dim is odd, or
+        sliding_window is below 1.
     """
 
     vocab_size: int
@@ -45,6 +48,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     max_position_embeddings: int = 8192
+    sliding_window: int | None = None
     name: str = "llama"
     architecture: str = "llama"
 
@@ -53,6 +57,8 @@ class ModelConfig:
             raise ValueError(f"{self.num_heads=} must be a multiple of {self.num_kv_heads=}")
         if self.head_dim % 2:
             raise ValueError(f"{self.head_dim=} must be even (RoPE rotates pairs)")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"{self.sliding_window=} must be None or at least 1")
 
     def replace(self, **changes: object) -> ModelConfig:
         """A copy with some fields changed."""

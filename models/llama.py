@@ -8,7 +8,7 @@ The KV cache (``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` e
 rides in the scan *carry* with the layer index, so every layer reads and writes the one buffer in
 place; passing it as scan xs/ys would slice and re-stack (copy) it.
 
-Features: GQA, RoPE (rotate-half layout of HF transformers; GGUF q/k rows are un-permuted at load
+Features: GQA, optional sliding-window attention (Mistral), RoPE (rotate-half layout of HF transformers; GGUF q/k rows are un-permuted at load
 time) with theta and Llama-3 frequency scaling, RMSNorm, SwiGLU, tied or untied embeddings,
 optional q/k/v bias. Source: Touvron et al. 2023 (arXiv:2302.13971) and HF transformers'
 ``modeling_llama.py``.
@@ -119,7 +119,7 @@ class DecoderLayer(nn.Module):
         k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, md.slot_mapping)
         attn = self.attention_fn(
             q, k_cache, v_cache, layer, md.block_tables, md.seq_lens, md.query_start_loc,
-            md.num_seqs, sm_scale=hd ** -0.5)
+            md.num_seqs, sm_scale=hd ** -0.5, sliding_window=cfg.sliding_window)
         x = x + attn.reshape(t, nq * hd).astype(dt) @ self.param("wo", init, (nq * hd, h), dt)
 
         y = RMSNorm(cfg.rms_norm_eps, dt, name="mlp_norm")(x)

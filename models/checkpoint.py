@@ -1,0 +1,142 @@
+"""Orbax checkpoints of a model's params pytree: the format ``jaxserve convert`` writes and serves.
+
+On-disk layout of a checkpoint directory ``DIR`` (the README documents it for researchers who
+write one from their own training code):
+
+  DIR/config.json            the model config: ``cfg.to_dict()`` plus ``"architecture"`` (the
+                             ``models.registry`` name, e.g. ``"llama"``) and ``"format":
+                             "jaxserve-orbax"``
+  DIR/params/                ``orbax.checkpoint.StandardCheckpointer`` save of the params pytree
+  DIR/tokenizer.json         HF ``tokenizers`` file (written by ``jaxserve convert``)
+  DIR/tokenizer_config.json  bos/eos token strings, add_bos_token, chat_template
+  DIR/generation_config.json ``eos_token_id`` list (every id that ends generation)
+
+Loading reads ``config.json``, builds the model of that architecture, and restores the params
+straight into ``model.param_shapes()`` as ``jax.ShapeDtypeStruct`` targets carrying the target
+dtype and sharding (one device by default; a caller may pass ``NamedSharding``s), so no host
+copy of the weights is made and no dequantisation or re-layout runs: stored in the serving dtype,
+this is the fastest load path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+
+CONFIG_FILE = "config.json"
+PARAMS_DIR = "params"
+FORMAT = "jaxserve-orbax"
+
+
+def is_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a directory laid out as this module writes (config.json with
+    ``"format": "jaxserve-orbax"`` and a ``params/`` directory)."""
+    cfg_path = os.path.join(path, CONFIG_FILE)
+    if not (os.path.isfile(cfg_path) and os.path.isdir(os.path.join(path, PARAMS_DIR))):
+        return False
+    try:
+        with open(cfg_path, encoding="utf-8") as fh:
+            return json.load(fh).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def save_checkpoint(path: str, cfg, params, dtype: jnp.dtype | None = None) -> None:
+    """Write ``params`` (cast to ``dtype`` when given) and ``cfg`` under ``path``.
+
+    ``cfg`` follows ``models.registry.ModelConfigLike`` (``architecture``, ``to_dict()``); the
+    tokenizer files are the caller's (``jaxserve.tokenizer.Tokenizer.save_pretrained``).
+
+    Raises:
+      ValueError: ``path/params`` exists already (orbax refuses to overwrite).
+    """
+    target = os.path.join(os.path.abspath(path), PARAMS_DIR)
+    if os.path.exists(target):
+        raise ValueError(f"{target} exists already; choose a new destination directory")
+    import orbax.checkpoint as ocp
+
+    if dtype is not None:
+        params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), params)
+    os.makedirs(path, exist_ok=True)
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(target, params)
+    ckpt.wait_until_finished()
+    ckpt.close()
+    data = {"format": FORMAT, **cfg.to_dict(), "architecture": cfg.architecture}
+    with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2)
+        fh.write("\n")
+
+
+def read_config(path: str):
+    """The model config in ``path/config.json``, parsed by its architecture's
+    ``config_from_dict``.
+
+    Raises:
+      ValueError: unreadable JSON, a missing/unknown ``architecture``, or bad config keys.
+    """
+    from models.registry import get_architecture
+
+    try:
+        with open(os.path.join(path, CONFIG_FILE), encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}/{CONFIG_FILE}: {e}") from None
+    data.pop("format", None)
+    if "architecture" not in data:
+        raise ValueError(f"{path}/{CONFIG_FILE} lacks the key 'architecture'")
+    arch = get_architecture(str(data["architecture"]))
+    return arch.config_from_dict(data)
+
+
+def load_checkpoint(path: str, dtype: jnp.dtype, shardings=None):
+    """(config, params) of the checkpoint at ``path``, params restored in ``dtype`` straight
+    into their target placement.
+
+    Args:
+      path: a directory written by ``save_checkpoint`` (or by hand in its layout).
+      dtype: the params dtype after loading (orbax casts when the stored dtype differs).
+      shardings: optional pytree of ``jax.sharding.Sharding`` matching the params; default: the
+        first device.
+
+    Raises:
+      ValueError: the stored tree's paths or shapes differ from the model's (naming the path).
+    """
+    import orbax.checkpoint as ocp
+
+    from models.registry import get_architecture
+
+    cfg = read_config(path)
+    model = get_architecture(cfg.architecture).model(cfg, dtype)
+    shapes = model.param_shapes()
+    if shardings is None:
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree_util.tree_map(lambda _: one, shapes)
+    target = jax.tree_util.tree_map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sh), shapes, shardings)
+    params_dir = os.path.join(os.path.abspath(path), PARAMS_DIR)
+    ckpt = ocp.StandardCheckpointer()
+    try:
+        _check_tree(params_dir, ckpt.metadata(params_dir).item_metadata.tree, shapes)
+        return cfg, ckpt.restore(params_dir, target)
+    finally:
+        ckpt.close()
+
+
+def _check_tree(where: str, stored, expected) -> None:
+    """Raise ValueError naming the first path whose presence or shape differs."""
+    flat_s = {jax.tree_util.keystr(p): tuple(m.shape)
+              for p, m in jax.tree_util.tree_flatten_with_path(stored)[0]}
+    flat_e = {jax.tree_util.keystr(p): tuple(s.shape)
+              for p, s in jax.tree_util.tree_flatten_with_path(expected)[0]}
+    if missing := sorted(set(flat_e) - set(flat_s)):
+        raise ValueError(f"checkpoint {where} lacks params {missing}")
+    if extra := sorted(set(flat_s) - set(flat_e)):
+        raise ValueError(f"checkpoint {where} has params the model does not: {extra}")
+    for k, shape in flat_e.items():
+        if flat_s[k] != shape:
+            raise ValueError(f"checkpoint {where}: param {k} has shape {flat_s[k]}, the model "
+                             f"expects {shape}")

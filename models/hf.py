@@ -1,0 +1,241 @@
+"""HF safetensors directories: ``config.json`` + ``*.safetensors`` (+ tokenizer files).
+
+``load_hf_params(path, dtype)`` reads ``config.json``, looks ``architectures[0]`` up in
+``models.registry``, and hands the architecture a ``SafetensorsDir``: a memory-mapped view of
+every ``*.safetensors`` file (``safetensors.safe_open(framework="numpy")``), so a tensor is read
+from disk only when asked for, with a tqdm bar over the tensors read.
+
+The Llama family here: ``LlamaForCausalLM``, ``MistralForCausalLM`` (optional sliding window)
+and ``Qwen2ForCausalLM`` (q/k/v bias, tied or untied embeddings). HF keeps q/k rows in the
+rotate-half RoPE order our model uses (llama.cpp's converter permutes them for GGUF; HF files
+need no permutation), so each linear weight ``[out, in]`` is only transposed to ``[in, out]`` and
+stacked over layers. Config keys follow transformers' ``LlamaConfig``/``MistralConfig``/
+``Qwen2Config``, in both the v4 form (``rope_theta``, ``rope_scaling``) and the v5 form
+(``rope_parameters``).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelConfig, RopeScaling
+
+CONFIG_FILE = "config.json"
+
+
+def is_hf_dir(path: str) -> bool:
+    """Whether ``path`` holds ``config.json`` and at least one ``*.safetensors`` file."""
+    return (os.path.isfile(os.path.join(path, CONFIG_FILE))
+            and bool(glob.glob(os.path.join(path, "*.safetensors"))))
+
+
+class SafetensorsDir:
+    """Every tensor of the ``*.safetensors`` files in one directory, memory-mapped.
+
+    Args:
+      path: the directory.
+      progress: show a tqdm bar advancing once per tensor read.
+    Raises:
+      ValueError: no ``*.safetensors`` file, or one tensor name in two files.
+    """
+
+    def __init__(self, path: str, progress: bool = True) -> None:
+        from safetensors import safe_open
+
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise ValueError(f"{path} has no *.safetensors file")
+        self.path = path
+        self._files = [safe_open(f, framework="numpy") for f in files]
+        self._where: dict[str, int] = {}
+        for i, f in enumerate(self._files):
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if name in self._where:
+                    raise ValueError(f"{path}: tensor {name} is in two files")
+                self._where[name] = i
+        self._bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=len(self._where), desc="loading tensors", unit="tensor",
+                             leave=False)
+
+    def names(self) -> set[str]:
+        """Every tensor name."""
+        return set(self._where)
+
+    def get(self, name: str) -> np.ndarray:
+        """One tensor as stored (e.g. ``[out, in]`` for a linear weight; bfloat16 stays
+        ``ml_dtypes.bfloat16``).
+
+        Raises:
+          ValueError: no tensor of that name.
+        """
+        if name not in self._where:
+            raise ValueError(f"{self.path} lacks tensor {name}")
+        x = self._files[self._where[name]].get_tensor(name)
+        if self._bar is not None:
+            self._bar.update()
+        return x
+
+    def close(self) -> None:
+        """Close the progress bar (the mapped files close with the object)."""
+        if self._bar is not None:
+            self._bar.close()
+
+
+def read_hf_config(path: str) -> dict:
+    """``path/config.json`` as a dict.
+
+    Raises:
+      ValueError: unreadable, or without a non-empty ``architectures`` list.
+    """
+    try:
+        with open(os.path.join(path, CONFIG_FILE), encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}/{CONFIG_FILE}: {e}") from None
+    archs = data.get("architectures") if isinstance(data, dict) else None
+    if not (isinstance(archs, list) and archs):
+        raise ValueError(f"{path}/{CONFIG_FILE} lacks the list 'architectures'")
+    return data
+
+
+def load_hf_params(path: str, dtype: jnp.dtype, progress: bool = True):
+    """(config, params on the default device in ``dtype``) of an HF safetensors directory.
+
+    Raises:
+      ValueError: an unregistered architecture or one without an HF loader, an unsupported
+        config value (naming the key), or a missing tensor.
+    """
+    from models.registry import get_architecture
+
+    data = read_hf_config(path)
+    arch = get_architecture(str(data["architectures"][0]))
+    if arch.hf_config is None or arch.hf_params is None:
+        raise ValueError(f"{path}: architecture {data['architectures'][0]!r} has no HF "
+                         f"safetensors loader")
+    cfg = arch.hf_config(data)
+    tensors = SafetensorsDir(path, progress)
+    try:
+        return cfg, arch.hf_params(tensors, cfg, dtype)
+    finally:
+        tensors.close()
+
+
+# -- the Llama family ----------------------------------------------------------------------------
+
+LLAMA_FAMILY = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                "Qwen2ForCausalLM": "qwen2"}
+
+
+def _rope(data: dict) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from v5 ``rope_parameters`` or v4 ``rope_theta``/``rope_scaling``."""
+    rope = data.get("rope_parameters")
+    if rope is None:
+        rope = {**(data.get("rope_scaling") or {}), "rope_theta": data.get("rope_theta", 1e4)}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    theta = float(rope.get("rope_theta", data.get("rope_theta", 1e4)))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ValueError(f"config.json: rope type {kind!r} is not supported (only 'default' and "
+                         f"'llama3')")
+    d = RopeScaling()
+    return theta, RopeScaling(
+        factor=float(rope.get("factor", d.factor)),
+        low_freq_factor=float(rope.get("low_freq_factor", d.low_freq_factor)),
+        high_freq_factor=float(rope.get("high_freq_factor", d.high_freq_factor)),
+        original_max_position_embeddings=int(rope.get(
+            "original_max_position_embeddings", d.original_max_position_embeddings)))
+
+
+def llama_hf_config(data: dict) -> ModelConfig:
+    """ModelConfig from the ``config.json`` of a Llama, Mistral or Qwen2 checkpoint.
+
+    Raises:
+      ValueError: naming the key, for a missing key or a feature the model lacks (an activation
+        other than SiLU, o-proj/MLP bias, Qwen2's per-layer sliding window, rope types other than
+        default and llama3).
+    """
+    arch = data["architectures"][0]
+    family = LLAMA_FAMILY.get(arch)
+    if family is None:
+        raise ValueError(f"config.json: architectures[0]={arch!r} is not one of "
+                         f"{sorted(LLAMA_FAMILY)}")
+
+    def need(key: str):
+        if key not in data:
+            raise ValueError(f"config.json lacks the key {key!r}")
+        return data[key]
+
+    if data.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json: hidden_act={data['hidden_act']!r} is not supported "
+                         f"(only 'silu')")
+    for key in ("attention_bias", "mlp_bias"):
+        if family == "llama" and data.get(key):
+            raise ValueError(f"config.json: {key}=true is not supported")
+    sliding = data.get("sliding_window") if family == "mistral" else None
+    if family == "qwen2" and (data.get("use_sliding_window") or "sliding_attention" in (
+            data.get("layer_types") or [])):
+        raise ValueError("config.json: use_sliding_window=true is not supported for Qwen2")
+    hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+    theta, scaling = _rope(data)
+    return ModelConfig(
+        vocab_size=int(need("vocab_size")), hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        num_layers=int(need("num_hidden_layers")), num_heads=heads,
+        num_kv_heads=int(data.get("num_key_value_heads") or heads),
+        head_dim=int(data.get("head_dim") or hidden // heads), rope_theta=theta,
+        rope_scaling=scaling, rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2", max_position_embeddings=int(
+            data.get("max_position_embeddings", 8192)),
+        sliding_window=None if sliding is None else int(sliding), name=family)
+
+
+_LAYER_TENSORS = {  # our path in layers/ -> (HF name under model.layers.{i}., transpose)
+    ("attn_norm", "weight"): ("input_layernorm.weight", False),
+    ("mlp_norm", "weight"): ("post_attention_layernorm.weight", False),
+    ("wq",): ("self_attn.q_proj.weight", True),
+    ("wk",): ("self_attn.k_proj.weight", True),
+    ("wv",): ("self_attn.v_proj.weight", True),
+    ("wo",): ("self_attn.o_proj.weight", True),
+    ("w_gate",): ("mlp.gate_proj.weight", True),
+    ("w_up",): ("mlp.up_proj.weight", True),
+    ("w_down",): ("mlp.down_proj.weight", True),
+}
+_BIAS_TENSORS = {("bq",): "self_attn.q_proj.bias", ("bk",): "self_attn.k_proj.bias",
+                 ("bv",): "self_attn.v_proj.bias"}
+
+
+def llama_hf_params(tensors: SafetensorsDir, cfg: ModelConfig, dtype: jnp.dtype) -> dict:
+    """Params of ``LlamaForCausalLM`` from HF tensor names (see the module doc), on the default
+    device in ``dtype``; one stacked ``[num_layers, ...]`` leaf at a time, so host memory holds
+    at most one leaf.
+
+    Raises:
+      ValueError: a missing tensor.
+    """
+    spec = dict(_LAYER_TENSORS)
+    if cfg.qkv_bias:
+        spec.update({path: (hf, False) for path, hf in _BIAS_TENSORS.items()})
+    layers: dict = {}
+    for path, (hf, transpose) in spec.items():
+        per_layer = [tensors.get(f"model.layers.{i}.{hf}") for i in range(cfg.num_layers)]
+        stacked = jnp.asarray(np.stack([x.T if transpose else x for x in per_layer]), dtype)
+        node = layers
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = stacked
+    params = {"embed": jnp.asarray(tensors.get("model.embed_tokens.weight"), dtype),
+              "layers": layers,
+              "final_norm": {"weight": jnp.asarray(tensors.get("model.norm.weight"), dtype)}}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = jnp.asarray(tensors.get("lm_head.weight").T, dtype)
+    return params
