@@ -49,7 +49,8 @@ def make_state(
     preemption_policy: str = "newest",
 ) -> SchedulerState:
     """A scheduler; prefix caching is off unless asked for, because make_seq's prompts all
-    share their start (the plan tests below are about plans without cache hits)."""
+    share their start (the plan tests below are about plans without cache hits), and the
+    victim policy is "newest" (the preemption tests below are worked out for it)."""
     return new_state(
         SchedulerConfig(max_num_seqs, max_num_batched_tokens, block_size, max_model_len, num_blocks,
                         long_prefill_token_threshold, enable_prefix_caching, num_host_blocks,
