@@ -139,7 +139,7 @@ class KVManager:
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_registered_blocks = len(hits)
         st = self.stats
-        if not self.enable_caching:
+        if not self.enable_caching or seq.skip_prefix_cache:  # it did not look
             return
         st.prefix_cache_queries += len(seq.token_ids)
         st.prefix_cache_hits += len(hits) * self.block_size

@@ -97,6 +97,21 @@ def test_whole_prompt_cached_still_yields_logits(llm: LLMEngine, goldens: dict) 
         assert kv.device.usage == 0.0 and kv.device.num_cached_blocks >= 13
 
 
+def test_prompt_logprobs_and_penalties_bypass_the_cache(llm: LLMEngine, goldens: dict) -> None:  # noqa: F811
+    """Requests whose prompt tokens must all go through the model (prompt logprobs, penalty
+    counts) compute the whole prompt even when it is cached, and still get every entry."""
+    prompt = next(g for g in goldens["prompts"] if g["name"] == "long_prose")["prompt_token_ids"]
+    prompt = prompt[:3 * BLOCK + 5]
+    with kv_manager(llm, caching=True) as kv:
+        run_sequentially(llm, [prompt], 2)
+        llm.add_request("plp", prompt, _greedy(2, prompt_logprobs=1))
+        llm.add_request("pen", prompt, _greedy(2, repetition_penalty=1.3))
+        done = _drive(llm)
+        assert kv.stats.prefix_cache_hits == 0  # neither looked in the cache
+    plp = done["plp"].prompt_logprobs
+    assert len(plp) == len(prompt) and plp[0] is None and all(e is not None for e in plp[1:])
+
+
 # -- a small device pool with a host tier ------------------------------------------------------
 
 SMALL_NUM_KV_BLOCKS = 24  # 23 usable blocks: 368 tokens

@@ -439,6 +439,25 @@ def test_preempted_request_is_swapped_and_resumes_where_it_stopped() -> None:
     assert state.host_pool.num_free_blocks == state.host_pool.num_usable_blocks
 
 
+def test_skip_prefix_cache_computes_everything_and_is_never_swapped() -> None:
+    state = make_state(max_num_seqs=2, block_size=4, num_blocks=5, max_model_len=16,
+                       enable_prefix_caching=True, num_host_blocks=8)  # 4 usable, newest first
+    state = run_to_end(add_request(state, make_seq("warm", 8, max_tokens=1)))
+    state = add_request(state, SeqState("b", [9] * 4, 4, 8))
+    a = make_seq("a", 8, max_tokens=8)
+    a.skip_prefix_cache = True
+    state, out = schedule(add_request(state, a))
+    assert out.scheduled[1].start_pos == 0 and state.kv_stats.prefix_cache_queries == 8 + 4
+    state, _ = update(state, out, [7, 7])
+    for _ in range(10):  # both grow until the newest, a, is preempted
+        state, out, _ = step(state)
+        if out.preempted_ids:
+            break
+    assert out.preempted_ids == ("a",)  # the host tier had room, yet a was not swapped
+    assert (state.kv_stats.num_swaps, state.kv_stats.num_swapped_out_blocks) == (0, 0)
+    assert by_id(state, "a").num_computed_tokens == 0 and not by_id(state, "a").host_block_ids
+
+
 def test_least_progress_policy_preempts_the_request_with_fewest_computed_tokens() -> None:
     state = make_state(max_num_seqs=3, block_size=4, num_blocks=7, max_model_len=24,
                        preemption_policy="least_progress")  # 6 usable
