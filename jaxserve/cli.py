@@ -41,6 +41,11 @@ ENGINE_HELP = {
                                     "step, leaving budget to admit others behind a long prompt; "
                                     "0: off",
     "max_model_len": "context window, prompt + output tokens (default: the model's)",
+    "enable_prefix_caching": "reuse the KV cache of full blocks shared with earlier requests "
+                             "(chained block hashes)",
+    "kv_offloading_size": "GiB of pinned host memory for a second KV tier: evicted cached "
+                          "blocks go there and are found again; preempted requests swap there "
+                          "(default: no host tier)",
     "dtype": "weights and activations: auto (float32 on CPU, bfloat16 on accelerators), "
              "float32, bfloat16, float16",
     "seed": "seed for dummy weights and for requests without one",
@@ -64,6 +69,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     for f in dataclasses.fields(EngineConfig):
         default = f.default
+        if _field_type(f) is bool:  # --flag / --no-flag
+            g.add_argument("--" + f.name.replace("_", "-"), dest=f.name,
+                           action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                           help=f"{ENGINE_HELP[f.name]} (default: {default})")
+            continue
         g.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_field_type(f),
                        default=argparse.SUPPRESS, metavar=f.name.upper(),
                        help=f"{ENGINE_HELP[f.name]} (default: {default})")

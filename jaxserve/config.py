@@ -31,6 +31,12 @@ class EngineConfig:
       long_prefill_token_threshold: when > 0, the most prompt tokens one request computes in a
         step, so that a long prompt leaves budget to admit others (vLLM's name); 0: off.
       max_model_len: context window (prompt + output); None: the model's own.
+      enable_prefix_caching: reuse the K/V of full blocks whose chained hash (parent hash +
+        token ids) matches, across requests (on by default).
+      kv_offloading_size: GiB of host memory for a second tier of KV blocks (vLLM's name;
+        pinned host memory): cached blocks evicted from the device are copied there and found
+        again by prefix lookup, and preempted requests are swapped there instead of recomputed.
+        None: no host tier.
       dtype: activation and weight dtype ("float32", "bfloat16", "float16"); "auto" means
         float32 on the CPU and bfloat16 on accelerators.
       seed: seed for dummy weights and for requests that give none.
@@ -53,6 +59,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     long_prefill_token_threshold: int = 0
     max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    kv_offloading_size: float | None = None
     dtype: str = "auto"
     seed: int = 0
     attention_backend: str = "auto"
@@ -81,6 +89,8 @@ class EngineConfig:
             )
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"{self.long_prefill_token_threshold=} must be >= 0 (0: off)")
+        if self.kv_offloading_size is not None and not self.kv_offloading_size > 0:
+            raise ValueError(f"{self.kv_offloading_size=} must be > 0 GiB (None: no host tier)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"{self.max_model_len=} must be >= 2")
         if self.dtype not in DTYPES + ("auto",):
@@ -99,7 +109,8 @@ class EngineConfig:
             if value is None and type(None) in allowed:
                 continue
             ok = any(
-                (a is int and isinstance(value, int) and not isinstance(value, bool))
+                (a is bool and isinstance(value, bool))
+                or (a is int and isinstance(value, int) and not isinstance(value, bool))
                 or (a is float and isinstance(value, (int, float)) and not isinstance(value, bool))
                 or (a is str and isinstance(value, str))
                 for a in allowed

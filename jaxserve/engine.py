@@ -24,6 +24,7 @@ import numpy as np
 from jaxserve import scheduler as sched
 from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.detokenizer import IncrementalDetokenizer
+from jaxserve.kv_offload import HostKVTier
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from jaxserve.runner import ModelRunner, RowParams
 from jaxserve.sampling_params import SamplingParams
@@ -150,9 +151,12 @@ class LLMEngine:
       metrics: an ``EngineMetrics`` (or None) updated every step.
       devices: the ``tensor_parallel_size`` devices this engine runs on (a data-parallel
         replica's group); None: the first ones.
+    The KV cache may hold fewer tokens than ``max_model_len``; a request that can never fit
+    in it is refused by ``validate`` (see there).
+
     Raises:
-      ValueError: invalid settings (max_model_len above the model's, a KV cache too small for
-        one full-length request).
+      ValueError: invalid settings (max_model_len above the model's, a host tier smaller than
+        one block, or one the device cannot place in pinned host memory).
     """
 
     def __init__(self, config: EngineConfig | None = None, load: LoadConfig | None = None,
@@ -191,12 +195,10 @@ class LLMEngine:
             attention_fn = sharding.shard_attention(attention_fn, self.mesh)
         self.num_blocks = self._num_kv_blocks(params)
         max_blocks = -(-self.max_model_len // config.block_size)
-        if self.num_blocks - 1 < max_blocks:
-            raise ValueError(
-                f"the KV cache has {self.num_blocks - 1} usable blocks of {config.block_size} "
-                f"tokens, fewer than one request of max_model_len={self.max_model_len} needs "
-                f"({max_blocks}); raise num_kv_blocks / kv_cache_memory_gib or lower "
-                f"max_model_len")
+        # the most tokens one request (prompt + output) can hold: the context window, or the
+        # whole KV cache when that is smaller
+        self.max_request_tokens = min(self.max_model_len,
+                                      (self.num_blocks - 1) * config.block_size)
         kv_sharding = None
         if self.mesh is not None:
             from jaxserve.sharding import kv_cache_spec
@@ -204,6 +206,15 @@ class LLMEngine:
             kv_sharding = jax.sharding.NamedSharding(self.mesh, kv_cache_spec())
         kv = allocate_kv_cache(mc.num_layers, self.num_blocks, config.block_size,
                                mc.num_kv_heads, mc.head_dim, self.dtype, sharding=kv_sharding)
+        self.host_kv: HostKVTier | None = None
+        if config.kv_offloading_size is not None:
+            per_block = kv_cache_bytes_per_block(mc.num_layers, config.block_size,
+                                                 mc.num_kv_heads, mc.head_dim, self.dtype)
+            n = int(config.kv_offloading_size * GIB // per_block)
+            if n < 1:
+                raise ValueError(f"kv_offloading_size={config.kv_offloading_size} GiB is less "
+                                 f"than one KV block ({per_block} bytes)")
+            self.host_kv = HostKVTier(kv, n + 1, max_blocks_per_copy=max_blocks)
         self.model = get_architecture(mc.architecture).model(mc, self.dtype,
                                                              attention_fn=attention_fn)
         vocab_limit = self.tokenizer.vocab_size if self.tokenizer.vocab_size < mc.vocab_size \
@@ -213,8 +224,13 @@ class LLMEngine:
                                   max_num_seqs=config.max_num_seqs,
                                   max_blocks_per_seq=max_blocks, vocab_limit=vocab_limit,
                                   mesh=self.mesh)
+        if self.host_kv is not None and self.runner.multiprocess:
+            raise ValueError("kv_offloading_size is not supported when one model spans several "
+                             "processes (--num-processes > 1): the host-tier copies would run "
+                             "on process 0 alone")
         self.state = sched.new_state(sched.SchedulerConfig.from_engine_config(
-            config, self.num_blocks, self.max_model_len))
+            config, self.num_blocks, self.max_model_len,
+            self.host_kv.num_blocks if self.host_kv is not None else 0))
         if metrics is not None:
             metrics.set_batch_limits(config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, _Request] = {}  # by sequence id
@@ -248,16 +264,24 @@ class LLMEngine:
         return max(2, int(budget // per_block))
 
     def warmup(self, progress: bool = True) -> dict[str, float]:
-        """Compile every step program; returns {"num_programs", "compile_s"}."""
-        return self.runner.warmup(progress)
+        """Compile every step program (and the host tier's copy programs); returns
+        {"num_programs", "compile_s"}."""
+        stats = self.runner.warmup(progress)
+        if self.host_kv is not None:
+            host = self.host_kv.warmup()
+            stats = {k: stats[k] + host[k] for k in stats}
+        return stats
 
     # -- requests ------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a request without touching engine state (safe from any thread).
 
-        Returns the effective max_tokens (clamped to the context window).
+        Returns the effective max_tokens: at most what the context window leaves, and when
+        max_tokens is None, what the KV cache leaves (``max_request_tokens``, the smaller of
+        max_model_len and the cache's size in tokens, minus the prompt).
         Raises ValueError naming the problem: empty prompt, prompt too long, ids out of range,
-        or a request the KV cache can never hold.
+        or a request the KV cache can never hold (prompt + max_tokens over its size, with the
+        numbers), so that it is refused at once instead of waiting forever.
         """
         n = len(prompt_token_ids)
         if n == 0:
@@ -281,8 +305,22 @@ class LLMEngine:
         if params.logit_bias and self.runner.multiprocess:
             raise ValueError("logit_bias is not supported when one model spans several "
                              "processes (--num-processes > 1)")
-        room = self.max_model_len - n
-        return room if params.max_tokens is None else min(params.max_tokens, room)
+        cache_tokens = (self.num_blocks - 1) * self.config.block_size
+        if n >= self.max_request_tokens:
+            raise ValueError(
+                f"prompt has {n} tokens; the KV cache holds {cache_tokens} tokens "
+                f"({self.num_blocks - 1} blocks of {self.config.block_size}), which leaves no "
+                f"room for output (the prompt must have at most {self.max_request_tokens - 1})")
+        if params.max_tokens is None:
+            return self.max_request_tokens - n
+        max_tokens = min(params.max_tokens, self.max_model_len - n)
+        if n + max_tokens > cache_tokens:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} tokens "
+                f"can never fit in the KV cache of {cache_tokens} tokens "
+                f"({self.num_blocks - 1} blocks of {self.config.block_size}); lower max_tokens "
+                f"to at most {cache_tokens - n}")
+        return max_tokens
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams | None = None, prompt: str | None = None,
@@ -378,6 +416,16 @@ class LLMEngine:
                                      num_generation_tokens, num_preemptions)
             if plan is not None:  # batch occupancy of the step that ran (0, 0 when idle)
                 self.metrics.record_batch(len(plan.scheduled), plan.num_scheduled_tokens)
+            host = self.state.host_pool
+            self.metrics.record_kv_stats(self.state.kv_stats,
+                                         None if host is None else 1 - host.num_free_blocks /
+                                         host.num_usable_blocks)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached-free block in both tiers (blocks of running requests are kept),
+        e.g. between benchmark runs. Returns how many blocks were dropped."""
+        kv = self.state.kv
+        return kv.device.reset_prefix_cache() + (kv.host.reset_prefix_cache() if kv.host else 0)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
@@ -396,6 +444,7 @@ class LLMEngine:
         """Run one engine step; returns outputs of requests with new text or a finish."""
         preempted_before = self.state.num_preemptions_total
         self.state, plan = sched.schedule(self.state)
+        self._copy_blocks(plan)
         if plan.is_empty:
             self._record_step(plan=plan)
             return []
@@ -447,6 +496,13 @@ class LLMEngine:
         self._record_step(num_prompt_tokens, len(result.new_token_ids),
                           self.state.num_preemptions_total - preempted_before, plan)
         return outputs
+
+    def _copy_blocks(self, plan: sched.SchedulerOutput) -> None:
+        """Run the plan's host-tier copies, offloads then loads, before its forward pass."""
+        if plan.offloads:
+            self.host_kv.offload(self.runner.kv_cache, plan.offloads)
+        if plan.loads:
+            self.runner.kv_cache = self.host_kv.load(self.runner.kv_cache, plan.loads)
 
     def _entry(self, ids, vals, n: int, chosen: int, chosen_lp: float, chosen_rank: int,
                skip_special: bool) -> TokenLogprobs:

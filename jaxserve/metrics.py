@@ -15,12 +15,23 @@ to histograms):
   counters   jaxserve:prompt_tokens_total, jaxserve:generation_tokens_total,
              jaxserve:request_success_total{finished_reason}, jaxserve:num_preemptions_total,
              jaxserve:num_aborted_requests_total
-(the prefix-cache counters of design.md arrive with prefix caching)
+  prefix cache and host tier (kv_manager.KVStats; tokens where the name says so):
+             jaxserve:prefix_cache_queries_total (prompt tokens looked up),
+             jaxserve:prefix_cache_hits_total (of those, found in either tier),
+             jaxserve:host_prefix_cache_hits_total (of those, found on the host tier),
+             jaxserve:kv_cache_evictions_total (cached device blocks evicted),
+             jaxserve:kv_offloaded_blocks_total (of those, copied to the host tier),
+             jaxserve:num_swaps_total (preemptions that swapped to the host tier),
+             jaxserve:kv_swapped_out_blocks_total, jaxserve:kv_swapped_in_blocks_total;
+             gauge jaxserve:kv_offload_usage_perc (0-1: host blocks held by swapped-out
+             requests plus cached-free ones; absent without a host tier)
   histograms jaxserve:time_to_first_token_seconds, jaxserve:inter_token_latency_seconds,
              jaxserve:e2e_request_latency_seconds, jaxserve:request_queue_time_seconds
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -31,7 +42,22 @@ from prometheus_client import (
     generate_latest,
 )
 
+if TYPE_CHECKING:
+    from jaxserve.kv_manager import KVStats
+
 PREFIX = "jaxserve:"
+
+# KVStats field -> (counter name without the prefix, help)
+KV_COUNTERS = {
+    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    "host_cache_hits": ("host_prefix_cache_hits", "Prompt tokens loaded from the host tier."),
+    "num_evicted_blocks": ("kv_cache_evictions", "Cached KV blocks evicted from the device."),
+    "num_offloaded_blocks": ("kv_offloaded_blocks", "Evicted KV blocks copied to the host tier."),
+    "num_swaps": ("num_swaps", "Preemptions resolved by swapping to the host tier."),
+    "num_swapped_out_blocks": ("kv_swapped_out_blocks", "KV blocks swapped out to the host tier."),
+    "num_swapped_in_blocks": ("kv_swapped_in_blocks", "KV blocks swapped in from the host tier."),
+}
 
 # Bucket edges in seconds, after vLLM's, with finer low edges for small models on fast devices.
 # fmt: off
@@ -121,6 +147,16 @@ class EngineMetrics:
             "Requests aborted (client disconnect or cancel).",
             registry=r,
         )
+        self.kv_counters = {
+            field: Counter(PREFIX + name, text, registry=r)
+            for field, (name, text) in KV_COUNTERS.items()
+        }
+        self._kv_seen: dict[str, int] = dict.fromkeys(KV_COUNTERS, 0)
+        self.kv_offload_usage_perc = Gauge(
+            PREFIX + "kv_offload_usage_perc",
+            "Fraction (0-1) of host-tier KV blocks in use (swapped out or cached).",
+            registry=r,
+        )
         self.time_to_first_token = Histogram(
             PREFIX + "time_to_first_token_seconds",
             "Arrival to first output token, seconds.",
@@ -186,6 +222,17 @@ class EngineMetrics:
         max_seqs, max_tokens = self._limits
         self.batch_seqs_usage_perc.set(num_seqs / max_seqs if max_seqs else 0.0)
         self.batch_tokens_usage_perc.set(num_tokens / max_tokens if max_tokens else 0.0)
+
+    def record_kv_stats(self, stats: KVStats, host_usage: float | None) -> None:
+        """Bring the KV counters up to the scheduler's cumulative ``stats``; set the host-tier
+        usage gauge (None: no host tier, left at 0)."""
+        for field, counter in self.kv_counters.items():
+            value = getattr(stats, field)
+            if value > self._kv_seen[field]:
+                counter.inc(value - self._kv_seen[field])
+                self._kv_seen[field] = value
+        if host_usage is not None:
+            self.kv_offload_usage_perc.set(host_usage)
 
     def record_first_token(self, ttft_s: float, queue_s: float) -> None:
         """Record a request's first output token: time to first token and time spent queued."""

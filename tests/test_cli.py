@@ -22,7 +22,21 @@ def test_flags_map_onto_engine_fields_and_override_the_file(tmp_path) -> None:
     assert engine_config_from_args(build_parser().parse_args(["serve"])).block_size == 16
 
 
+def test_prefix_caching_and_host_tier_flags(tmp_path) -> None:
+    def parse(*flags: str):
+        return engine_config_from_args(build_parser().parse_args(["serve", *flags]))
+
+    assert parse().enable_prefix_caching and parse().kv_offloading_size is None
+    assert not parse("--no-enable-prefix-caching").enable_prefix_caching
+    assert parse("--kv-offloading-size", "1.5").kv_offloading_size == 1.5
+    cfg = _cfg(tmp_path, "enable_prefix_caching: false\nkv-offloading-size: 2\n",
+               "--enable-prefix-caching")
+    assert cfg.enable_prefix_caching and cfg.kv_offloading_size == 2
+
+
 @pytest.mark.parametrize("text,match", [
+    ("enable_prefix_caching: 1\n", "enable_prefix_caching must be bool"),
+    ("kv_offloading_size: 0\n", "kv_offloading_size=0 must be > 0"),
     ("block_size: [1,2\n", "not valid YAML"),
     ("- 1\n- 2\n", "mapping"),
     ("port: 80\n", "unknown key 'port'"),

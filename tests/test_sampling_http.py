@@ -27,6 +27,7 @@ import pytest
 
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.engine import LLMEngine
+from jaxserve.kv_manager import KVManager
 from jaxserve.server import build_app
 from tests.http_server import serve_app
 
@@ -37,6 +38,12 @@ WET = [{"role": "user", "content": "Answer yes or no: is water wet?"}]
 
 @pytest.fixture(scope="module")
 def base_url(engine: LLMEngine):
+    # Several tests compare two requests' logprobs exactly. With prefix caching the second
+    # reuses the first's K/V blocks and computes only the rest, which may change the last
+    # float32 bits; these tests are about sampling, so the engine runs with the cache off.
+    assert not engine.has_unfinished_requests()
+    kv = engine.state.kv
+    engine.state.kv = KVManager(kv.num_blocks, kv.block_size, False, kv.num_host_blocks)
     aeng = AsyncEngine(engine)
     aeng.start(warmup=False)
     try:
@@ -44,6 +51,7 @@ def base_url(engine: LLMEngine):
             yield url
     finally:
         aeng.shutdown()
+        engine.state.kv = kv
     assert not engine.has_unfinished_requests()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import random
 
 import pytest
@@ -43,10 +44,17 @@ def make_state(
     max_model_len: int = 64,
     num_blocks: int = 33,
     long_prefill_token_threshold: int = 0,
+    enable_prefix_caching: bool = False,
+    num_host_blocks: int = 0,
+    preemption_policy: str = "newest",
 ) -> SchedulerState:
+    """A scheduler; prefix caching is off unless asked for, because make_seq's prompts all
+    share their start (the plan tests below are about plans without cache hits), and the
+    victim policy is "newest" (the preemption tests below are worked out for it)."""
     return new_state(
         SchedulerConfig(max_num_seqs, max_num_batched_tokens, block_size, max_model_len, num_blocks,
-                        long_prefill_token_threshold)
+                        long_prefill_token_threshold, enable_prefix_caching, num_host_blocks,
+                        preemption_policy)
     )
 
 
@@ -79,7 +87,11 @@ def test_from_engine_config() -> None:
     cfg = SchedulerConfig.from_engine_config(
         EngineConfig(block_size=8, max_num_seqs=3, max_num_batched_tokens=32), 100, 256
     )
-    assert cfg == SchedulerConfig(3, 32, 8, 256, 100, 0)
+    assert cfg == SchedulerConfig(3, 32, 8, 256, 100, 0, True, 0)
+    cfg = SchedulerConfig.from_engine_config(EngineConfig(enable_prefix_caching=False), 9, 64, 5)
+    assert (cfg.enable_prefix_caching, cfg.num_host_blocks) == (False, 5)
+    with pytest.raises(ValueError, match="preemption_policy"):
+        SchedulerConfig(1, 32, 8, 256, 100, preemption_policy="oldest")
     with pytest.raises(ValueError, match="max_num_seqs=0"):
         SchedulerConfig(0, 32, 8, 256, 100)
 
@@ -317,22 +329,196 @@ def test_update_checks_sampled_length() -> None:
     assert by_id(state, "a").num_computed_tokens == 0  # nothing changed
 
 
+# ---------------------------------------------------------------- prefix caching, host tier
+
+
+def run_to_end(state: SchedulerState, token: int = 7) -> SchedulerState:
+    for _ in range(1000):
+        if not has_unfinished(state):
+            return state
+        state, _, _ = step(state, token)
+    raise AssertionError("not finished")
+
+
+def test_prefix_hit_shares_full_blocks_and_counts_tokens() -> None:
+    state = make_state(block_size=4, enable_prefix_caching=True)
+    state = add_request(state, make_seq("a", 10))
+    state, out, _ = step(state)
+    a_blocks = out.scheduled[0].block_ids
+    state = add_request(state, make_seq("b", 11))  # same first 10 tokens
+    state, out = schedule(state)
+    b = out.scheduled[1]
+    assert (b.request_id, b.start_pos, b.token_ids) == ("b", 8, (108, 109, 110))
+    assert b.block_ids[:2] == a_blocks[:2] and b.block_ids[2] not in a_blocks
+    pool = state.block_pool
+    assert [pool.refcount(x) for x in a_blocks] == [2, 2, 1]
+    assert by_id(state, "b").num_cached_tokens == 8
+    st_ = state.kv_stats
+    assert (st_.prefix_cache_queries, st_.prefix_cache_hits) == (10 + 11, 8)
+
+
+def test_whole_prompt_hit_recomputes_the_last_block() -> None:
+    state = make_state(block_size=4, enable_prefix_caching=True)
+    state = add_request(state, make_seq("a", 8, max_tokens=1))
+    state = run_to_end(state)
+    pool = state.block_pool
+    assert pool.usage == 0.0 and pool.num_cached_blocks == 2  # idle, warm cache
+    state = add_request(state, make_seq("b", 8, max_tokens=1))
+    state, out = schedule(state)
+    (b,) = out.scheduled
+    assert (b.start_pos, b.token_ids, b.sample) == (4, (104, 105, 106, 107), True)
+
+
+def test_no_hits_with_caching_off_or_another_salt() -> None:
+    for caching, salt in ((False, None), (True, "tenant-2")):
+        state = make_state(block_size=4, enable_prefix_caching=caching)
+        state = run_to_end(add_request(state, make_seq("a", 9, max_tokens=1)))
+        seq = make_seq("b", 9, max_tokens=1)
+        seq.cache_salt = salt
+        state, out = schedule(add_request(state, seq))
+        assert out.scheduled[0].start_pos == 0
+        assert state.block_pool.num_cached_blocks == (2 if caching else 0)
+
+
+def test_cached_blocks_are_evicted_least_recently_used_first() -> None:
+    state = make_state(block_size=4, num_blocks=7, max_model_len=24,
+                       enable_prefix_caching=True)  # 6 usable
+    old = SeqState("old", [1] * 8, 8, 1)
+    new = SeqState("new", [2] * 8, 8, 1)
+    state = run_to_end(add_request(state, old))
+    state = run_to_end(add_request(state, new))
+    assert state.block_pool.num_cached_blocks == 4
+    # 4 fresh blocks are needed: the 2 empty ones, then old's two (freed first)
+    state = run_to_end(add_request(state, SeqState("x", [3] * 13, 13, 1)))
+    assert state.kv_stats.num_evicted_blocks == 2
+    state, out = schedule(add_request(state, SeqState("new2", [2] * 9, 9, 1)))
+    assert out.scheduled[0].start_pos == 8  # "new"'s blocks survived
+    state = run_to_end(state)
+    state, out = schedule(add_request(state, SeqState("old2", [1] * 9, 9, 1)))
+    assert out.scheduled[0].start_pos == 0  # "old"'s were evicted
+
+
+def test_evicted_blocks_go_to_the_host_tier_and_are_loaded_back() -> None:
+    state = make_state(block_size=4, num_blocks=5, max_model_len=16, enable_prefix_caching=True,
+                       num_host_blocks=4)  # 4 device, 3 host blocks
+    state = run_to_end(add_request(state, SeqState("a", [1] * 9, 9, 1)))
+    state, out = schedule(add_request(state, SeqState("b", [2] * 13, 13, 1)))
+    # b's 4 blocks evict a's 2 cached ones, which are copied to the host before the step
+    assert len(out.offloads) == 2 and not out.loads
+    state = run_to_end(state)
+    state, out = schedule(add_request(state, SeqState("a2", [1] * 9, 9, 1)))
+    (a2,) = out.scheduled
+    assert a2.start_pos == 8 and len(out.loads) == 2
+    assert [d for _, d in out.loads] == list(a2.block_ids[:2])
+    st_ = state.kv_stats
+    assert (st_.num_offloaded_blocks, st_.host_cache_hits, st_.prefix_cache_hits) == (2 + 2, 8, 8)
+    state = run_to_end(state)
+    assert state.host_pool.num_free_blocks == state.host_pool.num_usable_blocks
+
+
+def test_preempted_request_is_swapped_and_resumes_where_it_stopped() -> None:
+    state = make_state(max_num_seqs=2, block_size=4, num_blocks=5, max_model_len=16,
+                       num_host_blocks=8)  # 4 usable device blocks
+    state = add_request(state, make_seq("a", 4, max_tokens=8))
+    state = add_request(state, SeqState("b", [9] * 4, 4, 8, frozenset({STOP})))
+    for _ in range(10):
+        state, out, _ = step(state, token=50)
+        if out.preempted_ids:
+            break
+    assert out.preempted_ids == ("b",) and len(out.offloads) == 2
+    b = state.waiting[0]
+    assert (b.num_computed_tokens, b.block_ids, len(b.host_block_ids)) == (8, [], 2)
+    assert state.kv_stats.num_swaps == 1 and state.num_preemptions_total == 1
+    while state.running:
+        state, out, _ = step(state, token=60)
+    state, out = schedule(state)
+    (x,) = out.scheduled
+    assert (x.request_id, x.start_pos, x.token_ids) == ("b", 8, (50,))
+    assert [h for h, _ in out.loads] and [d for _, d in out.loads] == list(x.block_ids[:2])
+    state = run_to_end(update(state, out, [61])[0])
+    assert state.host_pool.num_free_blocks == state.host_pool.num_usable_blocks
+
+
+def test_skip_prefix_cache_computes_everything_and_is_never_swapped() -> None:
+    state = make_state(max_num_seqs=2, block_size=4, num_blocks=5, max_model_len=16,
+                       enable_prefix_caching=True, num_host_blocks=8)  # 4 usable, newest first
+    state = run_to_end(add_request(state, make_seq("warm", 8, max_tokens=1)))
+    state = add_request(state, SeqState("b", [9] * 4, 4, 8))
+    a = make_seq("a", 8, max_tokens=8)
+    a.skip_prefix_cache = True
+    state, out = schedule(add_request(state, a))
+    assert out.scheduled[1].start_pos == 0 and state.kv_stats.prefix_cache_queries == 8 + 4
+    state, _ = update(state, out, [7, 7])
+    for _ in range(10):  # both grow until the newest, a, is preempted
+        state, out, _ = step(state)
+        if out.preempted_ids:
+            break
+    assert out.preempted_ids == ("a",)  # the host tier had room, yet a was not swapped
+    assert (state.kv_stats.num_swaps, state.kv_stats.num_swapped_out_blocks) == (0, 0)
+    assert by_id(state, "a").num_computed_tokens == 0 and not by_id(state, "a").host_block_ids
+
+
+def test_least_progress_policy_preempts_the_request_with_fewest_computed_tokens() -> None:
+    state = make_state(max_num_seqs=3, block_size=4, num_blocks=7, max_model_len=24,
+                       preemption_policy="least_progress")  # 6 usable
+    state = add_request(state, make_seq("a", 7, max_tokens=9))  # 2 blocks
+    state, _, _ = step(state)
+    state = add_request(state, make_seq("b", 3, max_tokens=12))  # 1 block
+    state = add_request(state, make_seq("c", 7, max_tokens=9))  # 2 blocks (newest)
+    for _ in range(10):
+        state, out, _ = step(state)
+        if out.preempted_ids:
+            break
+    assert out.preempted_ids == ("b",)  # "newest" would take c
+    with_newest = make_state(max_num_seqs=3, block_size=4, num_blocks=7, max_model_len=24)
+    with_newest = add_request(with_newest, make_seq("a", 7, max_tokens=9))
+    with_newest, _, _ = step(with_newest)
+    with_newest = add_request(with_newest, make_seq("b", 3, max_tokens=12))
+    with_newest = add_request(with_newest, make_seq("c", 7, max_tokens=9))
+    for _ in range(10):
+        with_newest, out, _ = step(with_newest)
+        if out.preempted_ids:
+            break
+    assert out.preempted_ids == ("c",)
+
+
 # ---------------------------------------------------------------- properties
 
 
 def check_invariants(state: SchedulerState) -> None:
-    cfg, pool = state.config, state.block_pool
-    owned = [b for s in state.running for b in s.block_ids]
-    assert len(owned) == len(set(owned)), "a block is in two tables"
+    """Block accounting of both tiers (reference counts = table entries, free + held = usable,
+    cached-free blocks hold a hash) and the per-request contracts."""
+    cfg, pool, host = state.config, state.block_pool, state.host_pool
+    owned = collections.Counter(b for s in state.running for b in s.block_ids)
     assert 0 not in owned
+    for b in range(1, pool.num_blocks):
+        assert pool.refcount(b) == owned[b], f"device block {b}"
     assert pool.num_free_blocks + len(owned) == pool.num_usable_blocks
-    assert all(pool.refcount(b) == 1 for b in owned)
+    cached = sum(pool.refcount(b) == 0 and pool.block_hash(b) is not None
+                 for b in range(1, pool.num_blocks))
+    assert pool.num_cached_blocks == cached
+    if not cfg.enable_prefix_caching:
+        assert cached == 0 and all(pool.block_hash(b) is None for b in owned)
+    if host is not None:
+        on_host = collections.Counter(b for s in state.waiting for b in s.host_block_ids)
+        assert 0 not in on_host
+        for b in range(1, host.num_blocks):
+            assert host.refcount(b) == on_host[b], f"host block {b}"
+        assert host.num_free_blocks + len(on_host) == host.num_usable_blocks
+        assert host.num_cached_blocks == sum(
+            host.refcount(b) == 0 and host.block_hash(b) is not None
+            for b in range(1, host.num_blocks))
     assert len(state.running) <= cfg.max_num_seqs
     for s in state.running:
         assert len(s.block_ids) == cdiv(s.num_computed_tokens, cfg.block_size)
-        assert s.num_computed_tokens < len(s.token_ids)
+        assert len(set(s.block_ids)) == len(s.block_ids)
+        assert s.num_computed_tokens < len(s.token_ids) and not s.host_block_ids
+        for i, b in enumerate(s.block_ids[: s.num_registered_blocks]):
+            h = pool.block_hash(b)
+            assert h is None or h == s.block_hashes[i]
     for s in state.waiting:
-        assert s.block_ids == [] and s.num_computed_tokens == 0
+        assert s.block_ids == []
+        assert len(s.host_block_ids) == cdiv(s.num_computed_tokens, cfg.block_size)
     ids = [s.request_id for s in (*state.running, *state.waiting)]
     assert len(ids) == len(set(ids))
 
@@ -356,22 +542,63 @@ def check_plan(state: SchedulerState, out: SchedulerOutput) -> None:
         assert len(x.block_ids) == cdiv(end, cfg.block_size)
     for rid in out.preempted_ids:
         assert rid not in running
-    # preempted newest-first, each pushed to the front: the oldest victim ends up first
+    # each victim is pushed to the front: the last one preempted is first
     k = len(out.preempted_ids)
     assert tuple(s.request_id for s in list(state.waiting)[:k]) == out.preempted_ids[::-1]
+    # copies: one writer per destination in each batch
+    assert len({h for _, h in out.offloads}) == len(out.offloads)
+    assert len({d for _, d in out.loads}) == len(out.loads)
+    if state.host_pool is None:
+        assert not out.offloads and not out.loads
+
+
+class KVContentModel:
+    """What the engine's caches would hold: slot -> the token prefix whose K/V is there.
+    ``run(plan)`` applies the plan's copies, checks that every scheduled request's cached
+    positions hold its own prefix (what attention reads), then writes the step's tokens."""
+
+    def __init__(self, block_size: int) -> None:
+        self.bs = block_size
+        self.device: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.host: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    def run(self, state: SchedulerState, out: SchedulerOutput) -> None:
+        bs = self.bs
+        for d, h in out.offloads:
+            for o in range(bs):
+                self.host[h, o] = self.device.get((d, o), ())
+        for h, d in out.loads:
+            for o in range(bs):
+                self.device[d, o] = self.host.get((h, o), ())
+        seqs = {s.request_id: s for s in state.running}
+        for x in out.scheduled:
+            tokens = seqs[x.request_id].token_ids
+            for p in range(x.start_pos):
+                got = self.device.get((x.block_ids[p // bs], p % bs))
+                assert got == tuple(tokens[: p + 1]), f"{x.request_id} reads wrong K/V at {p}"
+        for x in out.scheduled:
+            tokens = seqs[x.request_id].token_ids
+            for p in range(x.start_pos, x.start_pos + len(x.token_ids)):
+                self.device[x.block_ids[p // bs], p % bs] = tuple(tokens[: p + 1])
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random arrivals, steps with random tokens (sometimes STOP), aborts, small pools."""
+    """Random arrivals (prompts from a few shared families, so prefixes repeat), steps with
+    random tokens (sometimes STOP), aborts, small device pools, with or without prefix caching
+    and a host tier, under either preemption policy. A model of the caches' contents checks
+    that every request reads its own prefix's K/V."""
 
     @initialize(
         block_size=st.sampled_from([1, 2, 4, 8]),
-        num_blocks=st.integers(2, 10),
+        num_blocks=st.integers(2, 12),
         max_num_seqs=st.integers(1, 5),
         max_num_batched_tokens=st.integers(1, 24),
         max_model_len=st.integers(2, 40),
         seed=st.integers(0, 2**16),
         long_prefill=st.sampled_from([0, 0, 1, 3]),
+        caching=st.sampled_from([True, True, False]),
+        num_host_blocks=st.sampled_from([0, 0, 2, 4, 12]),
+        policy=st.sampled_from(["newest", "least_progress"]),
     )
     def init(
         self,
@@ -382,19 +609,44 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_model_len: int,
         seed: int,
         long_prefill: int,
+        caching: bool,
+        num_host_blocks: int,
+        policy: str,
     ) -> None:
         self.state = make_state(
             max_num_seqs, max_num_batched_tokens, block_size, max_model_len, num_blocks,
-            long_prefill,
+            long_prefill, caching, num_host_blocks, policy,
         )
         self.rng = random.Random(seed)
+        self.content = KVContentModel(block_size)
         self.expected: dict[str, list[int]] = {}  # live request -> its token ids
         self.n = 0
 
-    @rule(prompt_len=st.integers(1, 30), max_tokens=st.integers(1, 20), stop=st.booleans())
-    def add(self, prompt_len: int, max_tokens: int, stop: bool) -> None:
+    @rule(
+        size=st.integers(0, 99),
+        out=st.integers(0, 99),
+        oversize=st.sampled_from([False] * 9 + [True]),
+        stop=st.booleans(),
+        family=st.integers(0, 1),
+        shared=st.integers(0, 99),
+    )
+    def add(
+        self, size: int, out: int, oversize: bool, stop: bool, family: int, shared: int
+    ) -> None:
+        """A request of up to the pool's (or context's) capacity, or rarely one beyond it; its
+        first ``shared`` percent of tokens come from the family's fixed text (often all of
+        them), the rest are random."""
         cfg = self.state.config
+        capacity = min(cfg.max_model_len, (cfg.num_blocks - 1) * cfg.block_size)
+        if capacity < 2 and not oversize:
+            return
+        total = capacity + 1 + size % 5 if oversize else 2 + size * (capacity - 1) // 100
+        max_tokens = 1 + out * (total - 1) // 100 if total > 1 else 1
+        prompt_len = max(1, total - max_tokens)
         seq = make_seq(f"r{self.n}", prompt_len, max_tokens, stop)
+        num_shared = prompt_len if shared >= 50 else shared * prompt_len // 50
+        seq.token_ids[:] = [100 * family + 20 + i if i < num_shared else self.rng.randrange(1, 12)
+                            for i in range(prompt_len)]
         self.n += 1
         fits = (
             prompt_len + max_tokens <= cfg.max_model_len
@@ -411,6 +663,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self, abort_between: bool) -> None:
         self.state, out = schedule(self.state)
         check_plan(self.state, out)
+        self.content.run(self.state, out)
         if has_unfinished(self.state):
             assert not out.is_empty, "nothing scheduled while requests are pending"
         aborted: set[str] = set()
@@ -432,6 +685,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert rid not in live and reason in ("stop", "length")
             del self.expected[rid]
         assert {r: s.token_ids for r, s in live.items()} == self.expected
+
+    @rule(n=st.integers(2, 8))
+    def steps(self, n: int) -> None:
+        """Several steps in a row: requests grow past the pool and get preempted."""
+        for _ in range(n):
+            self.step(abort_between=False)
+            check_invariants(self.state)
 
     @precondition(lambda self: bool(self.expected))
     @rule(data=st.data())
@@ -460,8 +720,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.step(abort_between=False)
                 check_invariants(self.state)
         assert not has_unfinished(self.state)
-        pool = self.state.block_pool
-        assert pool.num_free_blocks == pool.num_usable_blocks
+        for pool in (self.state.block_pool, self.state.host_pool):
+            if pool is not None:  # nothing leaked in either tier
+                assert pool.num_free_blocks == pool.num_usable_blocks
+                assert all(pool.refcount(b) == 0 for b in range(pool.num_blocks))
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase
@@ -485,6 +747,9 @@ TestSchedulerMachine.settings = settings(
         max_size=12,
     ),
     seed=st.integers(0, 2**16),
+    caching=st.booleans(),
+    num_host_blocks=st.sampled_from([0, 3, 16]),
+    policy=st.sampled_from(["newest", "least_progress"]),
 )
 def test_liveness_every_request_finishes(
     block_size: int,
@@ -493,11 +758,16 @@ def test_liveness_every_request_finishes(
     max_num_batched_tokens: int,
     requests: list[tuple[int, int, int]],
     seed: int,
+    caching: bool,
+    num_host_blocks: int,
+    policy: str,
 ) -> None:
     """No aborts: staggered arrivals all finish within sum(prompt + max_tokens) steps after the
-    last arrival (the oldest running request is never preempted and gains >= 1 token a step)."""
+    last arrival (the request with the most computed tokens is never preempted and gains >= 1
+    token a step)."""
     max_model_len = 48
-    state = make_state(max_num_seqs, max_num_batched_tokens, block_size, max_model_len, num_blocks)
+    state = make_state(max_num_seqs, max_num_batched_tokens, block_size, max_model_len, num_blocks,
+                       0, caching, num_host_blocks, policy)
     usable = num_blocks - 1
     arrivals: dict[int, list[SeqState]] = {}
     total = 0
