@@ -12,7 +12,7 @@ part=${1:-all}
 if [[ $part == throughput || $part == all ]]; then
   # continuous vs static batching: 128 sharegpt-like requests at max_num_seqs 32 on SmolLM2
   "$PY" -m jaxserve.cli bench throughput --dataset-name sharegpt-like --num-prompts 128 \
-      --max-num-seqs 32 --max-num-batched-tokens 512 --max-model-len 2048 --kv-cache-memory-gib 4 \
+      --max-num-seqs 32 --max-num-batched-tokens 512 --max-model-len 4096 --kv-cache-memory-gib 4 \
       --output-json "$OUT/throughput-sharegpt-like-128-mns32.json" | tee "$OUT/throughput.txt"
 fi
 

@@ -114,6 +114,7 @@ def main() -> None:
                             "--request-count", str(a.num_prompts),
                             "--warmup-request-count", str(a.num_warmups),
                             "--random-seed", str(r), "--ui-type", "none",
+                            "--workers-max", "1",  # a small machine: keep the client light
                             "--output-artifact-dir", art], check=True)
             rows["aiperf"].append(aiperf_metrics(art))
     table = []

@@ -89,6 +89,15 @@ class StaticBatchEngine:
             ``L + M`` exceeds ``max_model_len``, or the KV cache cannot hold one batch's
             up-front reservation (raise ``kv_cache_memory_gib`` / ``num_kv_blocks``).
         """
+        self.check(requests)
+        stats = StaticStats(outputs=[[] for _ in requests])
+        batch = self.engine.config.max_num_seqs
+        for lo in range(0, len(requests), batch):
+            self._run_batch(requests[lo:lo + batch], lo, stats)
+        return stats
+
+    def check(self, requests: list[StaticRequest]) -> None:
+        """Raise the ValueError ``run`` would raise (see there), before any work is done."""
         eng = self.engine
         if eng.has_unfinished_requests():
             raise ValueError("the engine must be idle to run a static-batching baseline")
@@ -96,11 +105,21 @@ class StaticBatchEngine:
             if not r.prompt_token_ids or r.num_output_tokens < 1:
                 raise ValueError(f"request {i}: needs a non-empty prompt and "
                                  f"num_output_tokens >= 1")
-        stats = StaticStats(outputs=[[] for _ in requests])
-        batch = eng.config.max_num_seqs
+        batch, bs = eng.config.max_num_seqs, eng.config.block_size
+        free = eng.state.block_pool.num_free_blocks
         for lo in range(0, len(requests), batch):
-            self._run_batch(requests[lo:lo + batch], lo, stats)
-        return stats
+            rows = requests[lo:lo + batch]
+            L = max(len(r.prompt_token_ids) for r in rows)
+            M = max(r.num_output_tokens for r in rows)
+            if L + M > eng.max_model_len:
+                raise ValueError(f"a static batch needs L + M = {L} + {M} positions (longest "
+                                 f"prompt + longest output), above max_model_len="
+                                 f"{eng.max_model_len}")
+            if len(rows) * cdiv(L + M, bs) > free:
+                raise ValueError(
+                    f"a static batch of {len(rows)} rows reserves {len(rows) * cdiv(L + M, bs)} "
+                    f"KV blocks of {bs} tokens up front (L + M = {L + M}); the cache has {free} "
+                    f"free; raise kv_cache_memory_gib or num_kv_blocks")
 
     def _run_batch(self, rows: list[StaticRequest], first: int, stats: StaticStats) -> None:
         eng = self.engine
@@ -109,15 +128,7 @@ class StaticBatchEngine:
         p = [len(r.prompt_token_ids) for r in rows]
         n = [r.num_output_tokens for r in rows]
         L, M, B = max(p), max(n), len(rows)
-        if L + M > eng.max_model_len:
-            raise ValueError(f"a static batch needs L + M = {L} + {M} positions, above "
-                             f"max_model_len={eng.max_model_len}")
-        need = cdiv(L + M, bs)
-        if B * need > pool.num_free_blocks:
-            raise ValueError(
-                f"a static batch of {B} rows reserves {B * need} KV blocks of {bs} tokens up "
-                f"front (L + M = {L + M}); the cache has {pool.num_free_blocks} free; raise "
-                f"kv_cache_memory_gib or num_kv_blocks")
+        need = cdiv(L + M, bs)  # per row; check() made sure the pool holds B * need
         tables = [pool.allocate(need) for _ in rows]
         try:
             stats.num_batches += 1

@@ -117,12 +117,15 @@ def run(ns: argparse.Namespace) -> int:
         "num_kv_blocks": engine.num_blocks, "compile_s": warm["compile_s"],
         "total_input_tokens": num_in, "total_output_tokens": num_out,
     }
+    static = StaticBatchEngine(engine)
+    if ns.mode in ("both", "static"):
+        static.check(requests)  # fail now, not after the continuous run
     cont_out = static_out = None
     if ns.mode in ("both", "continuous"):
         elapsed, cont_out = run_continuous(engine, requests)
         result["continuous"] = _rates(elapsed, len(requests), num_in, num_out)
     if ns.mode in ("both", "static"):
-        st = StaticBatchEngine(engine).run(requests)
+        st = static.run(requests)
         static_out = st.outputs
         elapsed = st.prefill_s + st.decode_s
         padding_s = st.prefill_s * st.prefill_padding / max(st.prefill_slots, 1)
