@@ -191,6 +191,15 @@ class _OpenAIServer:
         self.model = served_model_name
         self.created = int(time.time())
 
+    def _check_chat_template(self) -> None:
+        """A base model (its tokenizer has no chat template) cannot take chat messages: 400
+        rather than a guessed template the model never saw."""
+        if not getattr(self.engine.tokenizer, "has_chat_template", True):
+            raise p.RequestError(
+                f"the model `{self.model}` has no chat template (a base model), so it cannot "
+                "take chat messages; send the text as `prompt` to /v1/completions",
+                param="messages")
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model:
             raise p.RequestError(
@@ -230,6 +239,7 @@ class _OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         req = p.decode_chat_request(await self._body(request))
         self._check_model(req.model)
+        self._check_chat_template()
         params = p.to_sampling_params(req)
         tok = self.engine.tokenizer
         try:
@@ -367,6 +377,7 @@ class _OpenAIServer:
         tok = self.engine.tokenizer
         try:
             if req.messages is not None:
+                self._check_chat_template()
                 text = tok.apply_chat_template(
                     p.chat_messages(req), add_generation_prompt=req.add_generation_prompt
                 )
