@@ -235,22 +235,16 @@ def gemma3_gguf_params(reader, cfg: Gemma3Config, dtype: jnp.dtype) -> dict:
     Raises:
       ValueError: a missing tensor.
     """
-    import gguf  # file formats are a layer above the core: import only here
+    from models.loader import gguf_tensor_getter, stack_layers
 
-    tensors = {t.name: t for t in reader.tensors}
-
-    def get(name: str) -> np.ndarray:
-        if name not in tensors:
-            raise ValueError(f"GGUF file lacks tensor {name}")
-        t = tensors[name]
-        return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
-
-    def stacked(fn) -> jax.Array:
-        return jnp.asarray(np.stack([fn(f"blk.{i}.") for i in range(cfg.num_layers)]), dtype)
-
-    layers: dict = {ours: stacked(lambda p, n=theirs: get(p + n + ".weight").T)
-                    for ours, theirs in _GGUF_LINEAR.items()}
-    layers.update({ours: {"weight": stacked(lambda p, n=theirs: get(p + n + ".weight"))}
-                   for ours, theirs in _GGUF_NORMS.items()})
-    return {"embed": jnp.asarray(get("token_embd.weight"), dtype), "layers": layers,
+    get = gguf_tensor_getter(reader)
+    per_layer = []
+    for i in range(cfg.num_layers):
+        p = f"blk.{i}."
+        layer: dict = {ours: get(p + theirs + ".weight").T for ours, theirs in _GGUF_LINEAR.items()}
+        layer.update({ours: {"weight": get(p + theirs + ".weight")}
+                      for ours, theirs in _GGUF_NORMS.items()})
+        per_layer.append(layer)
+    return {"embed": jnp.asarray(get("token_embd.weight"), dtype),
+            "layers": stack_layers(per_layer, dtype),
             "final_norm": {"weight": jnp.asarray(get("output_norm.weight"), dtype)}}
