@@ -22,7 +22,8 @@ split of a token into two tokens of the vocabulary is a merge, ranked by the pos
 merged token in the file, then longer left parts first); tokens made only of spaces are
 respelled with "▁"; a BPE with byte fallback over a normaliser that turns " " into "▁", no
 pre-tokenisation, and the decoder Replace("▁", " "), ByteFallback, Fuse; control tokens special,
-user-defined ones (``token_type == 4``, e.g. runs of newlines) plain added tokens.
+user-defined ones (``token_type == 4``, e.g. runs of newlines) plain added tokens when their
+spelling is in the vocabulary (runs of spaces, respelled there, are not).
 ``tests/goldens/gemma3.json`` checks the ids against transformers.
 
 Chat templates render as transformers' ``apply_chat_template`` renders them: jinja2's
@@ -171,10 +172,11 @@ class Tokenizer:
         backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
                                     for t, kind in zip(tokens, types)
                                     if kind == GGUF_CONTROL_TOKEN_TYPE])  # fmt: skip
-        if gemma:
+        if gemma:  # as transformers: only those whose spelling is in the vocabulary
+            known = backend.get_vocab()
             backend.add_tokens([AddedToken(t, normalized=False, special=False)
                                 for t, kind in zip(tokens, types)
-                                if kind == GGUF_USER_DEFINED_TOKEN_TYPE])  # fmt: skip
+                                if kind == GGUF_USER_DEFINED_TOKEN_TYPE and t in known])  # fmt: skip
         extra = [get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
         return cls(
             backend,

@@ -186,7 +186,8 @@ def load_gguf_params(path: str, dtype: jnp.dtype, reader: object = None):
 
 
 def gguf_name(path: str) -> str:
-    """A served-model name from a GGUF file name: ``SmolLM2-135M-Instruct.Q4_1.gguf`` ->
-    ``SmolLM2-135M-Instruct``."""
+    """A served-model name from a GGUF file name, its quantisation suffix dropped:
+    ``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct``,
+    ``gemma-3-270m-q4_k_m.gguf`` -> ``gemma-3-270m``."""
     base = re.sub(r"\.gguf$", "", path.rsplit("/", 1)[-1], flags=re.IGNORECASE)
-    return re.sub(r"\.(Q\d\w*|F16|F32|BF16|IQ\w+)$", "", base, flags=re.IGNORECASE)
+    return re.sub(r"[.-](Q\d\w*|F16|F32|BF16|IQ\w+)$", "", base, flags=re.IGNORECASE)
