@@ -44,7 +44,7 @@ TOP_K_STEP = 5
 
 
 def _inventory() -> str:
-    """A text of about 900 tokens whose last line asks for an item listed near its start, so
+    """A text of about 1000 tokens whose last line asks for an item listed near its start, so
     that only the global layers can see the answer (the local layers' window is 512)."""
     colours = ["blue", "green", "red", "yellow", "white", "black", "orange", "purple"]
     things = ["ceramic bowl", "wooden spoon", "glass jar", "copper kettle", "linen towel",

@@ -1,7 +1,7 @@
 """Gemma 3 270M (GGUF, base model) against HF transformers goldens, and served over HTTP.
 
 Goldens (tests/goldens/gemma3.json, scripts/make_gemma3_goldens.py): float32 CPU logits of HF
-transformers on the same dequantised GGUF. One prompt (``inventory_long``, ~900 tokens) is longer
+transformers on the same dequantised GGUF. One prompt (``inventory_long``, 1013 tokens) is longer
 than the 512-token window of the local layers, and its last line asks for an item listed near
 the start: the test shows its logits depend on the window (all-global attention moves them far
 past the tolerance), so a model that ignored the window would fail the goldens.
@@ -31,13 +31,17 @@ _BLOCK = 16
 _MAX_BLOCKS = 80  # 1280 positions per sequence
 _NUM_BLOCKS = 112  # 1 padding block + enough for one call
 
-# Max |logit - golden| over the 64 golden first-step logits of the five prompts measured
-# 2.2e-05 (logit scale ~10-40, float32); the tolerance is ~10x that.
-FIRST_STEP_ATOL = 3e-4
-# Max |top-5 logit - golden| over every teacher-forced position measured 2.9e-05.
-TEACHER_FORCED_TOP5_ATOL = 5e-4
+# Max |logit - golden| over the 64 golden first-step logits measured 2.5e-05 on the four short
+# prompts and 1.9e-04 on the 1013-token one (float32 sums over a long context; logit scale
+# ~10-40, 2-core x86 CPU); the tolerance is ~5x the largest.
+FIRST_STEP_ATOL = 1e-3
+# Max |top-5 logit - golden| over every teacher-forced position measured 4.4e-05 (short
+# prompts) and 3.2e-04 (the long one).
+TEACHER_FORCED_TOP5_ATOL = 1.5e-3
 NEAR_TIE = 1e-3  # golden top-2 margins below this may flip under float32 rounding
-WINDOW_EFFECT_MIN = 0.05  # all-global attention must move the long prompt's logits this much
+# All-global attention moved the long prompt's golden top-64 logits by up to 4.1 (and changed
+# the argmax); it must move them at least this much.
+WINDOW_EFFECT_MIN = 0.5
 NAMES = ["france_text", "long_prose", "mixed_unicode", "alphabet_text", "inventory_long"]
 
 
