@@ -102,6 +102,7 @@ def load_model(load: LoadConfig, dtype: jnp.dtype, seed: int
     """
     from jaxserve.model_files import default_gguf_path
     from models.config import builtin_config
+    from models.gguf_reader import GGUFFile
     from models.loader import dummy_params, gguf_name, load_gguf_params
     from models.registry import get_architecture
 
@@ -119,8 +120,9 @@ def load_model(load: LoadConfig, dtype: jnp.dtype, seed: int
             f"config with --load-format dummy")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"model file {path!r} does not exist")
-    cfg, params = load_gguf_params(path, dtype)
-    return cfg, params, Tokenizer.from_gguf(path), gguf_name(path)
+    reader = GGUFFile(path)  # opened once for the weights and the tokenizer
+    cfg, params = load_gguf_params(path, dtype, reader)
+    return cfg, params, Tokenizer.from_gguf(path, reader), gguf_name(path)
 
 
 def _load_model_dir(path: str, dtype: jnp.dtype) -> tuple[ModelConfig, object, Tokenizer, str]:

@@ -91,11 +91,19 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Answer one conversation (a list of {role, content} dicts) or a list of them, with
-        the model's chat template."""
+        the model's chat template.
+
+        Raises:
+          ValueError: no messages, a malformed message, or a model without a chat template (a
+            base model: use ``generate`` with text).
+        """
         if not messages:
             raise ValueError("messages must hold at least one message")
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
+        if not tok.has_chat_template:
+            raise ValueError(f"messages: the model {self.engine.model_name!r} has no chat "
+                             "template (a base model); pass the text to generate() instead")
         reqs = []
         for conv in convs:
             text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)

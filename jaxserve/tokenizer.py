@@ -14,6 +14,18 @@ Replace("▁", " "), ByteLevel, and every control token (``token_type == 3``) re
 special added token, so that ``<|im_start|>`` in a rendered prompt becomes one id. The goldens in
 ``tests/goldens/smollm2.json`` check that the ids agree with transformers.
 
+A Gemma GGUF (``general.architecture`` ``gemma``/``gemma2``/``gemma3``, ``tokenizer.ggml.model``
+``llama``, i.e. SentencePiece) is built as transformers builds it (``gemma_tokenizer`` in
+``transformers/integrations/gguf/gguf_tokenizer_mapping.py``, handing over to its
+``GemmaTokenizer``): the file lists no merges, so they are derived from the vocabulary (every
+split of a token into two tokens of the vocabulary is a merge, ranked by the position of the
+merged token in the file, then longer left parts first); tokens made only of spaces are
+respelled with "▁"; a BPE with byte fallback over a normaliser that turns " " into "▁", no
+pre-tokenisation, and the decoder Replace("▁", " "), ByteFallback, Fuse; control tokens special,
+user-defined ones (``token_type == 4``, e.g. runs of newlines) plain added tokens when their
+spelling is in the vocabulary (runs of spaces, respelled there, are not).
+``tests/goldens/gemma3.json`` checks the ids against transformers.
+
 Chat templates render as transformers' ``apply_chat_template`` renders them: jinja2's
 ``ImmutableSandboxedEnvironment`` with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols``
 extension, a ``{% generation %}`` tag that renders its body, the ``tojson`` filter,
@@ -50,6 +62,9 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end
 """Special tokens that end an assistant turn when a chat template uses them."""
 
 GGUF_CONTROL_TOKEN_TYPE = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
+GGUF_USER_DEFINED_TOKEN_TYPE = 4  # llama.cpp's LLAMA_TOKEN_TYPE_USER_DEFINED
+GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+"""GGUF architectures whose SentencePiece tokenizer is built as transformers' GemmaTokenizer."""
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -114,51 +129,55 @@ class Tokenizer:
     # ---- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, path: str) -> Tokenizer:
+    def from_gguf(cls, path: str, reader: object = None) -> Tokenizer:
         """Build the tokenizer a GGUF file carries, as transformers builds it (see module doc).
+
+        ``reader``: an open ``models.gguf_reader.GGUFFile`` (or ``gguf.GGUFReader``) of
+        ``path`` to reuse; by default the file is opened here.
 
         Raises:
           ValueError: the file has no tokenizer, or a tokenizer model other than ``gpt2``
-            (byte-level BPE); SentencePiece (``llama``) GGUF tokenizers are not supported yet.
+            (byte-level BPE) or, for Gemma architectures, ``llama`` (SentencePiece).
         """
-        import gguf  # a file-format layer: the engine core does not need it
+        from models.gguf_reader import GGUFFile  # a file-format layer, not the engine core
 
-        fields = gguf.GGUFReader(path).fields
+        fields = (reader if reader is not None else GGUFFile(path)).fields
 
         def get(key: str, default: object = None) -> object:
             field = fields.get(key)
             return default if field is None else field.contents()
 
         def strings(key: str) -> list[str]:
-            field = fields[key]
-            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+            return list(get(key))
 
         model = get("tokenizer.ggml.model")
         if model is None or "tokenizer.ggml.tokens" not in fields:
             raise ValueError(f"{path}: no tokenizer in the GGUF metadata (tokenizer.ggml.*)")
-        if model != "gpt2":
+        arch = get("general.architecture")
+        gemma = model == "llama" and arch in GEMMA_ARCHITECTURES
+        if model != "gpt2" and not gemma:
             raise ValueError(
-                f"{path}: tokenizer.ggml.model={model!r} is not supported; only 'gpt2' "
-                "(byte-level BPE) GGUF tokenizers are (SentencePiece 'llama' ones are not yet)"
+                f"{path}: tokenizer.ggml.model={model!r} (architecture {arch!r}) is not "
+                "supported; GGUF tokenizers are: 'gpt2' (byte-level BPE), and 'llama' "
+                f"(SentencePiece) of the architectures {', '.join(GEMMA_ARCHITECTURES)}"
             )
         tokens = strings("tokenizer.ggml.tokens")
-        merges = [tuple(m.split(" ")) for m in strings("tokenizer.ggml.merges")]
-        if bad := [m for m in merges if len(m) != 2][:1]:
-            raise ValueError(f"{path}: malformed BPE merge {' '.join(bad[0])!r} in the GGUF")
-        unk_id = get("tokenizer.ggml.unknown_token_id")
-        bpe = BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=True, byte_fallback=True,
-                  unk_token=tokens[unk_id] if unk_id is not None else None)  # fmt: skip
-        backend = tokenizers.Tokenizer(bpe)
-        backend.normalizer = normalizers.Sequence([])
-        byte_level = {"add_prefix_space": False, "trim_offsets": False, "use_regex": True}
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(**byte_level)
-        backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse(),
-                                             decoders.Replace("▁", " "),
-                                             decoders.ByteLevel(**byte_level)])  # fmt: skip
-        types = get("tokenizer.ggml.token_type", [])
+        types = [int(t) for t in get("tokenizer.ggml.token_type", [])]
+        if gemma:
+            backend = _gemma_backend(tokens)
+        else:
+            merges = [tuple(m.split(" ")) for m in strings("tokenizer.ggml.merges")]
+            if bad := [m for m in merges if len(m) != 2][:1]:
+                raise ValueError(f"{path}: malformed BPE merge {' '.join(bad[0])!r} in the GGUF")
+            backend = _byte_level_backend(tokens, merges, get("tokenizer.ggml.unknown_token_id"))
         backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
                                     for t, kind in zip(tokens, types)
                                     if kind == GGUF_CONTROL_TOKEN_TYPE])  # fmt: skip
+        if gemma:  # as transformers: only those whose spelling is in the vocabulary
+            known = backend.get_vocab()
+            backend.add_tokens([AddedToken(t, normalized=False, special=False)
+                                for t, kind in zip(tokens, types)
+                                if kind == GGUF_USER_DEFINED_TOKEN_TYPE and t in known])  # fmt: skip
         extra = [get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
         return cls(
             backend,
@@ -393,6 +412,45 @@ class Tokenizer:
     @cached_property
     def _template(self) -> jinja2.Template:
         return _chat_environment().from_string(self.chat_template)
+
+
+def _byte_level_backend(tokens: list[str], merges: list[tuple[str, ...]],
+                        unk_id: int | None) -> tokenizers.Tokenizer:
+    """The byte-level BPE of a ``gpt2`` GGUF tokenizer (module doc), before added tokens."""
+    bpe = BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=True, byte_fallback=True,
+              unk_token=tokens[unk_id] if unk_id is not None else None)  # fmt: skip
+    backend = tokenizers.Tokenizer(bpe)
+    backend.normalizer = normalizers.Sequence([])
+    byte_level = {"add_prefix_space": False, "trim_offsets": False, "use_regex": True}
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(**byte_level)
+    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Replace("▁", " "),
+                                         decoders.ByteLevel(**byte_level)])  # fmt: skip
+    return backend
+
+
+def _gemma_backend(tokens: list[str]) -> tokenizers.Tokenizer:
+    """The SentencePiece-as-BPE backend of a Gemma GGUF tokenizer (module doc), before added
+    tokens. ``tokens``: the file's vocabulary in id order."""
+    tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(tokens)}  # a repeated spelling keeps its last id
+    rank = {t: -i for i, t in enumerate(tokens)}  # earlier in the file merges first
+    merges = []  # (score, len(left), len(right), vocab[left], vocab[right], left, right)
+    for merged, score in rank.items():
+        for k in range(1, len(merged)):
+            left = merged[:k]
+            if left in vocab and (right := merged[k:]) in vocab:
+                merges.append((score, k, len(right), -vocab[left], -vocab[right], left, right))
+    # best first: by merged token, then longer left part; ties in the order of the two ids
+    merges.sort(reverse=True)
+    bpe = BPE(vocab, [m[5:] for m in merges], fuse_unk=True, byte_fallback=True,
+              unk_token="<unk>")
+    backend = tokenizers.Tokenizer(bpe)
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse()])  # fmt: skip
+    return backend
 
 
 def normalize_messages(messages: object) -> list[dict]:

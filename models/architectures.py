@@ -2,12 +2,14 @@
 
 ``llama`` covers the Llama family as HF transformers and llama.cpp name it: GGUF
 ``general.architecture`` ``llama``; HF ``LlamaForCausalLM``, ``MistralForCausalLM`` and
-``Qwen2ForCausalLM`` (safetensors directories).
+``Qwen2ForCausalLM`` (safetensors directories). ``gemma3``: Gemma 3 text models from GGUF
+(``general.architecture`` ``gemma3``; ``models.gemma3``).
 """
 
 from __future__ import annotations
 
-from models.config import ModelConfig
+from models.config import Gemma3Config, ModelConfig
+from models.gemma3 import Gemma3ForCausalLM, gemma3_gguf_config, gemma3_gguf_params
 from models.hf import llama_hf_config, llama_hf_params
 from models.llama import LlamaForCausalLM
 from models.loader import gguf_model_config, llama_gguf_params
@@ -24,4 +26,14 @@ LLAMA = Architecture(
     hf_params=llama_hf_params,
 )
 
+GEMMA3 = Architecture(
+    name="gemma3",
+    model=Gemma3ForCausalLM,
+    config_from_dict=Gemma3Config.from_dict,
+    aliases=("Gemma3ForCausalLM",),
+    gguf_config=gemma3_gguf_config,
+    gguf_params=gemma3_gguf_params,
+)
+
 register_architecture(LLAMA)
+register_architecture(GEMMA3)

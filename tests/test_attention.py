@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -52,3 +53,29 @@ def test_write_kv_scatters_to_slots() -> None:
         np.testing.assert_array_equal(v2[1, s // bs, s % bs], vn[i])
     assert np.all(k2[0] == 0) and np.all(k2[2] == 0), "other layers untouched"
     assert np.count_nonzero(np.abs(k2[1, 1:]).sum(axis=(-1, -2))) == 3
+
+
+def test_traced_sliding_window_one_program() -> None:
+    """A window passed as a traced ``i32`` scalar (as Gemma 3's layer scan passes it) gives the
+    windowed result, a window past the context gives full causal attention, and both run in one
+    compiled program."""
+    rng = np.random.default_rng()
+    q_lens = [1, 13, 5, 1]
+    ctx_lens = [40, 13, 23, 133]
+    q, k, v, bt, sl, qsl, ns = make_case(rng, q_lens, ctx_lens, block_size=4, num_seqs_pad=4,
+                                         tokens_pad=32)
+    args = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
+
+    @jax.jit
+    def run(window):
+        return ragged_paged_attention(*args, jnp.int32(1), jnp.asarray(bt), jnp.asarray(sl),
+                                      jnp.asarray(qsl), jnp.asarray(ns), sm_scale=0.25,
+                                      sliding_window=window, q_tile=4, kv_chunk=8)
+
+    total = qsl[-1]
+    for window, ref_window in ((7, 7), (1, 1), (1 << 30, None)):
+        got = np.asarray(run(jnp.int32(window)))
+        want = ref_ragged_paged_attention(q, k, v, 1, bt, sl, qsl, ns, sm_scale=0.25,
+                                          sliding_window=ref_window)
+        np.testing.assert_allclose(got[:total], want[:total], rtol=1e-5, atol=1e-5)
+    assert run._cache_size() == 1

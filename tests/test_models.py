@@ -90,3 +90,20 @@ def test_unpermute_inverts_llama_cpp_rope_permutation() -> None:
     permuted = w.reshape(heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(w.shape)
     np.testing.assert_array_equal(_unpermute(permuted, heads), w)
     assert not np.array_equal(permuted, w)
+
+
+def test_gemma3_270m_config() -> None:
+    """The built-in Gemma 3 270M: the published size (268 M: 168 M embedding, 100 M in the
+    layers), its params pytree, and five local layers to one global."""
+    from models.gemma3 import GLOBAL_WINDOW, Gemma3ForCausalLM, layer_windows
+
+    cfg = builtin_config("gemma3-270m")
+    assert abs(cfg.num_params / 268.1e6 - 1) < 0.01
+    shapes = Gemma3ForCausalLM(cfg).param_shapes()
+    assert sum(int(np.prod(s.shape)) for s in jax.tree_util.tree_leaves(shapes)) == \
+        cfg.num_params
+    assert shapes["layers"]["wq"].shape == (18, 640, 1024)
+    assert shapes["layers"]["q_norm"]["weight"].shape == (18, 256)
+    assert layer_windows(cfg).tolist() == ([512] * 5 + [GLOBAL_WINDOW]) * 3
+    with pytest.raises(ValueError, match="sliding_window"):
+        cfg.replace(sliding_window=0)

@@ -110,6 +110,31 @@ def test_sliding_window_and_soft_cap(window: int | None, cap: float | None) -> N
                             block_k=16, num_kv_splits=2)
 
 
+def test_traced_sliding_window() -> None:
+    """The window as a traced ``i32`` scalar (Gemma 3's per-layer window in its layer scan)
+    reaches the kernel as an input: windowed and full (window past the context) results from
+    one compiled program."""
+    rng = np.random.default_rng()
+    q, k, v, bt, sl, qsl, ns = make_case(rng, [1, 9, 1], [BS + 1, 9, 100], block_size=BS,
+                                         num_seqs_pad=4, tokens_pad=16)
+
+    @jax.jit
+    def run(window):
+        return ragged_paged_attention_pallas(
+            *(jnp.asarray(x, jnp.float32) for x in (q, k, v)), jnp.int32(0), jnp.asarray(bt),
+            jnp.asarray(sl), jnp.asarray(qsl), jnp.asarray(ns), sm_scale=0.25,
+            sliding_window=window, block_k=16, interpret=INTERPRET)
+
+    total = qsl[-1]
+    rtol, atol = TOL["float32"]
+    for window, ref_window in ((5, 5), (1 << 30, None)):
+        got = np.asarray(run(jnp.int32(window)))
+        want = ref_ragged_paged_attention(q, k, v, 0, bt, sl, qsl, ns, sm_scale=0.25,
+                                          sliding_window=ref_window)
+        np.testing.assert_allclose(got[:total], want[:total], rtol=rtol, atol=atol)
+    assert run._cache_size() == 1
+
+
 @pytest.mark.parametrize("kv_heads,group,head_dim,block_size", [
     (1, 1, 32, 4),  # MHA-like, tiny pages
     (2, 5, 16, 8),  # group padded 5 -> 8

@@ -33,7 +33,18 @@ def test_taken_name_is_refused_unless_replaced() -> None:
 @pytest.mark.parametrize("name", sorted(BUILTIN_CONFIGS))
 def test_config_dict_round_trip(name: str) -> None:
     cfg = builtin_config(name)
-    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    assert get_architecture(cfg.architecture).config_from_dict(cfg.to_dict()) == cfg
+
+
+def test_gemma3_registered() -> None:
+    from models.config import Gemma3Config
+    from models.gemma3 import Gemma3ForCausalLM
+
+    for name in ("gemma3", "Gemma3ForCausalLM"):
+        arch = get_architecture(name)
+        assert arch.model is Gemma3ForCausalLM and arch.config_from_dict == Gemma3Config.from_dict
+        assert arch.gguf_config is not None and arch.gguf_params is not None
+    assert builtin_config("gemma3-270m").architecture == "gemma3"
 
 
 def test_config_from_dict_names_bad_keys() -> None:
