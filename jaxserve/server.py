@@ -365,6 +365,7 @@ class OpenAIServer:
     async def _serve(self, request: Request, job: GenerationJob) -> Response:
         rid = f"{job.kind}-{request.state.request_id}"
         budget: RequestBudget = request.state.budget
+        budget.queued = True  # from here the engine's waiting count covers it (see Gate)
         try:
             if not job.stream:
                 body = await _unless_disconnected(request, budget.bound(self.respond(job, rid)))

@@ -88,6 +88,7 @@ class RequestBudget:
         now = asyncio.get_running_loop().time()
         self.deadline = None if timeout_s is None else now + timeout_s
         self.reason = "timeout"
+        self.queued = False  # handed to the engine (until then the gate counts it as waiting)
         self._scopes: set[asyncio.Timeout] = set()
 
     async def bound[T](self, aw: Awaitable[T]) -> T:
@@ -143,7 +144,10 @@ class Gate:
                 headers={"Retry-After": _RETRY_AFTER_S},
             )  # fmt: skip
         if path in GENERATE_PATHS:
-            n, cap = self.engine.num_waiting(), self.config.max_waiting_requests
+            # admitted requests still reading their body or tokenising count as waiting too,
+            # else a simultaneous burst passes the gate before any of it reaches the engine
+            admitting = sum(1 for b in self.inflight if not b.queued)
+            n, cap = self.engine.num_waiting() + admitting, self.config.max_waiting_requests
             if n >= cap:
                 return error_response(
                     503,

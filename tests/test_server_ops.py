@@ -465,3 +465,31 @@ def test_openapi_document(api_key: str | None) -> None:
     assert "text/event-stream" in doc["paths"][COMPL]["post"]["responses"]["200"]["content"]
     assert ("securitySchemes" in doc["components"]) == (api_key is not None)
 
+
+
+def test_gate_counts_admitted_requests_not_yet_queued() -> None:
+    """A simultaneous burst: requests the gate let in that are still reading their body or
+    tokenising (not yet handed to the engine) count against --max-waiting-requests, so the
+    burst cannot all pass before any of it reaches the engine (found by scripts/bench_overload.py:
+    200 simultaneous requests against a cap of 8 were all admitted)."""
+    from jaxserve.server_ops import Gate, RequestBudget
+
+    class Idle:
+        def num_waiting(self) -> int:
+            return 0
+
+    async def run() -> None:
+        gate = Gate(Idle(), ServerConfig(max_waiting_requests=2))
+        scope = {"type": "http", "path": "/v1/completions", "headers": []}
+        assert gate.refusal(scope) is None
+        first, second = RequestBudget(None), RequestBudget(None)
+        gate.inflight |= {first, second}  # both admitted, neither queued yet
+        refused = gate.refusal(scope)
+        assert refused is not None and refused.status_code == 503
+        assert refused.headers["retry-after"] == "1"
+        assert b"2 requests are waiting" in refused.body
+        first.queued = True  # handed over: the engine's own waiting count covers it now
+        assert gate.refusal(scope) is None
+        assert gate.refusal({**scope, "path": "/v1/models"}) is None  # only generation is gated
+
+    asyncio.run(run())
