@@ -60,12 +60,19 @@ class BatchInput(msgspec.Struct, kw_only=True):
 
 
 class BatchResponse(msgspec.Struct, kw_only=True):
+    """An output line's ``response``: the HTTP status the server would have answered, the
+    request id, and the response (or OpenAI-style error) body as raw JSON."""
+
     status_code: int
     request_id: str
     body: msgspec.Raw
 
 
 class BatchError(msgspec.Struct, kw_only=True):
+    """An output line's ``error`` for a line that is not a request at all: ``code`` is one of
+    ``invalid_json_line``, ``invalid_request``, ``invalid_method``, ``invalid_url``,
+    ``line_too_large``; ``message`` says what was wrong."""
+
     code: str
     message: str
 
