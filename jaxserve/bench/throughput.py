@@ -9,7 +9,7 @@ exactly its output length (EOS ignored), sampled with its own seed:
   continuous  the engine itself: requests join and leave the batch at every step;
   static      ``StaticBatchEngine`` (static_batch.py) on the same runner: batches of
               ``max_num_seqs`` in arrival order, padded prompts, rows held to the batch's end.
-Both report elapsed time, requests/s, output tokens/s and total tokens/s; static adds its token
+Both report elapsed time, process CPU time, requests/s, output tokens/s and total tokens/s; static adds its token
 accounting and a time decomposition of its loss: each phase's time is shared out in proportion to
 token slots, so ``padding_s = prefill_s * prefill_padding / prefill_slots`` and
 ``idle_slots_s = decode_s * decode_idle / decode_slots``. How much of the continuous-over-static
@@ -122,16 +122,21 @@ def run(ns: argparse.Namespace) -> int:
         static.check(requests)  # fail now, not after the continuous run
     cont_out = static_out = None
     if ns.mode in ("both", "continuous"):
+        cpu0 = time.process_time()
         elapsed, cont_out = run_continuous(engine, requests)
-        result["continuous"] = _rates(elapsed, len(requests), num_in, num_out)
+        result["continuous"] = {**_rates(elapsed, len(requests), num_in, num_out),
+                                "process_cpu_s": time.process_time() - cpu0}
     if ns.mode in ("both", "static"):
+        cpu0 = time.process_time()
         st = static.run(requests)
+        static_cpu_s = time.process_time() - cpu0
         static_out = st.outputs
         elapsed = st.prefill_s + st.decode_s
         padding_s = st.prefill_s * st.prefill_padding / max(st.prefill_slots, 1)
         idle_s = st.decode_s * st.decode_idle / max(st.decode_slots, 1)
         result["static"] = {
             **_rates(elapsed, len(requests), num_in, num_out),
+            "process_cpu_s": static_cpu_s,
             "num_batches": st.num_batches, "num_prefill_steps": st.num_prefill_steps,
             "num_decode_steps": st.num_decode_steps,
             "prefill_slots": st.prefill_slots, "prefill_padding_tokens": st.prefill_padding,
@@ -162,10 +167,12 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [(f"{result['num_prompts']} requests ({result['dataset_name']}), "
              f"{result['total_input_tokens']} prompt + {result['total_output_tokens']} output "
              f"tokens, max_num_seqs {result['engine_config']['max_num_seqs']}"),
-             f"{'mode':<12}{'elapsed s':>10}{'req/s':>9}{'out tok/s':>11}{'tot tok/s':>11}"]
+             (f"{'mode':<12}{'elapsed s':>10}{'cpu s':>9}{'req/s':>9}{'out tok/s':>11}"
+              f"{'tot tok/s':>11}")]
     for m in modes:
         r = result[m]
-        lines.append(f"{m:<12}{r['elapsed_time']:>10.2f}{r['requests_per_second']:>9.3f}"
+        lines.append(f"{m:<12}{r['elapsed_time']:>10.2f}{r.get('process_cpu_s', 0.0):>9.1f}"
+                     f"{r['requests_per_second']:>9.3f}"
                      f"{r['output_tokens_per_second']:>11.1f}{r['tokens_per_second']:>11.1f}")
     if "static" in result:
         s = result["static"]
