@@ -86,6 +86,7 @@ def _kernel(
     num_blocks: int,
     max_blocks_per_seq: int,
     num_splits: int,
+    exact: bool,
 ):
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = block_q * group_pad
@@ -131,7 +132,9 @@ def _kernel(
         slot = jnp.where(k_ok, (layer_base + page) * block_size + pos % block_size, 0)
         k = plgpu.load(k_ref.at[slot[:, None], h, dd], mask=k_ok[:, None], other=0)  # [block_k, D]
         v = plgpu.load(v_ref.at[slot[:, None], h, dd], mask=k_ok[:, None], other=0)
-        s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32) * sm_scale  # [rows, block_k]
+        # float32 inputs: full-precision dots (Triton would otherwise use TF32, whose 10-bit
+        # mantissa gave 1.4e-3 scaled errors against the float64 reference on an H200)
+        s = plgpu.dot(q, k, trans_b=True, allow_tf32=not exact).astype(jnp.float32) * sm_scale
         if logit_soft_cap is not None:
             s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)
         mask = (pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
@@ -142,7 +145,8 @@ def _kernel(
         alpha = jnp.exp(m - m_new)
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         l_new = l * alpha + p.sum(axis=1)
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v).astype(jnp.float32)
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v,
+                                               allow_tf32=not exact).astype(jnp.float32)
         return m_new, l_new, acc
 
     head_dim = q.shape[1]
@@ -201,6 +205,22 @@ def default_num_kv_splits(num_tokens: int, num_kv_heads: int, max_context: int, 
     return max(1, splits)
 
 
+# shared memory the pipelined K and V tiles may take: an H100/H200 block has 227 KiB; the rest is
+# left for q, the score tile and Triton's own buffers (f32 at head_dim 256 with block_k 64 and two
+# stages asked for 256 KiB and failed to launch on an H200)
+_KV_TILE_SMEM_BYTES = 160 * 1024
+
+
+def default_block_k(head_dim: int, itemsize: int, num_stages: int) -> int:
+    """Largest ``block_k`` in (64, 32, 16) whose K and V tiles over ``num_stages`` pipeline
+    stages (``2 * num_stages * block_k * head_dim * itemsize`` bytes) fit ``_KV_TILE_SMEM_BYTES``;
+    16 if none does."""
+    for bk in (64, 32):
+        if 2 * max(num_stages, 1) * bk * head_dim * itemsize <= _KV_TILE_SMEM_BYTES:
+            return bk
+    return 16
+
+
 def ragged_paged_attention_pallas(
     q: jax.Array,
     k_cache: jax.Array,
@@ -215,7 +235,7 @@ def ragged_paged_attention_pallas(
     sliding_window: int | jax.Array | None = None,
     logit_soft_cap: float | None = None,
     block_q_rows: int = 64,
-    block_k: int = 64,
+    block_k: int | None = None,
     num_kv_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -236,7 +256,9 @@ def ragged_paged_attention_pallas(
         so layers of different windows share one compiled kernel).
       block_q_rows: tile rows per program (query tokens x padded heads of one kv group); a
         power of two >= 16 (Triton's smallest dot).
-      block_k: key positions per online-softmax step, a power of two >= 16.
+      block_k: key positions per online-softmax step, a power of two >= 16; None picks the
+        largest of 64, 32, 16 whose pipelined K and V tiles fit shared memory
+        (``default_block_k``).
       num_kv_splits: flash-decoding splits along the KV axis; None picks by grid size.
       num_warps, num_stages: Triton CompilerParams.
       interpret: run the kernel in the Pallas interpreter (CPU tests).
@@ -245,6 +267,8 @@ def ragged_paged_attention_pallas(
     Raises:
       ValueError: naming the offending shape, dtype or knob.
     """
+    if block_k is None:
+        block_k = default_block_k(q.shape[-1], jnp.dtype(k_cache.dtype).itemsize, num_stages)
     _validate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
               block_q_rows=block_q_rows, block_k=block_k, num_kv_splits=num_kv_splits,
               sliding_window=sliding_window)
@@ -284,7 +308,7 @@ def _ragged_paged_attention_pallas(
         logit_soft_cap=logit_soft_cap, num_tokens=num_tokens, num_q_heads=num_q_heads,
         group=group, group_pad=group_pad, block_q=block_q, block_k=block_k,
         block_size=block_size, num_blocks=num_blocks, max_blocks_per_seq=max_blocks,
-        num_splits=splits)
+        num_splits=splits, exact=jnp.dtype(q.dtype) == jnp.float32)
     rows_out = splits * num_tokens * num_q_heads
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((rows_out, head_dim), q.dtype)
