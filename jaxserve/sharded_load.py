@@ -17,10 +17,12 @@
   full read, then ``shard_params``.
 - dummy weights: drawn under ``jit(out_shardings=...)``, so each device draws only its slice
   (values equal the single-device ones).
-- GGUF: read whole, dequantised, then ``shard_params``: a quantised GGUF tensor is a sequence of
-  blocks (32 or 256 weights, row-major over the stored ``[out, in]`` layout) that must be
-  dequantised as units, and the q/k rows are permuted for GGML's RoPE, so a device's column
-  slice is not a byte range of the file. Convert once (``jaxserve convert``) to load sharded.
+- GGUF: read whole, dequantised, then ``shard_params``. A quantised GGUF tensor ``[out, in]`` is
+  stored as blocks of 32 or 256 weights along ``in`` that dequantise only as units: a
+  column-parallel slice (whole rows) would be a byte range, but a row-parallel one (o, down:
+  ``in / tp`` columns) cuts blocks unless ``in / tp`` is a multiple of the block (SmolLM2 at
+  TP 3: 192 columns against Q4_K's 256), so GGUF keeps the whole read. Convert once
+  (``jaxserve convert``) to load sharded.
 
 Replicated kv heads (``num_kv_heads < tp``, ``sharding.replicate_kv_heads``): the stored
 ``[..., kv * head_dim]`` leaf is read with a sharding on a ``(kv, tp // kv)`` view of the same
@@ -308,7 +310,7 @@ def load_hf_sharded(path: str, dtype: jnp.dtype, mesh: Mesh, progress: bool = Tr
     targets, reads = target_shardings(cfg, dtype, mesh)
     if arch.hf_sources is None:
         _, params = hf.load_hf_params(path, dtype, progress)
-        return cfg, *_shard_full(params, cfg, mesh, t0, "hf")
+        return cfg, *shard_loaded(params, cfg, mesh, t0, "hf")
     tensors = hf.SafetensorsDir(path, progress=False)
     sources = arch.hf_sources(tensors, cfg)
     stored = arch.model(cfg, dtype).param_shapes()
@@ -337,10 +339,12 @@ def load_hf_sharded(path: str, dtype: jnp.dtype, mesh: Mesh, progress: bool = Tr
     return cfg, jax.tree_util.tree_unflatten(treedef, out), report
 
 
-def _shard_full(params, cfg: ModelConfig, mesh: Mesh, t0: float, source: str
-                ) -> tuple[object, LoadReport]:
-    """Place a whole params tree with ``sharding.shard_params``; report every leaf as read
-    whole."""
+def shard_loaded(params, cfg: ModelConfig, mesh: Mesh, t0: float, source: str
+                 ) -> tuple[object, LoadReport]:
+    """The load-then-shard path: place a whole params tree (``cfg``'s shapes, read before)
+    with ``sharding.shard_params``; returns (placed params, report) with every leaf listed as
+    read whole and per-device seconds counted from ``t0`` (``time.perf_counter()`` at the start
+    of the load). ``source`` names the format in the report."""
     placed = sharding.shard_params(params, cfg, mesh)
     names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(placed)[0]]
     return placed, _ready_report(placed, mesh, t0, source=source, method="full-then-shard",
@@ -385,7 +389,7 @@ def load_sharded(load: LoadConfig, dtype: jnp.dtype, seed: int, mesh: Mesh) -> S
     else:  # anything else: load_model raises the reason
         cfg, params, tok, name = load_model(load, dtype, seed)
         check_shardable(cfg, mesh.shape[sharding.TP_AXIS])
-        params, report = _shard_full(params, cfg, mesh, t0, "other")
+        params, report = shard_loaded(params, cfg, mesh, t0, "other")
     log.info("loaded %s weights (%s, %s) over %d devices in %.2f s:\n%s", report.source,
              report.method, report.timing, len(report.devices), report.total_s, report.table())
     return ShardedLoad(cfg, params, tok, name, report)
@@ -405,5 +409,5 @@ def _load_gguf(path: str, dtype: jnp.dtype, mesh: Mesh, t0: float):
     cfg = arch.gguf_config(reader)
     check_shardable(cfg, mesh.shape[sharding.TP_AXIS])
     params = arch.gguf_params(reader, cfg, dtype)
-    params, report = _shard_full(params, cfg, mesh, t0, "gguf")
+    params, report = shard_loaded(params, cfg, mesh, t0, "gguf")
     return cfg, params, report, Tokenizer.from_gguf(path, reader)
