@@ -150,8 +150,9 @@ def check_shardable(cfg: ModelConfig, tp: int) -> None:
     sharding.check_tensor_parallel(cfg, tp)
 
 
-def target_shardings(cfg: ModelConfig, dtype: jnp.dtype, mesh: Mesh):
-    """(targets, read_shardings) for the params of ``cfg`` on ``mesh``.
+def target_shardings(cfg: ModelConfig, dtype: jnp.dtype, mesh: Mesh, stored=None):
+    """(targets, read_shardings) for the params of ``cfg`` on ``mesh``; ``stored``: the model's
+    ``param_shapes()`` if already at hand.
 
     ``targets``: the served params tree (``sharded_config``'s shapes) as
     ``jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))``.
@@ -168,8 +169,9 @@ def target_shardings(cfg: ModelConfig, dtype: jnp.dtype, mesh: Mesh):
     tp = mesh.shape[sharding.TP_AXIS]
     check_shardable(cfg, tp)
     arch = get_architecture(cfg.architecture)
-    stored = arch.model(cfg, dtype).param_shapes()
-    served = arch.model(sharding.sharded_config(cfg, tp), dtype).param_shapes()
+    stored = stored if stored is not None else arch.model(cfg, dtype).param_shapes()
+    served_cfg = sharding.sharded_config(cfg, tp)
+    served = stored if served_cfg == cfg else arch.model(served_cfg, dtype).param_shapes()
     specs = sharding.param_partition_specs(served, cfg)
     r = sharding.kv_replication(cfg, tp)
     kv_mesh = Mesh(mesh.devices.reshape(-1, r), ("kv_heads", "kv_copies")) if r > 1 else None
@@ -307,13 +309,14 @@ def load_hf_sharded(path: str, dtype: jnp.dtype, mesh: Mesh, progress: bool = Tr
         raise ValueError(f"{path}: architecture {data['architectures'][0]!r} has no HF "
                          f"safetensors loader")
     cfg = arch.hf_config(data)
-    targets, reads = target_shardings(cfg, dtype, mesh)
+    check_shardable(cfg, mesh.shape[sharding.TP_AXIS])
     if arch.hf_sources is None:
         _, params = hf.load_hf_params(path, dtype, progress)
         return cfg, *shard_loaded(params, cfg, mesh, t0, "hf")
+    stored = arch.model(cfg, dtype).param_shapes()
+    targets, reads = target_shardings(cfg, dtype, mesh, stored)
     tensors = hf.SafetensorsDir(path, progress=False)
     sources = arch.hf_sources(tensors, cfg)
-    stored = arch.model(cfg, dtype).param_shapes()
     for (p, src), want in zip(jax.tree_util.tree_flatten_with_path(sources)[0],
                               jax.tree_util.tree_leaves(stored), strict=True):
         if tuple(src.shape) != tuple(want.shape):
