@@ -152,7 +152,10 @@ class LLMEngine:
       load: where weights come from.
       metrics: an ``EngineMetrics`` (or None) updated every step.
       devices: the ``tensor_parallel_size`` devices this engine runs on (a data-parallel
-        replica's group); None: the first ones.
+        replica's group); None: the first ones. With a mesh (``tensor_parallel_size > 1`` or
+        ``devices`` given) the weights are loaded by ``jaxserve.sharded_load`` (each device reads
+        its own slice where the format allows) and ``load_report`` holds its per-device
+        ``LoadReport``; otherwise ``load_report`` is None.
     The KV cache may hold fewer tokens than ``max_model_len``; a request that can never fit
     in it is refused by ``validate`` (see there).
 

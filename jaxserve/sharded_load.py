@@ -235,7 +235,7 @@ def _ready_report(params, mesh: Mesh, t0: float, **kw) -> LoadReport:
     return LoadReport(timing="ready", total_s=time.perf_counter() - t0, devices=rows, **kw)
 
 
-def _tensorstore_bytes_read() -> int:
+def tensorstore_bytes_read() -> int:
     """tensorstore's process-wide count of bytes read from files."""
     import tensorstore as ts
 
@@ -257,9 +257,9 @@ def load_orbax_sharded(path: str, dtype: jnp.dtype, mesh: Mesh) -> tuple[ModelCo
     cfg = checkpoint.read_config(path)
     targets, reads = target_shardings(cfg, dtype, mesh)
     stored = checkpoint.stored_params(path)
-    before = _tensorstore_bytes_read()
+    before = tensorstore_bytes_read()
     _, restored = checkpoint.load_checkpoint(path, dtype, shardings=reads)
-    storage = _tensorstore_bytes_read() - before
+    storage = tensorstore_bytes_read() - before
     params = jax.tree_util.tree_map(_as_target, restored, targets)
     devices = _local_devices(mesh)
     read = {d.id: 0 for d in devices}

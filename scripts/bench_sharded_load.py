@@ -113,7 +113,7 @@ def child(fmt: str, path: str, tp: int, method: str) -> dict:
             params, report = sharded_load.shard_loaded(full, cfg, mesh, t0, fmt)
             del full
         jax.block_until_ready(params)
-        storage = sharded_load._tensorstore_bytes_read() if fmt == "orbax" else None
+        storage = sharded_load.tensorstore_bytes_read() if fmt == "orbax" else None
         load_s = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     return {"format": fmt, "tp": tp, "method": method, "load_s": load_s,

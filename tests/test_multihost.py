@@ -111,14 +111,14 @@ mesh = sharding.make_mesh(2)
 out = {}
 for fmt, fn, path in (("orbax", sharded_load.load_orbax_sharded, orbax_dir),
                       ("hf", sharded_load.load_hf_sharded, hf_dir)):
-    before = sharded_load._tensorstore_bytes_read()
+    before = sharded_load.tensorstore_bytes_read()
     _, params, report = fn(path, jnp.float32, mesh)
     sums = {jax.tree_util.keystr(p): [[[(i.start, i.stop) for i in s.index],
                                        float(np.asarray(s.data, np.float64).sum())]
                                       for s in x.addressable_shards]
             for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     out[fmt] = {"devices": report.as_dict()["devices"], "sums": sums,
-                "storage": sharded_load._tensorstore_bytes_read() - before}
+                "storage": sharded_load.tensorstore_bytes_read() - before}
 print(json.dumps(out))
 """
 
@@ -160,9 +160,9 @@ def test_each_process_reads_only_its_own_shards(tmp_path: Path) -> None:
     mesh = sharding.make_mesh(2)  # this process's first two devices stand in for the pair
     for fmt, fn, path in (("orbax", sharded_load.load_orbax_sharded, orbax_dir),
                           ("hf", sharded_load.load_hf_sharded, hf_dir)):
-        before = sharded_load._tensorstore_bytes_read()
+        before = sharded_load.tensorstore_bytes_read()
         _, want, report = fn(path, jnp.float32, mesh)
-        whole_storage = sharded_load._tensorstore_bytes_read() - before
+        whole_storage = sharded_load.tensorstore_bytes_read() - before
         for pid, g in enumerate(got):
             rows = g[fmt]["devices"]
             assert [r["process_index"] for r in rows] == [pid]
