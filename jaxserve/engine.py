@@ -152,7 +152,10 @@ class LLMEngine:
       load: where weights come from.
       metrics: an ``EngineMetrics`` (or None) updated every step.
       devices: the ``tensor_parallel_size`` devices this engine runs on (a data-parallel
-        replica's group); None: the first ones.
+        replica's group); None: the first ones. With a mesh (``tensor_parallel_size > 1`` or
+        ``devices`` given) the weights are loaded by ``jaxserve.sharded_load`` (each device reads
+        its own slice where the format allows) and ``load_report`` holds its per-device
+        ``LoadReport``; otherwise ``load_report`` is None.
     The KV cache may hold fewer tokens than ``max_model_len``; a request that can never fit
     in it is refused by ``validate`` (see there).
 
@@ -171,30 +174,30 @@ class LLMEngine:
         setup_compilation_cache(config.compilation_cache_dir)
         t0 = time.perf_counter()
         self.dtype = resolve_dtype(config.dtype)
-        self.model_config, params, self.tokenizer, name = load_model(load, self.dtype,
-                                                                     config.seed)
+        self.mesh = None
+        self.load_report = None  # a sharded_load.LoadReport when loaded onto a mesh
+        attention_fn = attention_fn_for_backend(config.attention_backend)
+        if config.tensor_parallel_size > 1 or devices is not None:
+            from jaxserve import sharded_load, sharding
+
+            tp = config.tensor_parallel_size
+            self.mesh = sharding.make_mesh(tp, devices)
+            # each device reads only its slice where the format allows; refuses a model the
+            # mesh cannot split (naming the numbers) before reading weights
+            loaded = sharded_load.load_sharded(load, self.dtype, config.seed, self.mesh)
+            params, self.tokenizer, name = loaded.params, loaded.tokenizer, loaded.name
+            self.load_report = loaded.report
+            self.model_config = sharding.sharded_config(loaded.cfg, tp)
+            attention_fn = sharding.shard_attention(attention_fn, self.mesh)
+        else:
+            self.model_config, params, self.tokenizer, name = load_model(load, self.dtype,
+                                                                         config.seed)
         self.model_name = load.served_model_name or name
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context "
                              f"window of {mc.max_position_embeddings}")
-        self.mesh = None
-        attention_fn = attention_fn_for_backend(config.attention_backend)
-        if config.tensor_parallel_size > 1 or devices is not None:
-            from jaxserve import sharding
-
-            tp = config.tensor_parallel_size
-            if tp > 1 and getattr(mc, "architecture", "llama") != "llama":
-                raise ValueError(
-                    f"tensor_parallel_size={tp}: tensor parallelism is built for the llama "
-                    f"architecture (Llama, Mistral, Qwen2 layouts), not "
-                    f"{mc.architecture!r}; use tensor_parallel_size=1")
-            sharded_mc = sharding.sharded_config(mc, tp)  # raises naming the numbers
-            self.mesh = sharding.make_mesh(tp, devices)
-            params = sharding.shard_params(params, mc, self.mesh)
-            self.model_config = mc = sharded_mc
-            attention_fn = sharding.shard_attention(attention_fn, self.mesh)
         self.num_blocks = self._num_kv_blocks(params)
         max_blocks = -(-self.max_model_len // config.block_size)
         # the most tokens one request (prompt + output) can hold: the context window, or the

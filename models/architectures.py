@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from models.config import Gemma3Config, ModelConfig
 from models.gemma3 import Gemma3ForCausalLM, gemma3_gguf_config, gemma3_gguf_params
-from models.hf import llama_hf_config, llama_hf_params
+from models.hf import llama_hf_config, llama_hf_params, llama_hf_sources
 from models.llama import LlamaForCausalLM
 from models.loader import gguf_model_config, llama_gguf_params
 from models.registry import Architecture, register_architecture
@@ -24,6 +24,7 @@ LLAMA = Architecture(
     gguf_params=llama_gguf_params,
     hf_config=llama_hf_config,
     hf_params=llama_hf_params,
+    hf_sources=llama_hf_sources,
 )
 
 GEMMA3 = Architecture(

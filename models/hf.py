@@ -5,6 +5,12 @@
 every ``*.safetensors`` file (``safetensors.safe_open(framework="numpy")``), so a tensor is read
 from disk only when asked for, with a tqdm bar over the tensors read.
 
+Each params leaf is described by an ``HFLeaf`` (which HF tensor(s), transposed or not, stacked
+over layers or not); ``HFLeaf.read(index)`` reads only a region of our leaf, so a
+tensor-parallel load (``jaxserve.sharded_load``) reads each device's slice with
+``safe_open(...).get_slice(name)[...]`` and never the whole tensor; the single-device load reads
+every leaf whole through the same descriptions.
+
 The Llama family here: ``LlamaForCausalLM``, ``MistralForCausalLM`` (optional sliding window)
 and ``Qwen2ForCausalLM`` (q/k/v bias, tied or untied embeddings). HF keeps q/k rows in the
 rotate-half RoPE order our model uses (llama.cpp's converter permutes them for GGUF; HF files
@@ -19,7 +25,9 @@ from __future__ import annotations
 import glob
 import json
 import os
+from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -82,6 +90,29 @@ class SafetensorsDir:
         if self._bar is not None:
             self._bar.update()
         return x
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's stored shape, from the file header (nothing read).
+
+        Raises:
+          ValueError: no tensor of that name.
+        """
+        if name not in self._where:
+            raise ValueError(f"{self.path} lacks tensor {name}")
+        return tuple(self._files[self._where[name]].get_slice(name).get_shape())
+
+    def get_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """``tensor[index]`` as stored, reading only that region of the mapped file
+        (``safe_open(...).get_slice``); ``index`` is one slice per dimension.
+
+        Raises:
+          ValueError: no tensor of that name.
+        """
+        import ml_dtypes  # noqa: F401  (numpy learns the name "bfloat16" for bf16 slices)
+
+        if name not in self._where:
+            raise ValueError(f"{self.path} lacks tensor {name}")
+        return self._files[self._where[name]].get_slice(name)[tuple(index)]
 
     def close(self) -> None:
         """Close the progress bar (the mapped files close with the object)."""
@@ -214,28 +245,83 @@ _BIAS_TENSORS = {("bq",): "self_attn.q_proj.bias", ("bk",): "self_attn.k_proj.bi
                  ("bv",): "self_attn.v_proj.bias"}
 
 
-def llama_hf_params(tensors: SafetensorsDir, cfg: ModelConfig, dtype: jnp.dtype) -> dict:
-    """Params of ``LlamaForCausalLM`` from HF tensor names (see the module doc), on the default
-    device in ``dtype``; one stacked ``[num_layers, ...]`` leaf at a time, so host memory holds
-    at most one leaf.
+@dataclass(frozen=True)
+class HFLeaf:
+    """How one params leaf is read from HF tensors, whole or one region at a time.
+
+    Fields:
+      tensors: the directory's tensors.
+      names: the HF tensor of each layer for a stacked leaf (``[num_layers, ...]``), or one name.
+      stacked: whether the leaf stacks ``names`` on a new leading axis.
+      transpose: HF stores a linear weight ``[out, in]``; our leaf is ``[in, out]``.
+      shape: our leaf's shape (from the file headers).
+    """
+
+    tensors: SafetensorsDir
+    names: tuple[str, ...]
+    stacked: bool
+    transpose: bool
+    shape: tuple[int, ...]
+
+    def read(self, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """Our leaf's region ``[index]`` (one slice per dimension; None: all of it) in the
+        stored dtype. A region is read from the files with ``get_slice`` (a transposed leaf reads
+        the transposed region, e.g. columns ``a:b`` of ``[in, out]`` are rows ``a:b`` of HF's
+        ``[out, in]``); a whole leaf with ``get``.
+        """
+        def one(name: str, idx: tuple[slice, ...] | None) -> np.ndarray:
+            if idx is None:
+                x = self.tensors.get(name)
+            else:
+                x = self.tensors.get_slice(name, idx[::-1] if self.transpose else idx)
+            return x.T if self.transpose else x
+
+        if not self.stacked:
+            return one(self.names[0], index)
+        if index is None:
+            return np.stack([one(n, None) for n in self.names])
+        layers = range(*index[0].indices(self.shape[0]))
+        return np.stack([one(self.names[i], tuple(index[1:])) for i in layers])
+
+
+def llama_hf_sources(tensors: SafetensorsDir, cfg: ModelConfig) -> dict:
+    """The ``HFLeaf`` of every params leaf of ``LlamaForCausalLM`` (the params tree's structure,
+    see ``models.loader``): linear weights transposed to ``[in, out]``, layers stacked.
 
     Raises:
       ValueError: a missing tensor.
     """
+    def leaf(names: list[str], stacked: bool, transpose: bool) -> HFLeaf:
+        one = tensors.shape(names[0])
+        for n in names[1:]:
+            tensors.shape(n)  # raises naming a missing layer's tensor
+        one = one[::-1] if transpose else one
+        return HFLeaf(tensors, tuple(names), stacked, transpose,
+                      (len(names), *one) if stacked else one)
+
     spec = dict(_LAYER_TENSORS)
     if cfg.qkv_bias:
         spec.update({path: (hf, False) for path, hf in _BIAS_TENSORS.items()})
     layers: dict = {}
     for path, (hf, transpose) in spec.items():
-        per_layer = [tensors.get(f"model.layers.{i}.{hf}") for i in range(cfg.num_layers)]
-        stacked = jnp.asarray(np.stack([x.T if transpose else x for x in per_layer]), dtype)
         node = layers
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[path[-1]] = stacked
-    params = {"embed": jnp.asarray(tensors.get("model.embed_tokens.weight"), dtype),
-              "layers": layers,
-              "final_norm": {"weight": jnp.asarray(tensors.get("model.norm.weight"), dtype)}}
+        node[path[-1]] = leaf([f"model.layers.{i}.{hf}" for i in range(cfg.num_layers)],
+                              True, transpose)
+    params = {"embed": leaf(["model.embed_tokens.weight"], False, False), "layers": layers,
+              "final_norm": {"weight": leaf(["model.norm.weight"], False, False)}}
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = jnp.asarray(tensors.get("lm_head.weight").T, dtype)
+        params["lm_head"] = leaf(["lm_head.weight"], False, True)
     return params
+
+
+def llama_hf_params(tensors: SafetensorsDir, cfg: ModelConfig, dtype: jnp.dtype) -> dict:
+    """Params of ``LlamaForCausalLM`` from HF tensor names (``llama_hf_sources``), on the default
+    device in ``dtype``; one whole leaf at a time, so host memory holds at most one leaf.
+
+    Raises:
+      ValueError: a missing tensor.
+    """
+    return jax.tree_util.tree_map(lambda leaf: jnp.asarray(leaf.read(), dtype),
+                                  llama_hf_sources(tensors, cfg))

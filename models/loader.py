@@ -20,15 +20,20 @@ import numpy as np
 from models.config import ModelConfig, RopeScaling
 
 
-def dummy_params(model, seed: int):
+def dummy_params(model, seed: int, shardings=None):
     """Random weights created on the device in the model's dtype, deterministic for ``seed``,
     for any model with ``param_shapes()`` (``models.registry.CausalLM``).
 
     Norm weights are 1, every other leaf N(0, 0.02). Nothing is built on the host, so the
-    shapes of Llama-3.1-8B cost only device memory.
+    shapes of Llama-3.1-8B cost only device memory. ``shardings`` (a pytree of
+    ``jax.sharding.Sharding`` matching the params; default: the default device): each device
+    draws only its own slice, and the values equal the unsharded ones (JAX's partitionable
+    threefry, ``jax_threefry_partitionable``, the default).
     """
     shapes = model.param_shapes()
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    targets = ([None] * len(leaves) if shardings is None
+               else treedef.flatten_up_to(shardings))
 
     def make(path, s, key):
         name = jax.tree_util.keystr(path)
@@ -38,9 +43,9 @@ def dummy_params(model, seed: int):
 
     out = []
     base = jax.random.PRNGKey(seed)
-    for path, s in leaves:
+    for (path, s), sharding in zip(leaves, targets, strict=True):
         key = jax.random.fold_in(base, zlib.crc32(jax.tree_util.keystr(path).encode()))
-        out.append(jax.jit(make, static_argnums=(0, 1))(path, s, key))
+        out.append(jax.jit(make, static_argnums=(0, 1), out_shardings=sharding)(path, s, key))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

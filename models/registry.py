@@ -95,6 +95,9 @@ class Architecture:
         ``gguf.GGUFReader``; None when GGUF files of it are not read.
       hf_config / hf_params: ``(config.json dict) -> cfg`` and ``(tensors, cfg, dtype) ->
         params``, where ``tensors`` is a ``models.hf.SafetensorsDir``; None when not read.
+      hf_sources: ``(tensors, cfg) -> pytree of models.hf.HFLeaf`` (the params tree's
+        structure): lets a tensor-parallel load read only each device's slice of every tensor
+        (``jaxserve.sharded_load``); None: such a load reads ``hf_params`` whole, then shards.
     """
 
     name: str
@@ -105,6 +108,7 @@ class Architecture:
     gguf_params: Callable | None = None
     hf_config: Callable[[dict], ModelConfigLike] | None = None
     hf_params: Callable | None = None
+    hf_sources: Callable | None = None
 
 
 _REGISTRY: dict[str, Architecture] = {}

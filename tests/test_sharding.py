@@ -1,8 +1,9 @@
 """Tensor parallelism on simulated CPU devices (conftest.py asks XLA for 8 host devices).
 
 Checks: refusal of shapes that cannot be split, the param and KV-cache shardings, the sharded
-model's logits against one device, greedy engine output with TP 1/2/4/8 (tiny) and TP 3
-(SmolLM2) against one device, and the collectives XLA emits per layer.
+model's logits against one device, greedy engine output with TP 1/2/4/8 (tiny), TP 2 from an
+orbax checkpoint restored per shard (tiny) and TP 3 (SmolLM2) against one device, and the
+collectives XLA emits per layer. The loaders' per-shard reads: tests/test_sharded_load.py.
 """
 
 from __future__ import annotations
@@ -175,6 +176,37 @@ def test_tiny_engine_greedy_tp_1_2_4() -> None:
         assert _greedy(eng, prompts, 5) == want, f"tp={tp}"
 
 
+def test_orbax_checkpoint_loaded_per_shard_serves_the_tp2_weights(tmp_path, tokenizer,
+                                                                  caplog) -> None:
+    """The tiny dummy weights saved as an orbax checkpoint and served with TP 2: each device
+    restores its own slices (the report says so, logged at INFO), and the engine holds bitwise
+    the weights, with the shardings, of the dummy TP 2 engine, whose greedy tokens
+    test_tiny_engine_greedy_tp_1_2_4 checks against TP 1 (same program, same inputs: same
+    tokens, without compiling a third engine)."""
+    from models import checkpoint
+
+    path = str(tmp_path / "tiny")
+    checkpoint.save_checkpoint(path, TINY, dummy_params(LlamaForCausalLM(TINY), 0))
+    tokenizer.save_pretrained(path)
+    with caplog.at_level("INFO", logger="jaxserve.engine"):
+        eng = LLMEngine(EngineConfig(tensor_parallel_size=2, max_model_len=128,
+                                     num_kv_blocks=24, max_num_seqs=4,
+                                     max_num_batched_tokens=16, compilation_cache_dir=""),
+                        LoadConfig(model=path))
+    report = eng.load_report
+    assert (report.source, report.method) == ("orbax", "sharded")
+    assert len(report.devices) == 2 and report.devices[0].bytes_read > 0
+    assert "loaded orbax weights (sharded, ready) over 2 devices" in caplog.text
+    want = _tiny_engine(2)
+    assert want.load_report.method == "sharded"  # dummy weights are drawn per shard
+    assert _tiny_engine(1).load_report is None  # TP 1 loads as before
+    assert eng.model_config == want.model_config
+    for (p, got), ref in zip(jax.tree_util.tree_flatten_with_path(eng.runner.params)[0],
+                             jax.tree_util.tree_leaves(want.runner.params), strict=True):
+        assert got.sharding == ref.sharding, p
+        assert np.array_equal(np.asarray(got), np.asarray(ref)), p
+
+
 def _collectives(text: str) -> dict[str, list[str]]:
     """Collective ops of a compiled HLO module, grouped by the computation that holds them."""
     out: dict[str, list[str]] = {}
@@ -222,5 +254,6 @@ def test_smollm2_tp3_matches_one_device(engine, goldens) -> None:
     eng3 = LLMEngine(EngineConfig(tensor_parallel_size=3, max_model_len=256, num_kv_blocks=64,
                                   max_num_seqs=4, max_num_batched_tokens=16,
                                   compilation_cache_dir=""))
+    assert eng3.load_report.method == "full-then-shard"  # GGUF: dequantised whole, then split
     eng3.warmup(progress=False)
     assert _greedy(eng3, prompts, 8) == want
