@@ -101,6 +101,10 @@ def test_recommend() -> None:
     # the highest throughput: 95 tok/s at concurrency 32 on max_num_seqs 64
     assert rec["offline"]["settings"] == {"max_num_seqs": 64, "max_num_batched_tokens": 512}
     assert "32" in rec["offline"]["why"]
+    assert "holds back 25%" in rec["interactive"]["why"]
+    # met only at concurrency 1: one sequence, and the sentence says no headroom is left
+    at_one = recommend([cfg(16, [10, 12], 1)], 0.25)["interactive"]
+    assert at_one["settings"]["max_num_seqs"] == 1 and "no headroom" in at_one["why"]
     none_ok = recommend([cfg(16, [10, 12], None)], 0.25)
     assert "interactive" not in none_ok and none_ok["offline"]["settings"]["max_num_seqs"] == 16
 

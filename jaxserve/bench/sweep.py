@@ -376,10 +376,15 @@ def recommend(configs: list[dict[str, Any]], headroom: float) -> dict[str, dict[
         c_slo = best["slo_concurrency"]
         target = max(1, math.floor(c_slo * (1 - headroom)))
         s["max_num_seqs"] = min(int(s.get("max_num_seqs", target)), target)
+        held = 1 - s["max_num_seqs"] / c_slo
+        spare = (f"max_num_seqs {s['max_num_seqs']} holds back {held:.0%} of that for spikes "
+                 "(bursts queue instead of slowing every stream)" if held > 0 else
+                 f"max_num_seqs {s['max_num_seqs']}: at concurrency {c_slo} no headroom can be "
+                 f"held back (the asked {headroom:.0%} rounds to zero sequences), so a spike "
+                 "breaches the SLOs")
         out["interactive"] = {"settings": s, "from_config": best["config"], "why": (
             f"meets the SLOs up to concurrency {c_slo} ({at_slo(best):.1f} output tok/s there); "
-            f"max_num_seqs {s['max_num_seqs']} keeps {headroom:.0%} of that for spikes "
-            f"(bursts queue instead of slowing every stream)")}
+            + spare)}
     if configs and any(c["steps"] for c in configs):
         def peak(c: dict[str, Any]) -> dict[str, Any]:
             return max(c["steps"], key=lambda s: s["output_throughput"])
