@@ -376,6 +376,19 @@ def test_tensor_parallel_quantised_logits_match_one_device() -> None:
         None, None, None)
 
 
+def test_replicated_kv_heads_of_quantised_weights() -> None:
+    """kv heads copied for TP 8 (4 kv heads): the quantised wk's q and scale are copied
+    alike, so dequantising after replication equals replicating the dequantised weight."""
+    for qcfg in (QuantConfig("int8"), QuantConfig("int4", 32)):
+        qp = quant.quantize_params(dummy_params(LlamaForCausalLM(TINY), 0),
+                                   DECODER_QUANT_TARGETS, qcfg)
+        rep = sharding.replicate_kv_heads(qp, TINY, 8)
+        want = sharding.replicate_kv_heads(_dequantized(qp), TINY, 8)
+        for name in ("wk", "wv"):
+            np.testing.assert_array_equal(quant.dequantize(rep["layers"][name]),
+                                          want["layers"][name])
+
+
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (simulated) devices")
 def test_tensor_parallel_refuses_groups_that_do_not_split() -> None:
     qp = quant.quantize_params(dummy_params(LlamaForCausalLM(TINY), 0), DECODER_QUANT_TARGETS,
