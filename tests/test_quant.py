@@ -41,6 +41,14 @@ TINY = builtin_config("tiny")
 SMOLLM2 = builtin_config("smollm2-135m")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _compilation_cache() -> None:
+    """The persistent XLA cache the engines here use, also for the model-level programs."""
+    from jaxserve.engine import setup_compilation_cache
+
+    setup_compilation_cache(CACHE)
+
+
 def _rand(shape, seed: int = 0, outliers: bool = True) -> jax.Array:
     """Gaussian weights (fresh per seed) with a few large outliers and one all-zero column."""
     w = np.random.default_rng(seed).normal(0, 0.05, shape).astype(np.float32)
