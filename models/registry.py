@@ -30,6 +30,8 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
+from models.quant import QuantTargets
+
 ENTRY_POINT_GROUP = "jaxserve.models"
 BUILTIN_MODULES = ("models.architectures",)
 """Modules that register the built-in architectures when imported (imported on first lookup)."""
@@ -98,6 +100,10 @@ class Architecture:
       hf_sources: ``(tensors, cfg) -> pytree of models.hf.HFLeaf`` (the params tree's
         structure): lets a tensor-parallel load read only each device's slice of every tensor
         (``jaxserve.sharded_load``); None: such a load reads ``hf_params`` whole, then shards.
+      quant_targets: the params that load-time weight quantisation replaces by
+        ``models.quant.QuantizedWeight`` leaves (the model must compute with
+        ``models.quant.qmatmul`` / ``embed_lookup``); None: the model does not support
+        quantisation, and asking for it is a ValueError.
     """
 
     name: str
@@ -109,6 +115,7 @@ class Architecture:
     hf_config: Callable[[dict], ModelConfigLike] | None = None
     hf_params: Callable | None = None
     hf_sources: Callable | None = None
+    quant_targets: QuantTargets | None = None
 
 
 _REGISTRY: dict[str, Architecture] = {}
