@@ -381,6 +381,14 @@ def load_sharded(load: LoadConfig, dtype: jnp.dtype, seed: int, mesh: Mesh) -> S
         params = jax.tree_util.tree_map(_as_target, dummy_params(model, seed, reads), targets)
         report = _ready_report(params, mesh, t0, source="dummy", method="sharded")
         tok, name = Tokenizer.from_gguf(default_gguf_path()), cfg.name
+    elif (os.path.isdir(path) and checkpoint.is_checkpoint(path)
+          and checkpoint.read_quantization(path).method != "none"):
+        # quantised leaves ({q, scale}) have no per-device read plan yet: restore whole, split
+        cfg = checkpoint.read_config(path)
+        check_shardable(cfg, mesh.shape[sharding.TP_AXIS])
+        cfg, params = checkpoint.load_checkpoint(path, dtype)
+        params, report = shard_loaded(params, cfg, mesh, t0, "orbax-quantized")
+        tok, name = Tokenizer.from_pretrained_dir(path), os.path.basename(os.path.normpath(path))
     elif os.path.isdir(path) and (checkpoint.is_checkpoint(path) or hf.is_hf_dir(path)):
         load_fn: Callable = (load_orbax_sharded if checkpoint.is_checkpoint(path)
                              else load_hf_sharded)
