@@ -315,9 +315,11 @@ def _tiny_loader(tokenizer):
     return load
 
 
-# SmolLM2, the 220-token prose prompt, prompt logprobs of every token vs the float32 cache.
-# Measured on this machine: (fill in) max |d logprob| and top-1 agreement per format.
-SMOLLM2_TOL = {"fp8": (1.0, 0.1, 0.95), "int8": (0.5, 0.05, 0.97)}
+# SmolLM2, the 220-token prose prompt, prompt logprobs of every token vs the float32 cache
+# (max |d logprob|, mean |d logprob|, top-1 agreement). Measured (deterministic: fixed weights
+# and text): fp8 0.449 / 0.066 / 0.964, int8 0.330 / 0.052 / 0.959; bounds about twice the
+# error. Unit scales with int8 give a mean of ~2.3 (scripts/bench_kv_quant.py).
+SMOLLM2_TOL = {"fp8": (1.0, 0.13, 0.92), "int8": (0.7, 0.1, 0.92)}
 
 
 @pytest.mark.parametrize("kv_dtype", FORMATS)
