@@ -135,9 +135,10 @@ def main() -> int:
     p.add_argument("--configs", default="auto,fp8,int8,fp8-unit,int8-unit")
     p.add_argument("--num-tokens", type=int, default=2048)
     p.add_argument("--decode-batch", type=int, default=64)
-    p.add_argument("--decode-context", type=int, default=1024)
+    p.add_argument("--decode-context", type=int, default=512)
     p.add_argument("--decode-steps", type=int, default=10)
     p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--skip-ppl", action="store_true")
     p.add_argument("--output", default="bench_kv_quant.json")
     a = p.parse_args()
 
@@ -147,8 +148,8 @@ def main() -> int:
     tok = Tokenizer.from_gguf(a.model or default_gguf_path())
     with open(TEXT, encoding="utf-8") as fh:
         ids = tok.encode(fh.read())[:a.num_tokens]
-    names = [c.strip() for c in a.configs.split(",") if c.strip()]
-    if "auto" not in names:
+    names = [] if a.skip_ppl else [c.strip() for c in a.configs.split(",") if c.strip()]
+    if names and "auto" not in names:
         names.insert(0, "auto")
     names.sort(key=lambda n: n != "auto")
     results: dict[str, dict] = {}
