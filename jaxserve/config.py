@@ -41,9 +41,10 @@ class EngineConfig:
         None: no host tier.
       dtype: activation and weight dtype ("float32", "bfloat16", "float16"); "auto" means
         float32 on the CPU and bfloat16 on accelerators.
-      kv_cache_dtype: KV-cache storage: "auto" (the activation dtype), "fp8" (float8_e4m3fn) or
-        "int8" (symmetric), both 1 byte per element with static per-(layer, kv-head) scales,
-        so the same KV memory holds 2x (bfloat16) / 4x (float32) the tokens.
+      kv_cache_dtype: KV-cache storage: "auto" (the activation dtype), "fp8" (float8 e4m3, kept
+        as its bit patterns in uint8 arrays) or "int8" (symmetric), both 1 byte per element with
+        static per-(layer, kv-head) scales, so the same KV memory holds 2x (bfloat16) / 4x
+        (float32) the tokens.
       kv_calibration_file: a UTF-8 text file prefilled once at start to measure K/V magnitudes
         (see jaxserve.kv_calibration); None: the passage shipped with the package. Only with an
         8-bit kv_cache_dtype and kv_scale_mode "calibrated".

@@ -31,7 +31,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
 from models.config import ModelConfig
 from pallas_kernels import allocate_kv_cache, attention_fn_for_backend, kv_cache_bytes_per_block
-from pallas_kernels.kv_cache import KV_QUANT_DTYPES
+from pallas_kernels.kv_cache import KV_FORMAT_NAMES, KV_QUANT_DTYPES
 
 GIB = 1 << 30
 
@@ -302,12 +302,12 @@ class LLMEngine:
 
     def kv_cache_summary(self) -> str:
         """One line for start-up logs: the cache dtype, bytes per token, and for an 8-bit
-        cache how its scales were set (e.g. ``"kv fp8 (float8_e4m3fn), 23040 B/token, scales
-        calibrated on 868 tokens in 1.2 s"``)."""
+        cache how its scales were set (e.g. ``"kv fp8 (float8_e4m3fn bits in uint8), 23040
+        B/token, scales calibrated on 868 tokens in 1.2 s"``)."""
         c = self.config
         line = f"kv {c.kv_cache_dtype}"
         if c.kv_cache_dtype != "auto":
-            line += f" ({self.kv_cache_dtype.name})"
+            line += f" ({KV_FORMAT_NAMES[self.kv_cache_dtype]})"
         line += f", {self.kv_bytes_per_token} B/token"
         if self.kv_scales_source == "calibrated":
             line += (f", scales calibrated on {self.kv_calibration_tokens} tokens in "

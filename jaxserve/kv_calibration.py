@@ -8,7 +8,7 @@ Data flow (``LLMEngine`` with ``kv_cache_dtype`` "fp8" / "int8", ``kv_scale_mode
   own attention op (sharded or not) -> the K and V every layer wrote, ``[L, n, kv_heads,
   head_dim]`` each -> per (layer, kv head) the ``percentile`` of ``|x|`` over the tokens and
   head_dim (100: the maximum) -> ``scale = max(amax, AMAX_FLOOR) * HEADROOM[dtype] /
-  QUANT_MAX[dtype]`` (QUANT_MAX: 448 for float8_e4m3fn, 127 for int8).
+  QUANT_MAX[dtype]`` (QUANT_MAX: 448 for float8 e4m3, 127 for int8).
 
 An orbax checkpoint written by ``jaxserve convert --kv-cache-dtype`` carries the scales
 (``kv_scales.json``), and serving it skips the pass (``checkpoint_kv_scales``).
@@ -39,7 +39,7 @@ AMAX_FLOOR = 1e-4
 # 3-bit relative precision from 2^-6 of its max up) headroom costs almost nothing; for int8 the
 # step grows with it. Chosen by scripts/bench_kv_quant.py (see the README).
 HEADROOM: dict[jnp.dtype, float] = {
-    jnp.dtype(jnp.float8_e4m3fn): 1.0,
+    KV_QUANT_DTYPES["fp8"]: 1.0,
     jnp.dtype(jnp.int8): 1.0,
 }
 
@@ -100,24 +100,29 @@ def calibration_amax(model, params, token_ids: list[int], *, block_size: int,
     nb = -(-n // block_size)
     kv = allocate_kv_cache(cfg.num_layers, nb + 1, block_size, cfg.num_kv_heads, cfg.head_dim,
                            dtype, sharding=cache_sharding)
-    md = AttentionMetadata(
-        slot_mapping=jnp.arange(block_size, block_size + n, dtype=jnp.int32),
-        block_tables=jnp.arange(1, nb + 1, dtype=jnp.int32)[None],
-        seq_lens=jnp.array([n], jnp.int32), query_start_loc=jnp.array([0, n], jnp.int32),
-        num_seqs=jnp.array([1], jnp.int32))
-
     def amax(pages: jax.Array) -> jax.Array:  # [L, nb + 1, bs, kv, hd] -> f32[L, kv]
         x = pages[:, 1:].reshape(cfg.num_layers, nb * block_size, cfg.num_kv_heads,
                                  cfg.head_dim)[:, :n]
         return head_magnitude(x, percentile)
 
-    @jax.jit
-    def run(params, kv, ids):
-        _, kv = model.forward(params, ids, jnp.arange(n, dtype=jnp.int32), kv, md)
+    ids = np.asarray(token_ids, np.int32)
+
+    def run(params, kv):  # the tokens and their layout are constants of the program
+        md = AttentionMetadata(
+            slot_mapping=jnp.arange(block_size, block_size + n, dtype=jnp.int32),
+            block_tables=jnp.arange(1, nb + 1, dtype=jnp.int32)[None],
+            seq_lens=jnp.array([n], jnp.int32), query_start_loc=jnp.array([0, n], jnp.int32),
+            num_seqs=jnp.array([1], jnp.int32))
+        _, kv = model.forward(params, jnp.asarray(ids), jnp.arange(n, dtype=jnp.int32), kv, md)
         return amax(kv.k), amax(kv.v)
 
+    # replicated results, so that every process of a multi-host mesh can read them
+    out = None if cache_sharding is None else jax.sharding.NamedSharding(
+        cache_sharding.mesh, jax.sharding.PartitionSpec())
+    run = jax.jit(run, out_shardings=out)
+
     k_amax, v_amax = (np.asarray(jax.device_get(x), np.float32)
-                      for x in run(params, kv, jnp.asarray(token_ids, jnp.int32)))
+                      for x in run(params, kv))
     if not (np.all(np.isfinite(k_amax)) and np.all(np.isfinite(v_amax))):
         raise ValueError("the KV calibration pass produced non-finite keys or values")
     return k_amax, v_amax

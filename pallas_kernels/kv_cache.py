@@ -10,8 +10,9 @@ The cache is a pytree carried through the layer scan and donated across steps: i
 place and never copied (the benchmark ``scripts/bench_kv_size.py`` checks that decode step time
 does not depend on ``num_blocks``).
 
-Quantised cache (``kv_cache_dtype`` "fp8" / "int8"): K and V are stored at 8 bits,
-``float8_e4m3fn`` or ``int8``, with static symmetric scales per (layer, kv head), ``k_scale`` and
+Quantised cache (``kv_cache_dtype`` "fp8" / "int8"): K and V are stored at 8 bits, float8 e4m3
+(its bit patterns in a ``uint8`` array, see below) or ``int8``, with static symmetric scales per
+(layer, kv head), ``k_scale`` and
 ``v_scale`` ``f32[num_layers, num_kv_heads]``: a stored value ``x_q`` stands for ``x_q * scale``.
 ``write_kv`` divides by the scale, rounds (int8) and saturates to the format's range
 (``QUANT_MAX``: 448 for e4m3, 127 for int8); attention folds the K scale into the scores and
@@ -19,6 +20,13 @@ the V scale into the output, so a page is read at 1 byte per element. Scales are
 at engine start by calibration, see ``jaxserve.kv_calibration``), so moving blocks (host tier,
 swap) moves only the pages. Per-tensor-static scaling follows vLLM's FP8 KV cache and
 TensorRT-LLM's INT8/FP8 KV cache; per-head granularity is finer than their per-tensor default.
+
+Why fp8 pages are ``uint8`` arrays (as vLLM's torch cache is): XLA's CPU backend converts a
+float8 scatter operand to a wider float and back, so ``write_kv`` into a float8 array copied the
+whole cache, every layer of every step (a 64-row scatter into a 180 MB cache: 333 ms as float8,
+57 us as an 8-bit integer array; a decode step of SmolLM2 at batch 64 took 18.9 s instead of
+0.55 s). The bits are the same; ``fp8_bits`` / ``kv_to_float`` convert at the edges (a bitcast,
+free, then the exact e4m3 -> float conversion on the tile being read).
 """
 
 from __future__ import annotations
@@ -31,21 +39,49 @@ import numpy as np
 
 PADDING_SLOT = 0  # slot of padding tokens (inside reserved block 0)
 
-# ``kv_cache_dtype`` names of the 8-bit formats and their storage dtypes
+FP8_STORAGE = jnp.dtype(jnp.uint8)  # holds float8_e4m3fn bit patterns
+# ``kv_cache_dtype`` names of the 8-bit formats -> the cache arrays' storage dtypes
 KV_QUANT_DTYPES: dict[str, jnp.dtype] = {
-    "fp8": jnp.dtype(jnp.float8_e4m3fn),
+    "fp8": FP8_STORAGE,
     "int8": jnp.dtype(jnp.int8),
+}
+KV_FORMAT_NAMES: dict[jnp.dtype, str] = {
+    FP8_STORAGE: "float8_e4m3fn bits in uint8",
+    jnp.dtype(jnp.int8): "int8",
 }
 # largest magnitude each storage dtype holds (e4m3fn: 448; int8: symmetric, -128 unused)
 QUANT_MAX: dict[jnp.dtype, float] = {
-    jnp.dtype(jnp.float8_e4m3fn): 448.0,
+    FP8_STORAGE: 448.0,
     jnp.dtype(jnp.int8): 127.0,
 }
 
 
 def is_quantized_dtype(dtype: jnp.dtype) -> bool:
-    """Whether a cache dtype is one of the 8-bit formats (stored with scales)."""
+    """Whether a cache storage dtype is one of the 8-bit formats (stored with scales)."""
     return jnp.dtype(dtype) in QUANT_MAX
+
+
+def fp8_bits(x: jax.Array) -> jax.Array:
+    """``float8_e4m3fn`` values as their ``uint8`` bit patterns, or back (a bitcast)."""
+    to = jnp.uint8 if x.dtype == jnp.float8_e4m3fn else jnp.float8_e4m3fn
+    return jax.lax.bitcast_convert_type(x, to)
+
+
+def kv_to_float(x_q: jax.Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """Stored 8-bit values (not yet scaled) in a float ``dtype``, exactly: e4m3 bit patterns
+    are decoded, int8 is converted. A float cache is just cast."""
+    if jnp.dtype(x_q.dtype) == FP8_STORAGE:
+        x_q = fp8_bits(x_q)
+    return x_q.astype(dtype)
+
+
+def kv_to_numpy(x_q) -> np.ndarray:
+    """A stored cache (any dtype) as float64 numpy values, not yet scaled (for references and
+    tests)."""
+    a = np.asarray(x_q)
+    if a.dtype == np.uint8:
+        a = a.view(jnp.float8_e4m3fn)  # ml_dtypes' numpy type
+    return a.astype(np.float64)
 
 
 def quantize_kv(x: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -54,23 +90,24 @@ def quantize_kv(x: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
     Args:
       x: ``[..., num_kv_heads, head_dim]`` float.
       scale: ``f32[num_kv_heads]`` (broadcast over head_dim).
-      dtype: ``float8_e4m3fn`` (round to nearest even) or ``int8`` (round half to even).
+      dtype: a storage dtype of ``KV_QUANT_DTYPES``: ``uint8`` (e4m3 bit patterns, rounded to
+        nearest even) or ``int8`` (rounded half to even).
     Returns:
       ``x``'s shape in ``dtype``.
     """
     dtype = jnp.dtype(dtype)
     qmax = QUANT_MAX[dtype]
     y = jnp.clip(x.astype(jnp.float32) / scale[:, None], -qmax, qmax)
-    if jnp.issubdtype(dtype, jnp.integer):
-        y = jnp.round(y)
-    return y.astype(dtype)
+    if dtype == FP8_STORAGE:
+        return fp8_bits(y.astype(jnp.float8_e4m3fn))
+    return jnp.round(y).astype(dtype)
 
 
 def dequantize_kv(x_q: jax.Array, scale: jax.Array, dtype: jnp.dtype = jnp.float32
                   ) -> jax.Array:
-    """``x_q * scale`` in ``dtype``. x_q: ``[..., num_kv_heads, head_dim]``; scale:
-    ``f32[num_kv_heads]``."""
-    return (x_q.astype(jnp.float32) * scale[:, None]).astype(dtype)
+    """``x_q * scale`` in ``dtype``. x_q: ``[..., num_kv_heads, head_dim]`` stored values;
+    scale: ``f32[num_kv_heads]``."""
+    return (kv_to_float(x_q) * scale[:, None]).astype(dtype)
 
 
 @jax.tree_util.register_dataclass

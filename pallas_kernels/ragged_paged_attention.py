@@ -13,7 +13,7 @@ same signature is ``ragged_paged_attention_triton.ragged_paged_attention_pallas`
 the online-softmax recurrence of FlashAttention (Dao et al., 2022, arXiv:2205.14135) over
 chunks of KV pages, as in vLLM's PagedAttention (Kwon et al., 2023, arXiv:2309.06180).
 
-An 8-bit cache (``float8_e4m3fn`` / ``int8``, see ``kv_cache``) comes with ``k_scale`` /
+An 8-bit cache (float8 e4m3 bits in ``uint8``, or ``int8``; see ``kv_cache``) comes with ``k_scale`` /
 ``v_scale`` ``f32[num_layers, num_kv_heads]``: ``write_kv`` quantises, and attention reads the
 8-bit pages, folding the per-head K scale into the queries (``q . (s_k k) = (s_k q) . k``) and the
 V scale into the output (``sum_j p_j s_v v_j = s_v sum_j p_j v_j``), which is exact and costs
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.kv_cache import is_quantized_dtype, quantize_kv
+from pallas_kernels.kv_cache import is_quantized_dtype, kv_to_float, kv_to_numpy, quantize_kv
 
 _MASK_VALUE = -1e30
 
@@ -41,7 +41,7 @@ def check_kv_scales(k_cache: jax.Array, k_scale: jax.Array | None,
     if not quantized:
         if k_scale is not None or v_scale is not None:
             raise ValueError(f"k_scale/v_scale given for a {k_cache.dtype} cache; they belong "
-                             "to an 8-bit (float8_e4m3fn / int8) cache")
+                             "to an 8-bit (fp8 bits in uint8 / int8) cache")
         return False
     want = (k_cache.shape[0], k_cache.shape[3])
     for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
@@ -181,7 +181,7 @@ def ragged_paged_attention(
     def keys(pages, shape):
         k = k_cache[layer, pages].reshape(shape + (num_kv_heads, head_dim))
         v = v_cache[layer, pages].reshape(shape + (num_kv_heads, head_dim))
-        return k.astype(jnp.float32), v.astype(jnp.float32)
+        return kv_to_float(k), kv_to_float(v)
 
     def scores(s):
         return logit_soft_cap * jnp.tanh(s / logit_soft_cap) if logit_soft_cap else s
@@ -211,8 +211,8 @@ def ragged_paged_attention(
         m, l, acc = carry  # [S, kv * g], [S, kv * g], [S, kv, g, d]
         pages = jax.lax.dynamic_slice_in_dim(tables, c * ppc, ppc, axis=1)
         flat = (num_slots, chunk, num_kv_heads * head_dim)
-        k = k_cache[layer, pages].reshape(flat).astype(jnp.float32)
-        v = v_cache[layer, pages].reshape(flat).astype(jnp.float32)
+        k = kv_to_float(k_cache[layer, pages].reshape(flat))
+        v = kv_to_float(v_cache[layer, pages].reshape(flat))
         kpos = c * chunk + kpos0
         mask = kpos[None, :] <= qpos_d[:, None]  # [S, C]
         if sliding_window is not None:
@@ -324,8 +324,8 @@ def ref_ragged_paged_attention(
     q = np.asarray(q, np.float64)
     if (k_scale is None) != (v_scale is None):
         raise ValueError("give both k_scale and v_scale, or neither")
-    k_cache = np.asarray(k_cache).astype(np.float64)  # ml_dtypes' float8 converts exactly
-    v_cache = np.asarray(v_cache).astype(np.float64)
+    k_cache = kv_to_numpy(k_cache)  # fp8 bit patterns decoded exactly
+    v_cache = kv_to_numpy(v_cache)
     if k_scale is not None:
         k_cache = k_cache * np.asarray(k_scale, np.float64)[:, None, None, :, None]
         v_cache = v_cache * np.asarray(v_scale, np.float64)[:, None, None, :, None]

@@ -40,7 +40,7 @@ Dtypes: q and the cache in float32, bfloat16 or float16; dots in the input dtype
 accumulation (probabilities are cast to the value dtype for the second dot, as FlashAttention
 does); the output in q's dtype. ``head_dim`` must be a power of two (64, 128, 256 in practice).
 
-8-bit cache (``float8_e4m3fn`` or ``int8`` pages with ``k_scale`` / ``v_scale``
+8-bit cache (float8 e4m3 bit patterns in ``uint8``, or ``int8`` pages with ``k_scale`` / ``v_scale``
 ``f32[num_layers, num_kv_heads]``, see ``kv_cache``): the program loads its kv head's two scales
 once, reads 1-byte keys and values (half the bytes of bf16: decode is bound by these reads),
 converts each tile to q's dtype in registers (exact: e4m3 and int8 values fit bf16), folds the
@@ -133,7 +133,6 @@ def _kernel(
     layer_base = layer_ref[0] * num_blocks
     bt_base = seq * max_blocks_per_seq
     kk = jnp.arange(block_k, dtype=jnp.int32)
-    # Triton casts no integer constant to fp8, so a float cache pads masked lanes with 0.0
     kv_zero = 0.0 if jnp.issubdtype(k_ref.dtype, jnp.floating) else 0
     score_scale = sm_scale
     if quantized:  # this program's kv head: fold the K scale into the softmax scale
@@ -150,6 +149,9 @@ def _kernel(
         k = plgpu.load(k_ref.at[slot[:, None], h, dd], mask=k_ok[:, None], other=kv_zero)
         v = plgpu.load(v_ref.at[slot[:, None], h, dd], mask=k_ok[:, None], other=kv_zero)
         if quantized:  # 8-bit pages to q's dtype, exactly (e4m3 and int8 values fit)
+            if k.dtype == jnp.uint8:  # e4m3 bit patterns
+                k = jax.lax.bitcast_convert_type(k, jnp.float8_e4m3fn)
+                v = jax.lax.bitcast_convert_type(v, jnp.float8_e4m3fn)
             k, v = k.astype(q.dtype), v.astype(q.dtype)
         s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32) * score_scale  # [rows, block_k]
         if logit_soft_cap is not None:
@@ -259,7 +261,7 @@ def ragged_paged_attention_pallas(
         Python int or an ``i32`` scalar array, reaches the kernel as an input, not a constant,
         so layers of different windows share one compiled kernel).
       k_scale, v_scale: ``f32[num_layers, num_kv_heads]``, required for (and only for) an
-        8-bit cache (``float8_e4m3fn`` / ``int8``); keys read as ``k * k_scale[layer, head]``.
+        8-bit cache (e4m3 bits in ``uint8`` / ``int8``); keys read as ``k * k_scale[layer, head]``.
       block_q_rows: tile rows per program (query tokens x padded heads of one kv group); a
         power of two >= 16 (Triton's smallest dot).
       block_k: key positions per online-softmax step, a power of two >= 16.
@@ -380,7 +382,7 @@ def _validate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_
         raise ValueError(f"q.dtype={q.dtype} must be float32, bfloat16 or float16")
     if jnp.dtype(k_cache.dtype) not in floats and not is_quantized_dtype(k_cache.dtype):
         raise ValueError(f"k_cache.dtype={k_cache.dtype} must be float32, bfloat16, float16, "
-                         "float8_e4m3fn or int8")
+                         "uint8 (float8 e4m3 bits) or int8")
     if block_tables.ndim != 2:
         raise ValueError(f"block_tables.shape={block_tables.shape} must be [S, max_blocks]")
     num_slots = block_tables.shape[0]

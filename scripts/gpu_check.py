@@ -11,7 +11,8 @@ Steps, each a row of the table printed last (JSON with ``--json PATH``):
   5. ``write_kv`` (XLA scatter) at 64 and 512 tokens;
   6. engine steps of the dummy ``llama-3.1-8b`` in bf16 (weights made on the device), decode at
      batch 64 and context 4k through ``ModelRunner``: step time against the weight + KV read floor;
-  7. the 8-bit KV cache (``kv_cache_dtype`` fp8 = float8_e4m3fn, int8; per-(layer, head) scales):
+  7. the 8-bit KV cache (``kv_cache_dtype`` fp8 = float8 e4m3 bits in uint8, int8; per-(layer,
+     head) scales): ``write_kv`` quantising at 64 tokens (must stay as cheap as the bf16 scatter),
      kernel correctness against the float64 reference on the dequantised pages, decode attention
      at batch 64 x context 4k (compare with the bf16 row: the KV read floor halves), and one
      engine row with an fp8 cache (last, skipped first when time runs short).
@@ -249,13 +250,20 @@ def check_prefill(rep: Report, q_len: int, context: int, interpret: bool, nq: in
     rep.add(f"prefill q{q_len} ctx{context}", **row)
 
 
-def check_write_kv(rep: Report, num_tokens: int, num_blocks: int, nkv: int, d: int) -> None:
-    cache = allocate_kv_cache(32, num_blocks, 16, nkv, d, jnp.bfloat16)
+def check_write_kv(rep: Report, num_tokens: int, num_blocks: int, nkv: int, d: int,
+                   kv_dtype: str | None = None) -> None:
+    scales, dt = {}, jnp.bfloat16
+    if kv_dtype is not None:  # the 8-bit cache: quantise on write (must stay an in-place scatter)
+        dt = KV_QUANT_DTYPES[kv_dtype]
+        scales = {"k_scale": np.full((32, nkv), 0.05, np.float32),
+                  "v_scale": np.full((32, nkv), 0.05, np.float32)}
+    cache = allocate_kv_cache(32, num_blocks, 16, nkv, d, dt, **scales)
     rng = np.random.default_rng(0)
     slots = jnp.asarray(rng.choice(np.arange(16, num_blocks * 16), num_tokens, replace=False)
                         .astype(np.int32))
     kn = jnp.ones((num_tokens, nkv, d), jnp.bfloat16)
-    f = jax.jit(write_kv, donate_argnums=(0, 1))
+    f = jax.jit(functools.partial(write_kv, k_scale=cache.k_scale, v_scale=cache.v_scale),
+                donate_argnums=(0, 1))
     k, v = cache.k, cache.v
     k, v = f(k, v, jnp.int32(3), kn, kn, slots)  # compile + warm
     jax.block_until_ready(k)
@@ -265,7 +273,9 @@ def check_write_kv(rep: Report, num_tokens: int, num_blocks: int, nkv: int, d: i
         k, v = f(k, v, jnp.int32(i % 32), kn, kn, slots)
         jax.block_until_ready(k)
         times.append(time.perf_counter() - t)
-    rep.add(f"write_kv T{num_tokens} (XLA scatter)", us=round(float(np.median(times)) * 1e6, 1))
+    kv = "" if kv_dtype is None else f" kv-{kv_dtype}"
+    rep.add(f"write_kv{kv} T{num_tokens} (XLA scatter)",
+            us=round(float(np.median(times)) * 1e6, 1))
 
 
 # -- 6. engine steps ------------------------------------------------------------------------------
@@ -368,7 +378,9 @@ def main() -> int:
         with_ref = not dry and batch * ctx <= 64 * 16384
         rep.run(f"decode b{batch} ctx{ctx}", check_decode, batch, ctx, dry, nq, nkv, d,
                 with_ref, need_s=8)
-    for kv_dtype in ("fp8", "int8"):  # the 8-bit cache: correctness, then decode at b64 ctx4k
+    for kv_dtype in ("fp8", "int8"):  # the 8-bit cache: correctness, decode at b64 ctx4k, write
+        rep.run(f"write_kv kv-{kv_dtype} T64", check_write_kv, 8 if dry else 64,
+                64 if dry else 16384, nkv, d, kv_dtype, need_s=5)
         rep.run(f"correct kv-{kv_dtype}", check_correctness_quant, dry, 3 if dry else 4,
                 16 if dry else 128, kv_dtype, need_s=5)
         b, c = (8, 64) if dry else (64, 4096)

@@ -40,7 +40,7 @@ from pallas_kernels import (
     ref_ragged_paged_attention,
     write_kv,
 )
-from pallas_kernels.kv_cache import KV_QUANT_DTYPES, QUANT_MAX, quantize_kv
+from pallas_kernels.kv_cache import KV_QUANT_DTYPES, QUANT_MAX, kv_to_numpy, quantize_kv
 from pallas_kernels.testing import make_case
 
 pytestmark = pytest.mark.filterwarnings(
@@ -94,7 +94,7 @@ def test_write_kv_round_trip_within_format_bounds(kv_dtype: str) -> None:
     assert k.dtype == dt
     blk, off = slots // bs, slots % bs
     for got, want, scale in ((k, k_new, k_scale[layer]), (v, v_new, v_scale[layer])):
-        stored = np.asarray(got).astype(np.float64)
+        stored = kv_to_numpy(got)
         deq = stored[layer, blk, off] * scale[None, :, None]
         clipped = np.clip(want, -QUANT_MAX[dt] * scale[None, :, None],
                           QUANT_MAX[dt] * scale[None, :, None])
@@ -107,7 +107,7 @@ def test_write_kv_round_trip_within_format_bounds(kv_dtype: str) -> None:
         mask = np.ones(stored.shape[:3], bool)
         mask[layer, blk, off] = False
         assert np.all(stored[mask] == 0)  # other layers and slots untouched
-    assert np.asarray(k).astype(np.float64)[layer, blk[0], off[0], 0, 0] == QUANT_MAX[dt]
+    assert kv_to_numpy(k)[layer, blk[0], off[0], 0, 0] == QUANT_MAX[dt]
 
 
 def test_scales_are_required_for_8bit_and_refused_for_float() -> None:
@@ -405,7 +405,7 @@ def test_tensor_parallel_splits_scales_with_the_cache(tiny_fp8: LLMEngine, token
     want = _greedy(tiny_fp8, prompts, 5)
     eng = _tiny_fp8_engine(tokenizer, tensor_parallel_size=2)
     cache = eng.runner.kv_cache
-    assert cache.k.dtype == jnp.float8_e4m3fn
+    assert cache.k.dtype == KV_QUANT_DTYPES["fp8"]
     assert cache.k.sharding.spec == sharding.kv_cache_spec()
     assert cache.k_scale.sharding.spec == sharding.kv_scale_spec()
     assert isinstance(cache.k_scale.sharding, NamedSharding)
@@ -419,9 +419,8 @@ def test_host_tier_moves_8bit_pages_and_keeps_scales(tiny_fp8: LLMEngine) -> Non
     is fp8 too) and leaves the device cache's scales in place."""
     kv = tiny_fp8.runner.kv_cache
     rng = np.random.default_rng()
-    pages = rng.standard_normal(kv.k.shape).astype(np.float32)
-    kv = dataclasses.replace(kv, k=jnp.asarray(pages, kv.k.dtype),
-                             v=jnp.asarray(-pages, kv.v.dtype))
+    pages = rng.integers(0, 256, kv.k.shape).astype(np.uint8)  # any bit patterns
+    kv = dataclasses.replace(kv, k=jnp.asarray(pages), v=jnp.asarray(255 - pages))
     k_before, v_before = np.asarray(kv.k), np.asarray(kv.v)
     scales = np.asarray(kv.k_scale), np.asarray(kv.v_scale)
     tier = HostKVTier(kv, 8, max_blocks_per_copy=4)
