@@ -14,9 +14,10 @@ An orbax checkpoint written by ``jaxserve convert --kv-cache-dtype`` carries the
 (``kv_scales.json``), and serving it skips the pass (``checkpoint_kv_scales``).
 
 Scales are static after that: the same bytes mean the same value in every step, in the host tier
-and after a swap. Values beyond the calibrated range saturate. Per-(layer, head) static scales
-calibrated on sample text are what TensorRT-LLM's and vLLM's FP8 KV caches use (per tensor);
-a fixed scale of 1.0 (``kv_scale_mode`` "unit") is kept to measure the difference.
+and after a swap. Values beyond the calibrated range saturate. Static scales calibrated on
+sample text are what TensorRT-LLM's and vLLM's FP8 KV caches use (per tensor there, per (layer,
+kv head) here); a fixed scale of 1.0 (``kv_scale_mode`` "unit") is kept to measure the
+difference.
 """
 
 from __future__ import annotations
