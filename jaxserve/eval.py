@@ -41,195 +41,35 @@ import dataclasses
 import gc
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TextIO
+
+import numpy as np
 
 from jaxserve.config import EngineConfig, LoadConfig
+from jaxserve.eval_inputs import (
+    DEFAULT_CORPUS,
+    DEFAULT_PROMPTS,
+    baseline_config,
+    config_fields,
+    describe,
+    parse_compare,
+    prompt_token_ids,
+    read_corpus,
+    read_prompts,
+)
+
+if TYPE_CHECKING:
+    from jaxserve.engine import LLMEngine
+    from jaxserve.outputs import RequestOutput
+    from jaxserve.sampling_params import SamplingParams
 
 GIB = 1 << 30
-DATA_DIR = os.path.join(os.path.dirname(__file__), "data")
-DEFAULT_CORPUS = os.path.join(os.path.dirname(__file__), "bench", "data",
-                              "pride_and_prejudice_ch1-12.txt")
-"""Chapters 1-12 of Jane Austen's *Pride and Prejudice* (Project Gutenberg; public domain)."""
-DEFAULT_PROMPTS = os.path.join(DATA_DIR, "eval_prompts.jsonl")
-"""60 original chat prompts (the project's licence)."""
-
-# one --compare part -> (EngineConfig field, value); "none" / "baseline" change nothing
-COMPARE_PARTS: dict[str, tuple[str, object]] = {
-    "int8": ("quantization", "int8"),
-    "int4": ("quantization", "int4"),
-    "fp8": ("quantization", "fp8"),
-    "emb": ("quantize_embeddings", True),
-    "kv-fp8": ("kv_cache_dtype", "fp8"),
-    "kv-int8": ("kv_cache_dtype", "int8"),
-}
-NO_CHANGE = ("none", "baseline")
-UNQUANTISED: dict[str, object] = {"quantization": "none", "quantize_embeddings": False,
-                                  "kv_cache_dtype": "auto"}
-"""The fields that make a configuration quantised, at their unquantised values."""
 ROW_KEYS = ("config", "weights_gib", "kv_bytes_per_token", "max_concurrent_seqs", "ppl",
             "delta_ppl_pct", "top1_agreement", "greedy_agreement", "output_tok_s")
-
-
-def _config_fields() -> set[str]:
-    return {f.name for f in dataclasses.fields(EngineConfig)}
-
-
-def parse_compare(spec: str) -> list[tuple[str, dict[str, object]]]:
-    """``"int8,int4+kv-fp8,none"`` -> ``[(name, EngineConfig overrides), ...]``.
-
-    Items are separated by commas; each item joins parts with ``+``: a weight format (int8,
-    int4, fp8), ``emb`` (also quantise the embedding / LM head; needs a weight format), a KV
-    format (kv-fp8, kv-int8), or ``none`` / ``baseline`` alone (the unquantised model again).
-
-    Raises:
-      ValueError: naming ``--compare``: an empty item, an unknown part (listing the valid
-        ones), two values for one field, ``emb`` without a weight format, a repeated item, or a
-        part whose EngineConfig field this build does not have.
-    """
-    fields = _config_fields()
-    out: list[tuple[str, dict[str, object]]] = []
-    for item in spec.split(","):
-        name = item.strip()
-        if not name:
-            raise ValueError(f"--compare {spec!r}: empty configuration name")
-        overrides: dict[str, object] = {}
-        parts = name.split("+")
-        if len(parts) == 1 and name in NO_CHANGE:
-            out.append((name, overrides))
-            continue
-        for part in parts:
-            if part not in COMPARE_PARTS:
-                valid = ", ".join([*COMPARE_PARTS, *NO_CHANGE])
-                raise ValueError(f"--compare: unknown configuration {part!r} in {name!r}; valid "
-                                 f"names (joined with '+'): {valid}")
-            field, value = COMPARE_PARTS[part]
-            if field in overrides:
-                raise ValueError(f"--compare {name!r}: two values for {field}")
-            if field not in fields:
-                raise ValueError(f"--compare {name!r}: unsupported configuration: this build's "
-                                 f"EngineConfig has no {field!r} field")
-            overrides[field] = value
-        if "quantize_embeddings" in overrides and "quantization" not in overrides:
-            raise ValueError(f"--compare {name!r}: 'emb' needs a weight format, e.g. int8+emb")
-        out.append((name, overrides))
-    names = [n for n, _ in out]
-    if len(set(names)) != len(names):
-        raise ValueError(f"--compare {spec!r}: a configuration is named twice")
-    return out
-
-
-def baseline_config(config: EngineConfig) -> EngineConfig:
-    """``config`` with every quantisation field this build has at its unquantised value."""
-    fields = _config_fields()
-    return dataclasses.replace(config, **{k: v for k, v in UNQUANTISED.items() if k in fields})
-
-
-def describe(config: EngineConfig) -> str:
-    """A --compare style name of a config's quantisation (``"int8+emb+kv-fp8"``, ``"none"``)."""
-    parts = []
-    q = getattr(config, "quantization", "none")
-    if q != "none":
-        parts.append(str(q))
-        if getattr(config, "quantize_embeddings", False):
-            parts.append("emb")
-    kv = getattr(config, "kv_cache_dtype", "auto")
-    if kv != "auto":
-        parts.append(f"kv-{kv}")
-    return "+".join(parts) or "none"
-
-
-# -- inputs -----------------------------------------------------------------------------------
-
-def read_corpus(path: str) -> str:
-    """The text of a UTF-8 corpus file.
-
-    Raises:
-      ValueError: naming ``--text``: unreadable, not UTF-8, or empty (whitespace only).
-    """
-    try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except OSError as e:
-        raise ValueError(f"--text {path}: cannot read it: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--text {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    if not text.strip():
-        raise ValueError(f"--text {path}: the corpus is empty")
-    return text
-
-
-def read_prompts(path: str) -> list[dict]:
-    """The prompts of a JSONL file: one ``{"prompt": str}`` or ``{"messages": [{"role",
-    "content"}, ...]}`` object per line (blank lines skipped).
-
-    Raises:
-      ValueError: naming ``--prompts`` and the 1-based line number: unreadable file, invalid
-        JSON, not an object, neither or both keys, other keys, an empty prompt, or malformed
-        messages; or a file with no prompts.
-    """
-    try:
-        with open(path, encoding="utf-8") as fh:
-            lines = fh.read().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--prompts {path}: cannot read it: {getattr(e, 'strerror', None) or e}"
-                         ) from None
-    prompts = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"--prompts {path} line {n}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(obj, dict) or len(set(obj) & {"prompt", "messages"}) != 1:
-            raise ValueError(f"{where}: want an object with exactly one of 'prompt' or "
-                             f"'messages', got {line.strip()[:80]!r}")
-        extra = sorted(set(obj) - {"prompt", "messages"})
-        if extra:
-            raise ValueError(f"{where}: unknown key(s) {extra}")
-        if "prompt" in obj:
-            if not isinstance(obj["prompt"], str) or not obj["prompt"]:
-                raise ValueError(f"{where}: 'prompt' must be a non-empty string")
-        else:
-            msgs = obj["messages"]
-            if not isinstance(msgs, list) or not msgs or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), str) for m in msgs):
-                raise ValueError(f"{where}: 'messages' must be a non-empty list of "
-                                 f"{{'role': str, 'content': str}} objects")
-        prompts.append(obj)
-    if not prompts:
-        raise ValueError(f"--prompts {path}: the file holds no prompts")
-    return prompts
-
-
-def prompt_token_ids(prompts: Sequence[dict], tokenizer) -> list[list[int]]:
-    """Token ids of each prompt: ``prompt`` text as is; ``messages`` through the model's chat
-    template with the generation prompt (as ``LLM.chat`` and the chat endpoint do).
-
-    Raises:
-      ValueError: messages for a model without a chat template, or a prompt that encodes to
-        no tokens (naming its index).
-    """
-    out = []
-    for i, p in enumerate(prompts):
-        if "messages" in p:
-            if not tokenizer.has_chat_template:
-                raise ValueError(f"prompts[{i}]: 'messages' need a chat template, and the model "
-                                 f"has none; use {{'prompt': text}} lines")
-            text = tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True)
-            ids = tokenizer.encode(text, add_special_tokens=False)
-        else:
-            ids = tokenizer.encode(p["prompt"])
-        if not ids:
-            raise ValueError(f"prompts[{i}] encodes to no tokens")
-        out.append(list(ids))
-    return out
 
 
 # -- windows and scoring ------------------------------------------------------------------------
@@ -264,16 +104,17 @@ class CorpusScores:
     ``logprobs`` (``f64[N-1]``, log p of the token given its window's context) and ``argmax``
     (``i64[N-1]``, the most likely token there)."""
 
-    logprobs: object  # np.ndarray f64[N-1]
-    argmax: object  # np.ndarray i64[N-1]
+    logprobs: np.ndarray  # f64[N-1]
+    argmax: np.ndarray  # i64[N-1]
 
     @property
     def ppl(self) -> float:
         return float(math.exp(-float(self.logprobs.mean())))
 
 
-def _run_requests(engine, token_ids: Sequence[list[int]], params, desc: str, unit: str,
-                  weights: Sequence[int] | None, progress: bool) -> list:
+def _run_requests(engine: LLMEngine, token_ids: Sequence[list[int]], params: SamplingParams,
+                  desc: str, unit: str, weights: Sequence[int] | None,
+                  progress: bool) -> list[RequestOutput]:
     """Add every request at once, step the engine until all finish; outputs in input order.
 
     The bar advances by ``weights[i]`` (tokens) when request ``i`` finishes, else by 1.
@@ -290,7 +131,7 @@ def _run_requests(engine, token_ids: Sequence[list[int]], params, desc: str, uni
         rids.append(engine.next_request_id())
         engine.add_request(rids[-1], ids, params)
     index = {r: i for i, r in enumerate(rids)}
-    done: dict[str, object] = {}
+    done: dict[str, RequestOutput] = {}
     bar = tqdm(total=sum(weights) if weights else len(rids), desc=desc, unit=unit,
                disable=not progress, file=sys.stderr)
     try:
@@ -307,7 +148,7 @@ def _run_requests(engine, token_ids: Sequence[list[int]], params, desc: str, uni
     return [done[r] for r in rids]
 
 
-def score_corpus(engine, ids: Sequence[int], window: int, stride: int, *,
+def score_corpus(engine: LLMEngine, ids: Sequence[int], window: int, stride: int, *,
                  progress: bool = False, desc: str = "perplexity") -> CorpusScores:
     """Score every token of ``ids`` (after the first) through ``engine`` with
     ``prompt_logprobs=1``, all windows submitted together (see ``eval_windows``).
@@ -316,8 +157,6 @@ def score_corpus(engine, ids: Sequence[int], window: int, stride: int, *,
       ValueError: bad window settings, or a window the engine refuses (too long for
         max_model_len or the KV cache; the message names the window).
     """
-    import numpy as np
-
     from jaxserve.sampling_params import SamplingParams
 
     wins = eval_windows(len(ids), window, stride)
@@ -334,7 +173,7 @@ def score_corpus(engine, ids: Sequence[int], window: int, stride: int, *,
     return CorpusScores(lps, top)
 
 
-def greedy_tokens(engine, prompts: Sequence[list[int]], max_tokens: int, *,
+def greedy_tokens(engine: LLMEngine, prompts: Sequence[list[int]], max_tokens: int, *,
                   progress: bool = False, desc: str = "greedy") -> tuple[list[list[int]], float]:
     """Greedy continuations (temperature 0, at most ``max_tokens``, stopping at EOS) of every
     prompt, submitted together; returns (token ids per prompt, wall seconds)."""
@@ -347,7 +186,7 @@ def greedy_tokens(engine, prompts: Sequence[list[int]], max_tokens: int, *,
     return [list(o.outputs[0].token_ids) for o in outs], wall_s
 
 
-def memory_bytes(engine) -> tuple[int, int, float]:
+def memory_bytes(engine: LLMEngine) -> tuple[int, int, float]:
     """(params bytes, KV-cache bytes, KV bytes per token) of an engine: sums of leaf
     ``nbytes`` (global sizes, also when sharded); per token: over ``num_blocks * block_size``
     (block 0 included in both)."""
@@ -408,7 +247,7 @@ class EvalInputs:
 
 
 def run_config(name: str, config: EngineConfig, load: LoadConfig, inputs: EvalInputs, *,
-               progress: bool = False, log=None) -> ConfigResult:
+               progress: bool = False, log: TextIO | None = None) -> ConfigResult:
     """Build a fresh engine for ``config``, score the corpus and generate for the prompts, then
     drop the engine (and collect garbage) so the next configuration starts from free memory.
 
@@ -478,7 +317,7 @@ def metrics_row(result: ConfigResult, base: ConfigResult) -> dict:
 
 def evaluate(config: EngineConfig, load: LoadConfig, inputs: EvalInputs,
              configs: Sequence[tuple[str, dict[str, object]]], *, progress: bool = False,
-             log=None) -> dict:
+             log: TextIO | None = None) -> dict:
     """The report: the baseline (``baseline_config(config)``) first, then each ``(name,
     overrides)`` as ``dataclasses.replace(config, **overrides)`` on its own fresh engine.
 
@@ -486,7 +325,7 @@ def evaluate(config: EngineConfig, load: LoadConfig, inputs: EvalInputs,
     Raises:
       ValueError: as ``run_config``, or overrides that are not EngineConfig fields.
     """
-    fields = _config_fields()
+    fields = config_fields()
     built = []
     for name, overrides in configs:
         unknown = sorted(set(overrides) - fields)

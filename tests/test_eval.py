@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jaxserve import eval as ev
+from jaxserve import eval_inputs
 from jaxserve.config import EngineConfig, LoadConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -59,46 +60,46 @@ ALL_FIELDS = {"quantization", "quantize_embeddings", "kv_cache_dtype"}
 
 
 def test_parse_compare(monkeypatch) -> None:
-    monkeypatch.setattr(ev, "_config_fields", lambda: ALL_FIELDS)
-    assert ev.parse_compare("int8,int4,fp8,kv-fp8,kv-int8") == [
+    monkeypatch.setattr(eval_inputs, "config_fields", lambda: ALL_FIELDS)
+    assert eval_inputs.parse_compare("int8,int4,fp8,kv-fp8,kv-int8") == [
         ("int8", {"quantization": "int8"}), ("int4", {"quantization": "int4"}),
         ("fp8", {"quantization": "fp8"}), ("kv-fp8", {"kv_cache_dtype": "fp8"}),
         ("kv-int8", {"kv_cache_dtype": "int8"})]
-    assert ev.parse_compare(" int8+emb+kv-fp8 , none") == [
+    assert eval_inputs.parse_compare(" int8+emb+kv-fp8 , none") == [
         ("int8+emb+kv-fp8", {"quantization": "int8", "quantize_embeddings": True,
                              "kv_cache_dtype": "fp8"}), ("none", {})]
     with pytest.raises(ValueError, match=r"unknown configuration 'int3'.*int8, int4, fp8"):
-        ev.parse_compare("int8,int3")
+        eval_inputs.parse_compare("int8,int3")
     with pytest.raises(ValueError, match="two values for quantization"):
-        ev.parse_compare("int8+int4")
+        eval_inputs.parse_compare("int8+int4")
     with pytest.raises(ValueError, match="'emb' needs a weight format"):
-        ev.parse_compare("emb+kv-fp8")
+        eval_inputs.parse_compare("emb+kv-fp8")
     with pytest.raises(ValueError, match="empty configuration"):
-        ev.parse_compare("int8,,fp8")
+        eval_inputs.parse_compare("int8,,fp8")
     with pytest.raises(ValueError, match="named twice"):
-        ev.parse_compare("int8,int8")
-    monkeypatch.setattr(ev, "_config_fields", lambda: {"kv_cache_dtype"})
+        eval_inputs.parse_compare("int8,int8")
+    monkeypatch.setattr(eval_inputs, "config_fields", lambda: {"kv_cache_dtype"})
     with pytest.raises(ValueError, match="unsupported configuration.*'quantization' field"):
-        ev.parse_compare("kv-fp8,int4")
+        eval_inputs.parse_compare("kv-fp8,int4")
 
 
 def test_describe_and_baseline_follow_the_config_fields() -> None:
     cfg = EngineConfig()
-    assert ev.describe(cfg) == "none"
-    assert ev.baseline_config(cfg) == cfg
-    if ALL_FIELDS <= ev._config_fields():  # once the quantisation fields exist
+    assert eval_inputs.describe(cfg) == "none"
+    assert eval_inputs.baseline_config(cfg) == cfg
+    if ALL_FIELDS <= eval_inputs.config_fields():  # once the quantisation fields exist
         q = cfg.replace(quantization="int8", quantize_embeddings=True, kv_cache_dtype="fp8")
-        assert ev.describe(q) == "int8+emb+kv-fp8"
-        assert ev.baseline_config(q) == cfg
+        assert eval_inputs.describe(q) == "int8+emb+kv-fp8"
+        assert eval_inputs.baseline_config(q) == cfg
 
 
 def test_bad_inputs_name_the_file_and_line(tmp_path) -> None:
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n\n")
     with pytest.raises(ValueError, match="--text .*empty.txt: the corpus is empty"):
-        ev.read_corpus(str(empty))
+        eval_inputs.read_corpus(str(empty))
     with pytest.raises(ValueError, match="--text .*cannot read"):
-        ev.read_corpus(str(tmp_path / "missing.txt"))
+        eval_inputs.read_corpus(str(tmp_path / "missing.txt"))
     bad = tmp_path / "p.jsonl"
     for body, msg in [
         ('{"prompt": "hi"}\n\n{"prompt": "a",\n', "line 3: invalid JSON"),
@@ -111,16 +112,16 @@ def test_bad_inputs_name_the_file_and_line(tmp_path) -> None:
     ]:
         bad.write_text(body)
         with pytest.raises(ValueError, match=msg):
-            ev.read_prompts(str(bad))
+            eval_inputs.read_prompts(str(bad))
     bad.write_text('{"prompt": "hi"}\n{"messages": [{"role": "user", "content": "yo"}]}\n')
-    assert ev.read_prompts(str(bad)) == [
+    assert eval_inputs.read_prompts(str(bad)) == [
         {"prompt": "hi"}, {"messages": [{"role": "user", "content": "yo"}]}]
 
 
 def test_default_set_ships_enough_prose_and_prompts(tokenizer) -> None:
-    ids = tokenizer.encode(ev.read_corpus(ev.DEFAULT_CORPUS), add_special_tokens=False)
+    ids = tokenizer.encode(eval_inputs.read_corpus(eval_inputs.DEFAULT_CORPUS), add_special_tokens=False)
     assert len(ids) >= 20_000
-    prompts = ev.read_prompts(ev.DEFAULT_PROMPTS)
+    prompts = eval_inputs.read_prompts(eval_inputs.DEFAULT_PROMPTS)
     assert len(prompts) >= 50
     assert all("messages" in p for p in prompts)
     texts = [p["messages"][-1]["content"] for p in prompts]
@@ -154,14 +155,14 @@ def _direct_ppl(ids: list[int], window: int, stride: int) -> tuple[float, np.nda
 def report(tokenizer) -> dict:
     """Baseline, itself on a fresh engine, and bfloat16, over a 150-token corpus and six
     prompts (three tiny engines)."""
-    inputs = ev.EvalInputs(ev.read_corpus(ev.DEFAULT_CORPUS),
-                           ev.read_prompts(ev.DEFAULT_PROMPTS)[:NUM_PROMPTS], WINDOW, STRIDE,
+    inputs = ev.EvalInputs(eval_inputs.read_corpus(eval_inputs.DEFAULT_CORPUS),
+                           eval_inputs.read_prompts(eval_inputs.DEFAULT_PROMPTS)[:NUM_PROMPTS], WINDOW, STRIDE,
                            NUM_TOKENS, GREEDY_TOKENS)
     return ev.evaluate(CONFIG, TINY, inputs, [("self", {}), ("bf16", {"dtype": "bfloat16"})])
 
 
 def test_perplexity_equals_a_direct_computation(report, tokenizer) -> None:
-    ids = tokenizer.encode(ev.read_corpus(ev.DEFAULT_CORPUS), add_special_tokens=False)
+    ids = tokenizer.encode(eval_inputs.read_corpus(eval_inputs.DEFAULT_CORPUS), add_special_tokens=False)
     ppl, _ = _direct_ppl(ids[:NUM_TOKENS], WINDOW, STRIDE)
     assert report["baseline"]["ppl"] == pytest.approx(ppl, rel=1e-4)
     assert report["baseline"]["ppl"] > 100  # random weights: near-uniform over 49152 tokens
@@ -197,7 +198,7 @@ def test_argmax_is_the_models(tokenizer) -> None:
     """score_corpus's argmaxes and logprobs on the engine match the direct computation."""
     from jaxserve.engine import LLMEngine
 
-    ids = tokenizer.encode(ev.read_corpus(ev.DEFAULT_CORPUS), add_special_tokens=False)[:80]
+    ids = tokenizer.encode(eval_inputs.read_corpus(eval_inputs.DEFAULT_CORPUS), add_special_tokens=False)[:80]
     engine = LLMEngine(CONFIG, TINY)
     engine.warmup(progress=False)
     scores = ev.score_corpus(engine, ids, 32, 24)
