@@ -20,7 +20,8 @@ DATA_DIR = os.path.join(os.path.dirname(__file__), "data")
 DEFAULT_CORPUS = os.path.join(os.path.dirname(__file__), "bench", "data",
                               "pride_and_prejudice_ch1-12.txt")
 """Chapters 1-12 of Jane Austen's *Pride and Prejudice* (1813; public domain; the wording of
-Project Gutenberg's plain-text eBook #1342, without its header and licence), 24,993 SmolLM2 tokens."""
+Project Gutenberg's plain-text eBook #1342, without its header and licence): 24,993 tokens of
+SmolLM2's tokenizer."""
 DEFAULT_PROMPTS = os.path.join(DATA_DIR, "eval_prompts.jsonl")
 """60 original chat prompts (the project's licence)."""
 
