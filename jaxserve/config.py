@@ -13,6 +13,8 @@ from dataclasses import dataclass
 DTYPES = ("float32", "bfloat16", "float16")
 # the same names as pallas_kernels.ATTENTION_BACKENDS (not imported here: no jax for the CLI parser)
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas-interpret")
+# the same names as models.quant.METHODS (not imported here: no jax for the CLI parser)
+QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8")
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,13 @@ class EngineConfig:
       compilation_cache_dir: persistent XLA compilation cache directory ("" disables it).
       tensor_parallel_size: devices one model is split over (Megatron-style heads / MLP /
         vocabulary split, see jaxserve.sharding); 1: one device.
+      quantization: weight quantisation at load time (models.quant): "none", "int8"
+        (per-output-channel), "int4" (group-wise, two per byte) or "fp8" (e4m3, per channel);
+        every linear of the decoder layers, dequantised on the fly in the serving dtype.
+      quantization_group_size: input rows per int4 scale (even; must divide the contraction
+        dims of the quantised weights, e.g. 576 and 1536 for SmolLM2).
+      quantize_embeddings: also quantise the embedding table (per-row scales, also serving a
+        tied LM head) and an untied LM head; needs quantization != "none".
 
     Raises:
       ValueError: naming the field and value, for invalid settings.
@@ -66,6 +75,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     compilation_cache_dir: str = "~/.cache/jaxserve/xla"
     tensor_parallel_size: int = 1
+    quantization: str = "none"
+    quantization_group_size: int = 64
+    quantize_embeddings: bool = False
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -99,6 +111,15 @@ class EngineConfig:
             raise ValueError(f"{self.attention_backend=} must be one of {ATTENTION_BACKENDS}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"{self.tensor_parallel_size=} must be >= 1")
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"{self.quantization=} must be one of {QUANTIZATION_METHODS}")
+        gs = self.quantization_group_size
+        if gs < 2 or gs % 2:
+            raise ValueError(f"{self.quantization_group_size=} must be an even integer >= 2 "
+                             f"(int4 packs two input rows per byte)")
+        if self.quantize_embeddings and self.quantization == "none":
+            raise ValueError(f"{self.quantize_embeddings=} needs quantization int8, int4 or "
+                             f"fp8 (got {self.quantization=})")
 
     def _check_types(self) -> None:
         """Each field holds its declared type (ints are not bools; floats accept ints)."""

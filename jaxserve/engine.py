@@ -175,6 +175,7 @@ class LLMEngine:
                                                                      config.seed)
         self.model_name = load.served_model_name or name
         mc = self.model_config
+        params = self._quantize(params)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context "
@@ -243,6 +244,18 @@ class LLMEngine:
         self._rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self.load_s = time.perf_counter() - t0
+
+    def _quantize(self, params):
+        """Load-time weight quantisation (``config.quantization``), or the check that a
+        quantised checkpoint matches it; the float leaves are freed as they are replaced."""
+        from models.quant import QuantConfig, apply_quantization
+        from models.registry import get_architecture
+
+        c = self.config
+        arch = get_architecture(self.model_config.architecture)
+        qcfg = QuantConfig(c.quantization, c.quantization_group_size, c.quantize_embeddings)
+        return apply_quantization(params, arch.quant_targets, qcfg, arch.name,
+                                  delete_source=True)
 
     def _num_kv_blocks(self, params) -> int:
         c, mc = self.config, self.model_config

@@ -15,6 +15,13 @@ The mesh has one axis, ``"tp"``. Where ``num_kv_heads`` is smaller than the TP s
 are *replicated* (each kv head copied ``tp // num_kv_heads`` times, so every device holds one),
 which needs ``tp % num_kv_heads == 0``; query-head counts that do not divide by the TP size are
 refused (padding them would add a zero head's matmul and attention on every device).
+
+Quantised weights (``models.quant.QuantizedWeight``) split like the float weight they replace:
+``q`` takes the weight's spec (int4's packed axis holds adjacent input rows, so a shard is a
+contiguous range of rows), ``scale`` the same spec, except that a per-channel scale (one entry
+along the contraction axis) is replicated along it. Every split axis must divide by the TP
+size (int4 row-parallel weights: their number of groups, ``in / quantization_group_size``);
+``shard_params`` refuses others naming the leaf and the numbers.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
+from models.quant import QuantizedWeight
 
 TP_AXIS = "tp"
 
@@ -99,8 +107,8 @@ def replicate_kv_heads(params: dict, cfg: ModelConfig, tp: int) -> dict:
 
     layers = dict(params["layers"])
     for name in ("wk", "wv", "bk", "bv"):
-        if name in layers:
-            layers[name] = rep(layers[name])
+        if name in layers:  # a QuantizedWeight's q and scale both end with the kv*hd axis
+            layers[name] = jax.tree_util.tree_map(rep, layers[name])
     return {**params, "layers": layers}
 
 
@@ -109,22 +117,56 @@ def param_partition_specs(params, cfg: ModelConfig) -> dict:
 
     Stacked layer leaves ``[L, ...]`` follow the column/row rules above; ``embed
     [vocab, hidden]`` splits the vocabulary, ``lm_head [hidden, vocab]`` too; norms replicate.
+    A ``QuantizedWeight`` gets a ``QuantizedWeight`` of specs (module docstring).
     """
     del cfg
 
     def spec(path, leaf) -> P:
         name = "/".join(str(getattr(k, "key", k)) for k in path)
+        s: tuple = (None,) * len(np.shape(leaf) if not isinstance(leaf, QuantizedWeight)
+                                 else leaf.shape)
         if name == "embed":
-            return P(TP_AXIS, None)
-        if name == "lm_head":
-            return P(None, TP_AXIS)
-        if name.startswith("layers/"):
-            for pattern, s in _LAYER_RULES:
+            s = (TP_AXIS, None)
+        elif name == "lm_head":
+            s = (None, TP_AXIS)
+        elif name.startswith("layers/"):
+            for pattern, rule in _LAYER_RULES:
                 if re.search(pattern, name):
-                    return P(*s)
-        return P(*([None] * np.ndim(leaf)))
+                    s = rule
+                    break
+        if not isinstance(leaf, QuantizedWeight):
+            return P(*s)
+        ax = leaf.axis % leaf.q.ndim
+        scale = list(s)
+        if leaf.scale.shape[ax] == 1:  # per-channel: one scale along the contraction axis
+            scale[ax] = None
+        return QuantizedWeight(P(*s), P(*scale), leaf.method, leaf.group_size, leaf.axis)
 
-    return jax.tree_util.tree_map_with_path(spec, params)
+    return jax.tree_util.tree_map_with_path(
+        spec, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+
+
+def check_divisible(params, specs, tp: int) -> None:
+    """Refuse a leaf whose split axis does not divide by ``tp``.
+
+    Raises:
+      ValueError: naming the leaf, its shape, the axis and ``tp`` (for int4 weights also the
+        group size to change).
+    """
+    pairs = zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                jax.tree_util.tree_leaves(specs), strict=True)
+    for (path, leaf), spec in pairs:
+        for ax, name in enumerate(spec):
+            if name == TP_AXIS and leaf.shape[ax] % tp:
+                where = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+                hint = ""
+                if where.endswith(("/scale", "/q")):
+                    hint = (" (a quantised weight: for int4 the split axis holds "
+                            "in / quantization_group_size groups, or in / 2 packed rows; "
+                            "choose a quantization_group_size that leaves a multiple of "
+                            f"{tp} groups, or another tensor_parallel_size)")
+                raise ValueError(f"tensor_parallel_size={tp} does not divide axis {ax} of "
+                                 f"param {where} with shape {tuple(leaf.shape)}{hint}")
 
 
 def kv_cache_spec() -> P:
@@ -150,6 +192,7 @@ def shard_params(params, cfg: ModelConfig, mesh: Mesh):
     tp = mesh.shape[TP_AXIS]
     params = replicate_kv_heads(params, cfg, tp)
     specs = param_partition_specs(params, cfg)
+    check_divisible(params, specs, tp)
     if jax.process_count() == 1:
         return jax.tree_util.tree_map(
             lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs)

@@ -13,7 +13,14 @@ from models.gemma3 import Gemma3ForCausalLM, gemma3_gguf_config, gemma3_gguf_par
 from models.hf import llama_hf_config, llama_hf_params
 from models.llama import LlamaForCausalLM
 from models.loader import gguf_model_config, llama_gguf_params
+from models.quant import QuantTargets
 from models.registry import Architecture, register_architecture
+
+DECODER_QUANT_TARGETS = QuantTargets(
+    linear=tuple(f"layers/{n}" for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")),
+    embeddings=(("embed", -1), ("lm_head", -2)))
+"""Every linear of a Llama / Gemma 3 decoder layer; the embedding table (per-row scales, which
+serve the gather and the tied LM head alike) and an untied LM head with --quantize-embeddings."""
 
 LLAMA = Architecture(
     name="llama",
@@ -24,6 +31,7 @@ LLAMA = Architecture(
     gguf_params=llama_gguf_params,
     hf_config=llama_hf_config,
     hf_params=llama_hf_params,
+    quant_targets=DECODER_QUANT_TARGETS,
 )
 
 GEMMA3 = Architecture(
@@ -33,6 +41,7 @@ GEMMA3 = Architecture(
     aliases=("Gemma3ForCausalLM",),
     gguf_config=gemma3_gguf_config,
     gguf_params=gemma3_gguf_params,
+    quant_targets=DECODER_QUANT_TARGETS,
 )
 
 register_architecture(LLAMA)

@@ -5,7 +5,9 @@ write one from their own training code):
 
   DIR/config.json            the model config: ``cfg.to_dict()`` plus ``"architecture"`` (the
                              ``models.registry`` name, e.g. ``"llama"``) and ``"format":
-                             "jaxserve-orbax"``
+                             "jaxserve-orbax"``; a quantised checkpoint also ``"quantization":
+                             {"method", "group_size", "embeddings"}`` (``models.quant``; its
+                             quantised leaves are ``{"q", "scale"}`` pairs)
   DIR/params/                ``orbax.checkpoint.StandardCheckpointer`` save of the params pytree
   DIR/tokenizer.json         HF ``tokenizers`` file (written by ``jaxserve convert``)
   DIR/tokenizer_config.json  bos/eos token strings, add_bos_token, chat_template
@@ -45,7 +47,8 @@ def is_checkpoint(path: str) -> bool:
 
 
 def save_checkpoint(path: str, cfg, params, dtype: jnp.dtype | None = None) -> None:
-    """Write ``params`` (cast to ``dtype`` when given) and ``cfg`` under ``path``.
+    """Write ``params`` (cast to ``dtype`` when given; quantised leaves stay as they are) and
+    ``cfg`` under ``path``; the quantisation of ``params`` is recorded in ``config.json``.
 
     ``cfg`` follows ``models.registry.ModelConfigLike`` (``architecture``, ``to_dict()``); the
     tokenizer files are the caller's (``jaxserve.tokenizer.Tokenizer.save_pretrained``).
@@ -58,14 +61,22 @@ def save_checkpoint(path: str, cfg, params, dtype: jnp.dtype | None = None) -> N
         raise ValueError(f"{target} exists already; choose a new destination directory")
     import orbax.checkpoint as ocp
 
+    from models.quant import QuantizedWeight, quantization_of
+
     if dtype is not None:
-        params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), params)
+        params = jax.tree_util.tree_map(
+            lambda x: x if isinstance(x, QuantizedWeight) else jnp.asarray(x, dtype), params,
+            is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    quant = quantization_of(params)
     os.makedirs(path, exist_ok=True)
     ckpt = ocp.StandardCheckpointer()
     ckpt.save(target, params)
     ckpt.wait_until_finished()
     ckpt.close()
     data = {"format": FORMAT, **cfg.to_dict(), "architecture": cfg.architecture}
+    if quant.method != "none":
+        data["quantization"] = {"method": quant.method, "group_size": quant.group_size,
+                                "embeddings": quant.embeddings}
     with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as fh:
         json.dump(data, fh, indent=2)
         fh.write("\n")
@@ -78,6 +89,21 @@ def read_config(path: str):
     Raises:
       ValueError: unreadable JSON, a missing/unknown ``architecture``, or bad config keys.
     """
+    return _read(path)[0]
+
+
+def read_quantization(path: str):
+    """The ``models.quant.QuantConfig`` recorded in ``path/config.json`` (method "none" for a
+    float checkpoint).
+
+    Raises:
+      ValueError: as ``read_config``, or a malformed ``quantization`` entry.
+    """
+    return _read(path)[1]
+
+
+def _read(path: str):
+    from models.quant import QuantConfig
     from models.registry import get_architecture
 
     try:
@@ -86,10 +112,16 @@ def read_config(path: str):
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read {path}/{CONFIG_FILE}: {e}") from None
     data.pop("format", None)
+    quant = data.pop("quantization", None) or {}
     if "architecture" not in data:
         raise ValueError(f"{path}/{CONFIG_FILE} lacks the key 'architecture'")
     arch = get_architecture(str(data["architecture"]))
-    return arch.config_from_dict(data)
+    try:
+        qcfg = QuantConfig(**quant)
+    except TypeError as e:
+        raise ValueError(f"{path}/{CONFIG_FILE}: bad 'quantization' entry {quant!r}: {e}"
+                         ) from None
+    return arch.config_from_dict(data), qcfg
 
 
 def load_checkpoint(path: str, dtype: jnp.dtype, shardings=None):
@@ -102,21 +134,34 @@ def load_checkpoint(path: str, dtype: jnp.dtype, shardings=None):
       shardings: optional pytree of ``jax.sharding.Sharding`` matching the params; default: the
         first device.
 
+    A quantised checkpoint (``"quantization"`` in ``config.json``) restores its
+    ``QuantizedWeight`` leaves as stored (integer / fp8 ``q``, f32 ``scale``); only the float
+    leaves take ``dtype``. Nothing is quantised again.
+
     Raises:
       ValueError: the stored tree's paths or shapes differ from the model's (naming the path).
     """
     import orbax.checkpoint as ocp
 
+    from models.quant import quantized_shapes
     from models.registry import get_architecture
 
-    cfg = read_config(path)
-    model = get_architecture(cfg.architecture).model(cfg, dtype)
-    shapes = model.param_shapes()
+    cfg, qcfg = _read(path)
+    arch = get_architecture(cfg.architecture)
+    model = arch.model(cfg, dtype)
+    shapes = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype),
+                                    model.param_shapes())
+    if qcfg.method != "none":
+        if arch.quant_targets is None:
+            raise ValueError(f"{path}: architecture {arch.name!r} does not support quantised "
+                             f"weights, yet config.json records quantization "
+                             f"{qcfg.describe()}")
+        shapes = quantized_shapes(shapes, arch.quant_targets, qcfg)
     if shardings is None:
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree_util.tree_map(lambda _: one, shapes)
     target = jax.tree_util.tree_map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sh), shapes, shardings)
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
     params_dir = os.path.join(os.path.abspath(path), PARAMS_DIR)
     ckpt = ocp.StandardCheckpointer()
     try:
@@ -128,9 +173,12 @@ def load_checkpoint(path: str, dtype: jnp.dtype, shardings=None):
 
 def _check_tree(where: str, stored, expected) -> None:
     """Raise ValueError naming the first path whose presence or shape differs."""
-    flat_s = {jax.tree_util.keystr(p): tuple(m.shape)
-              for p, m in jax.tree_util.tree_flatten_with_path(stored)[0]}
-    flat_e = {jax.tree_util.keystr(p): tuple(s.shape)
+    def key(path) -> str:  # orbax stores a dataclass node's fields as dict keys
+        return "".join(f"[{k.name!r}]" if isinstance(k, jax.tree_util.GetAttrKey)
+                       else jax.tree_util.keystr((k,)) for k in path)
+
+    flat_s = {key(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(stored)[0]}
+    flat_e = {key(p): tuple(s.shape)
               for p, s in jax.tree_util.tree_flatten_with_path(expected)[0]}
     if missing := sorted(set(flat_e) - set(flat_s)):
         raise ValueError(f"checkpoint {where} lacks params {missing}")

@@ -34,6 +34,7 @@ import numpy as np
 
 from models.config import Gemma3Config
 from models.llama import AttentionFn, AttentionMetadata, RMSNorm, apply_rope
+from models.quant import embed_lookup, qmatmul, weight
 from pallas_kernels import KVCache, ragged_paged_attention, write_kv
 
 GLOBAL_WINDOW = 1 << 30
@@ -74,10 +75,11 @@ class Gemma3DecoderLayer(nn.Module):
         eps = cfg.rms_norm_eps
         t = x.shape[0]
 
+        w = lambda name, shape: weight(self, name, init, shape, dt)  # float or quantised
         y = RMSNorm(eps, dt, name="attn_norm")(x)
-        q = (y @ self.param("wq", init, (h, nq * hd), dt)).reshape(t, nq, hd)
-        k = (y @ self.param("wk", init, (h, nkv * hd), dt)).reshape(t, nkv, hd)
-        v = (y @ self.param("wv", init, (h, nkv * hd), dt)).reshape(t, nkv, hd)
+        q = qmatmul(y, w("wq", (h, nq * hd))).reshape(t, nq, hd)
+        k = qmatmul(y, w("wk", (h, nkv * hd))).reshape(t, nkv, hd)
+        v = qmatmul(y, w("wv", (h, nkv * hd))).reshape(t, nkv, hd)
         q = RMSNorm(eps, dt, name="q_norm")(q)
         k = RMSNorm(eps, dt, name="k_norm")(k)
         cos = jnp.where(is_global, cos_g, cos_l)
@@ -87,14 +89,14 @@ class Gemma3DecoderLayer(nn.Module):
         attn = self.attention_fn(
             q, k_cache, v_cache, layer, md.block_tables, md.seq_lens, md.query_start_loc,
             md.num_seqs, sm_scale=cfg.query_pre_attn_scalar ** -0.5, sliding_window=window)
-        o = attn.reshape(t, nq * hd).astype(dt) @ self.param("wo", init, (nq * hd, h), dt)
+        o = qmatmul(attn.reshape(t, nq * hd).astype(dt), w("wo", (nq * hd, h)))
         x = x + RMSNorm(eps, dt, name="post_attn_norm")(o)
 
         y = RMSNorm(eps, dt, name="mlp_norm")(x)
         i = cfg.intermediate_size
-        gate = y @ self.param("w_gate", init, (h, i), dt)
-        up = y @ self.param("w_up", init, (h, i), dt)
-        y = (jax.nn.gelu(gate, approximate=True) * up) @ self.param("w_down", init, (i, h), dt)
+        gate = qmatmul(y, w("w_gate", (h, i)))
+        up = qmatmul(y, w("w_up", (h, i)))
+        y = qmatmul(jax.nn.gelu(gate, approximate=True) * up, w("w_down", (i, h)))
         x = x + RMSNorm(eps, dt, name="post_mlp_norm")(y)
         return (x, k_cache, v_cache, layer + 1), None
 
@@ -111,8 +113,8 @@ class Gemma3Model(nn.Module):
 
     def setup(self) -> None:
         cfg = self.cfg
-        self.embed = self.param("embed", nn.initializers.normal(0.02),
-                                (cfg.vocab_size, cfg.hidden_size), self.dtype)
+        self.embed = weight(self, "embed", nn.initializers.normal(0.02),
+                            (cfg.vocab_size, cfg.hidden_size), self.dtype)
         scanned = nn.scan(Gemma3DecoderLayer, variable_axes={"params": 0},
                           split_rngs={"params": True}, in_axes=(nn.broadcast, 0),
                           length=cfg.num_layers)
@@ -123,7 +125,7 @@ class Gemma3Model(nn.Module):
                  md: AttentionMetadata) -> tuple[jax.Array, KVCache]:
         cfg = self.cfg
         # HF rounds the scale to the weights' dtype before multiplying; so do we
-        x = self.embed[token_ids].astype(self.dtype) * jnp.asarray(math.sqrt(cfg.hidden_size),
+        x = embed_lookup(self.embed, token_ids, self.dtype) * jnp.asarray(math.sqrt(cfg.hidden_size),
                                                                    self.dtype)
         local = _rope_tables(positions, cfg.rope_local_theta, cfg.head_dim)
         glob = _rope_tables(positions, cfg.rope_theta, cfg.head_dim, cfg.rope_scaling_factor)
@@ -134,7 +136,7 @@ class Gemma3Model(nn.Module):
         return self.final_norm(x), KVCache(k, v)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        return (hidden.astype(self.dtype) @ self.embed.T).astype(jnp.float32)
+        return qmatmul(hidden.astype(self.dtype), self.embed, transpose=True).astype(jnp.float32)
 
 
 class Gemma3ForCausalLM:

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
+from models.quant import embed_lookup, qmatmul, weight
 from pallas_kernels import KVCache, ragged_paged_attention, write_kv
 
 AttentionFn = Callable[..., jax.Array]
@@ -105,10 +106,11 @@ class DecoderLayer(nn.Module):
         h, nq, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         t = x.shape[0]
 
+        w = lambda name, shape: weight(self, name, init, shape, dt)  # float or quantised
         y = RMSNorm(cfg.rms_norm_eps, dt, name="attn_norm")(x)
-        q = y @ self.param("wq", init, (h, nq * hd), dt)
-        k = y @ self.param("wk", init, (h, nkv * hd), dt)
-        v = y @ self.param("wv", init, (h, nkv * hd), dt)
+        q = qmatmul(y, w("wq", (h, nq * hd)))
+        k = qmatmul(y, w("wk", (h, nkv * hd)))
+        v = qmatmul(y, w("wv", (h, nkv * hd)))
         if cfg.qkv_bias:
             q = q + self.param("bq", nn.initializers.zeros, (nq * hd,), dt)
             k = k + self.param("bk", nn.initializers.zeros, (nkv * hd,), dt)
@@ -120,13 +122,13 @@ class DecoderLayer(nn.Module):
         attn = self.attention_fn(
             q, k_cache, v_cache, layer, md.block_tables, md.seq_lens, md.query_start_loc,
             md.num_seqs, sm_scale=hd ** -0.5, sliding_window=cfg.sliding_window)
-        x = x + attn.reshape(t, nq * hd).astype(dt) @ self.param("wo", init, (nq * hd, h), dt)
+        x = x + qmatmul(attn.reshape(t, nq * hd).astype(dt), w("wo", (nq * hd, h)))
 
         y = RMSNorm(cfg.rms_norm_eps, dt, name="mlp_norm")(x)
         i = cfg.intermediate_size
-        gate = y @ self.param("w_gate", init, (h, i), dt)
-        up = y @ self.param("w_up", init, (h, i), dt)
-        x = x + (jax.nn.silu(gate) * up) @ self.param("w_down", init, (i, h), dt)
+        gate = qmatmul(y, w("w_gate", (h, i)))
+        up = qmatmul(y, w("w_up", (h, i)))
+        x = x + qmatmul(jax.nn.silu(gate) * up, w("w_down", (i, h)))
         return (x, k_cache, v_cache, layer + 1), None
 
 
@@ -140,28 +142,30 @@ class LlamaModel(nn.Module):
 
     def setup(self) -> None:
         cfg = self.cfg
-        self.embed = self.param("embed", nn.initializers.normal(0.02),
-                                (cfg.vocab_size, cfg.hidden_size), self.dtype)
+        self.embed = weight(self, "embed", nn.initializers.normal(0.02),
+                            (cfg.vocab_size, cfg.hidden_size), self.dtype)
         scanned = nn.scan(DecoderLayer, variable_axes={"params": 0},
                           split_rngs={"params": True}, in_axes=nn.broadcast,
                           length=cfg.num_layers)
         self.layers = scanned(cfg, self.dtype, self.attention_fn)
         self.final_norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = self.param("lm_head", nn.initializers.normal(0.02),
-                                      (cfg.hidden_size, cfg.vocab_size), self.dtype)
+            self.lm_head = weight(self, "lm_head", nn.initializers.normal(0.02),
+                                  (cfg.hidden_size, cfg.vocab_size), self.dtype)
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
                  md: AttentionMetadata) -> tuple[jax.Array, KVCache]:
-        x = self.embed[token_ids].astype(self.dtype)
+        x = embed_lookup(self.embed, token_ids, self.dtype)
         ang = positions.astype(jnp.float32)[:, None] * rope_frequencies(self.cfg)[None, :]
         carry = (x, kv_cache.k, kv_cache.v, jnp.int32(0))
         (x, k, v, _), _ = self.layers(carry, (md, jnp.cos(ang), jnp.sin(ang)))
         return self.final_norm(x), KVCache(k, v)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        w = self.embed.T if self.cfg.tie_word_embeddings else self.lm_head
-        return (hidden.astype(self.dtype) @ w).astype(jnp.float32)
+        h = hidden.astype(self.dtype)
+        if self.cfg.tie_word_embeddings:
+            return qmatmul(h, self.embed, transpose=True).astype(jnp.float32)
+        return qmatmul(h, self.lm_head).astype(jnp.float32)
 
 
 class LlamaForCausalLM:

@@ -30,6 +30,8 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
+from models.quant import QuantTargets
+
 ENTRY_POINT_GROUP = "jaxserve.models"
 BUILTIN_MODULES = ("models.architectures",)
 """Modules that register the built-in architectures when imported (imported on first lookup)."""
@@ -95,6 +97,10 @@ class Architecture:
         ``gguf.GGUFReader``; None when GGUF files of it are not read.
       hf_config / hf_params: ``(config.json dict) -> cfg`` and ``(tensors, cfg, dtype) ->
         params``, where ``tensors`` is a ``models.hf.SafetensorsDir``; None when not read.
+      quant_targets: the params that load-time weight quantisation replaces by
+        ``models.quant.QuantizedWeight`` leaves (the model must compute with
+        ``models.quant.qmatmul`` / ``embed_lookup``); None: the model does not support
+        quantisation, and asking for it is a ValueError.
     """
 
     name: str
@@ -105,6 +111,7 @@ class Architecture:
     gguf_params: Callable | None = None
     hf_config: Callable[[dict], ModelConfigLike] | None = None
     hf_params: Callable | None = None
+    quant_targets: QuantTargets | None = None
 
 
 _REGISTRY: dict[str, Architecture] = {}
