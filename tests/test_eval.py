@@ -151,14 +151,20 @@ def _direct_ppl(ids: list[int], window: int, stride: int) -> tuple[float, np.nda
     return math.exp(-np.mean(lps)), np.asarray(top)
 
 
+HAS_QUANT = ALL_FIELDS <= eval_inputs.config_fields()
+
+
 @pytest.fixture(scope="module")
 def report(tokenizer) -> dict:
-    """Baseline, itself on a fresh engine, and bfloat16, over a 150-token corpus and six
-    prompts (three tiny engines)."""
+    """Baseline, itself on a fresh engine, bfloat16 and (when this build has weight
+    quantisation) int8 with the embedding, over a 150-token corpus and six prompts."""
     inputs = ev.EvalInputs(eval_inputs.read_corpus(eval_inputs.DEFAULT_CORPUS),
-                           eval_inputs.read_prompts(eval_inputs.DEFAULT_PROMPTS)[:NUM_PROMPTS], WINDOW, STRIDE,
-                           NUM_TOKENS, GREEDY_TOKENS)
-    return ev.evaluate(CONFIG, TINY, inputs, [("self", {}), ("bf16", {"dtype": "bfloat16"})])
+                           eval_inputs.read_prompts(eval_inputs.DEFAULT_PROMPTS)[:NUM_PROMPTS],
+                           WINDOW, STRIDE, NUM_TOKENS, GREEDY_TOKENS)
+    configs = [("self", {}), ("bf16", {"dtype": "bfloat16"})]
+    if HAS_QUANT:
+        configs += eval_inputs.parse_compare("int8+emb")
+    return ev.evaluate(CONFIG, TINY, inputs, configs)
 
 
 def test_perplexity_equals_a_direct_computation(report, tokenizer) -> None:
@@ -170,10 +176,10 @@ def test_perplexity_equals_a_direct_computation(report, tokenizer) -> None:
 
 def test_report_keys_and_the_baseline_against_itself(report) -> None:
     assert set(report) == {"baseline", "rows"}
-    assert [r["config"] for r in report["rows"]] == ["self", "bf16"]
+    assert [r["config"] for r in report["rows"]][:2] == ["self", "bf16"]
     for row in [report["baseline"], *report["rows"]]:
         assert tuple(row) == ev.ROW_KEYS
-    base, same, bf16 = report["baseline"], *report["rows"]
+    base, same, bf16 = report["baseline"], *report["rows"][:2]
     for row in (base, same):
         assert row["delta_ppl_pct"] == 0.0
         assert row["top1_agreement"] == 1.0 and row["greedy_agreement"] == 1.0
@@ -191,7 +197,19 @@ def test_report_keys_and_the_baseline_against_itself(report) -> None:
     assert all(r["output_tok_s"] > 0 for r in (base, same, bf16))
     text = ev.format_table(report)
     assert text.splitlines()[0].split()[:2] == ["config", "weights"]
-    assert [line.split()[0] for line in text.splitlines()[2:]] == ["baseline", "self", "bf16"]
+    assert [line.split()[0] for line in text.splitlines()[2:5]] == ["baseline", "self", "bf16"]
+
+
+@pytest.mark.skipif(not HAS_QUANT, reason="this build has no weight quantisation fields")
+def test_a_quantised_row(report) -> None:
+    base, q = report["baseline"], report["rows"][2]
+    assert q["config"] == "int8+emb"
+    # every matrix at 1 byte per weight plus f32 scales; the norms stay float32
+    assert 0.25 < q["weights_gib"] / base["weights_gib"] < 0.27
+    assert q["kv_bytes_per_token"] == base["kv_bytes_per_token"]
+    assert q["max_concurrent_seqs"] > base["max_concurrent_seqs"]
+    assert q["ppl"] != base["ppl"] and abs(q["delta_ppl_pct"]) < 1
+    assert 0.5 < q["top1_agreement"] <= 1.0
 
 
 def test_argmax_is_the_models(tokenizer) -> None:
