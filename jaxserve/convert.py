@@ -71,6 +71,13 @@ def run(ns: argparse.Namespace) -> int:
     """The ``convert`` command: convert and print what was written."""
     times = convert(ns.src, ns.dst, ns.dtype, ns.quantization, ns.quantization_group_size,
                     ns.quantize_embeddings)
+    flags = ""
+    if ns.quantization != "none":
+        flags = f" --quantization {ns.quantization}"
+        if ns.quantization == "int4":
+            flags += f" --quantization-group-size {ns.quantization_group_size}"
+        if ns.quantize_embeddings:
+            flags += " --quantize-embeddings"
     print(f"wrote {ns.dst} (read {times['load_s']:.1f} s, wrote {times['save_s']:.1f} s); "
-          f"serve it with: jaxserve serve {ns.dst}", flush=True)
+          f"serve it with: jaxserve serve {ns.dst}{flags}", flush=True)
     return 0

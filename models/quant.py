@@ -31,6 +31,10 @@ tied LM head contracts over ``hidden`` (axis -1), so its scales are per row):
   even, so ``|w - deq| <= max(|w| * 2**-4, scale * 2**-10)`` (3 mantissa bits; the second term
   covers e4m3's subnormals below ``2**-6``).
 
+Weights are quantised from the params as loaded, i.e. in the serving dtype (float32 on the CPU;
+bfloat16 on accelerators, whose rounding of the source adds at most 2**-9 relative error before
+quantisation), so no float32 copy of the whole model is ever held.
+
 Compute: int8/fp8 weights are converted to the activation dtype (exact: |q| <= 448 with at
 most 4 significant bits, or integers <= 127), multiplied, and the per-channel scale applied to
 the ``[T, out]`` result in float32; int4 weights are unpacked and scaled to the activation dtype
