@@ -52,6 +52,14 @@ ENGINE_HELP = {
                           "(default: no host tier)",
     "dtype": "weights and activations: auto (float32 on CPU, bfloat16 on accelerators), "
              "float32, bfloat16, float16",
+    "kv_cache_dtype": "KV-cache storage: auto (the serving dtype), fp8 (float8 e4m3) or int8, "
+                      "8-bit with per-(layer, kv-head) scales calibrated at start",
+    "kv_calibration_file": "text file whose K/V magnitudes set the 8-bit KV scales (default: "
+                           "a short passage shipped with jaxserve)",
+    "kv_scale_mode": "advanced: calibrated (scales from the calibration text) or unit (every "
+                     "scale 1.0, the accuracy-losing default of some engines; for comparison)",
+    "kv_calibration_percentile": "advanced: percentile of |K|, |V| per (layer, head) that maps "
+                                 "to the 8-bit maximum (100: the absolute maximum)",
     "seed": "seed for dummy weights and for requests without one",
     "attention_backend": "auto (Pallas kernel on GPUs, pure-jnp op elsewhere), reference, pallas, "
                          "or pallas-interpret (the kernel in the Pallas interpreter; CPU tests)",
@@ -281,7 +289,8 @@ def _start_engine(cfg: EngineConfig, load: LoadConfig, out: typing.TextIO):  # -
     t0 = time.perf_counter()
     engine = LLMEngine(cfg, load, metrics=EngineMetrics())
     print(f"loaded {engine.model_name} in {engine.load_s:.1f} s ({engine.dtype}, "
-          f"{engine.num_blocks} KV blocks of {cfg.block_size} tokens, max_model_len "
+          f"{engine.num_blocks} KV blocks of {cfg.block_size} tokens "
+          f"({engine.kv_cache_summary()}), max_model_len "
           f"{engine.max_model_len})", file=out, flush=True)
     aeng = AsyncEngine(engine)
     aeng.start(warmup=True, progress=True)
@@ -332,7 +341,8 @@ def serve(ns: argparse.Namespace) -> None:
         engine = LLMEngine(cfg, load, metrics=EngineMetrics())
         aeng = AsyncEngine(engine)
     print(f"loaded {engine.model_name} in {engine.load_s:.1f} s ({engine.dtype}, "
-          f"{engine.num_blocks} KV blocks of {cfg.block_size} tokens, max_model_len "
+          f"{engine.num_blocks} KV blocks of {cfg.block_size} tokens "
+          f"({engine.kv_cache_summary()}), max_model_len "
           f"{engine.max_model_len}, {ns.data_parallel_size} replica(s) x "
           f"{cfg.tensor_parallel_size} device(s))", flush=True)
     if multi and ns.process_id != 0:  # a follower: same programs, steps from process 0

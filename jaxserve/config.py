@@ -11,6 +11,8 @@ import typing
 from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")  # pallas_kernels.kv_cache.KV_QUANT_DTYPES + auto
+KV_SCALE_MODES = ("calibrated", "unit")
 # the same names as pallas_kernels.ATTENTION_BACKENDS (not imported here: no jax for the CLI parser)
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas-interpret")
 # the same names as models.quant.METHODS (not imported here: no jax for the CLI parser)
@@ -41,6 +43,16 @@ class EngineConfig:
         None: no host tier.
       dtype: activation and weight dtype ("float32", "bfloat16", "float16"); "auto" means
         float32 on the CPU and bfloat16 on accelerators.
+      kv_cache_dtype: KV-cache storage: "auto" (the activation dtype), "fp8" (float8_e4m3fn) or
+        "int8" (symmetric), both 1 byte per element with static per-(layer, kv-head) scales,
+        so the same KV memory holds 2x (bfloat16) / 4x (float32) the tokens.
+      kv_calibration_file: a UTF-8 text file prefilled once at start to measure K/V magnitudes
+        (see jaxserve.kv_calibration); None: the passage shipped with the package. Only with an
+        8-bit kv_cache_dtype and kv_scale_mode "calibrated".
+      kv_scale_mode: "calibrated" (scales from the calibration pass) or "unit" (every scale
+        1.0; kept to measure what calibration buys).
+      kv_calibration_percentile: the percentile of |K| (|V|) per (layer, kv head) over the
+        calibration tokens that maps to the format's largest value (100: the absolute max).
       seed: seed for dummy weights and for requests that give none.
       attention_backend: "auto" (the Pallas kernel on GPUs, the pure-jnp op elsewhere),
         "reference" (the pure-jnp op), "pallas" (the Pallas Triton kernel), or
@@ -71,6 +83,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_offloading_size: float | None = None
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    kv_calibration_file: str | None = None
+    kv_scale_mode: str = "calibrated"
+    kv_calibration_percentile: float = 100.0
     seed: int = 0
     attention_backend: str = "auto"
     compilation_cache_dir: str = "~/.cache/jaxserve/xla"
@@ -107,6 +123,7 @@ class EngineConfig:
             raise ValueError(f"{self.max_model_len=} must be >= 2")
         if self.dtype not in DTYPES + ("auto",):
             raise ValueError(f"{self.dtype=} must be one of {DTYPES + ('auto',)}")
+        self._check_kv_quantization()
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"{self.attention_backend=} must be one of {ATTENTION_BACKENDS}")
         if self.tensor_parallel_size < 1:
@@ -120,6 +137,19 @@ class EngineConfig:
         if self.quantize_embeddings and self.quantization == "none":
             raise ValueError(f"{self.quantize_embeddings=} needs quantization int8, int4 or "
                              f"fp8 (got {self.quantization=})")
+
+    def _check_kv_quantization(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"{self.kv_cache_dtype=} must be one of {KV_CACHE_DTYPES}")
+        if self.kv_scale_mode not in KV_SCALE_MODES:
+            raise ValueError(f"{self.kv_scale_mode=} must be one of {KV_SCALE_MODES}")
+        if not 0.0 < self.kv_calibration_percentile <= 100.0:
+            raise ValueError(f"{self.kv_calibration_percentile=} must be in (0, 100]")
+        if self.kv_calibration_file is not None and (self.kv_cache_dtype == "auto"
+                                                     or self.kv_scale_mode != "calibrated"):
+            raise ValueError(f"{self.kv_calibration_file=} is used only with kv_cache_dtype "
+                             f"fp8 or int8 and kv_scale_mode 'calibrated' (got "
+                             f"{self.kv_cache_dtype=}, {self.kv_scale_mode=})")
 
     def _check_types(self) -> None:
         """Each field holds its declared type (ints are not bools; floats accept ints)."""

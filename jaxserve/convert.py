@@ -11,6 +11,10 @@ With ``--quantization int8|int4|fp8`` (and ``--quantization-group-size``,
 stored quantised (``models.quant``); ``config.json`` records the settings, and serving DST
 restores the quantised leaves as stored (no quantisation runs) when given the same
 ``--quantization`` flags, and refuses other ones.
+
+With ``--kv-cache-dtype fp8|int8`` the converter also runs the KV calibration pass
+(``jaxserve.kv_calibration``) and stores the scales in ``DST/kv_scales.json``, so serving DST with
+an 8-bit KV cache skips it.
 """
 
 from __future__ import annotations
@@ -36,17 +40,25 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="input rows per int4 scale (must divide the weights' input dims)")
     p.add_argument("--quantize-embeddings", action="store_true",
                    help="also quantise the embedding table and the LM head")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["fp8", "int8"],
+                   help="also calibrate and store the scales of this 8-bit KV cache "
+                        "(kv_scales.json; serving with either 8-bit format uses them)")
+    p.add_argument("--kv-calibration-file", default=None,
+                   help="text for that calibration (default: the passage shipped with jaxserve)")
 
 
 def convert(src: str, dst: str, dtype: str = "auto", quantization: str = "none",
-            quantization_group_size: int = 64, quantize_embeddings: bool = False
+            quantization_group_size: int = 64, quantize_embeddings: bool = False,
+            kv_cache_dtype: str | None = None, kv_calibration_file: str | None = None
             ) -> dict[str, float]:
     """Load ``src`` (quantising it as ``models.quant.apply_quantization`` does for serving)
-    and write it to ``dst`` as an orbax checkpoint; returns ``{"load_s", "save_s"}``.
+    and write it to ``dst`` as an orbax checkpoint; returns ``{"load_s", "save_s"}`` (and
+    ``"calibrate_s"`` with ``kv_cache_dtype``).
 
     Raises:
       ValueError / FileNotFoundError: an unreadable SRC, a DST that holds a checkpoint already,
-        bad quantisation settings (naming the field), or an architecture without quantisation.
+        bad quantisation settings (naming the field), an architecture without quantisation, or
+        an unreadable calibration file.
     """
     from jaxserve.config import LoadConfig
     from jaxserve.engine import load_model, resolve_dtype
@@ -64,13 +76,38 @@ def convert(src: str, dst: str, dtype: str = "auto", quantization: str = "none",
     t1 = time.perf_counter()
     save_checkpoint(dst, cfg, params, dt)
     tokenizer.save_pretrained(dst)
-    return {"load_s": t1 - t0, "save_s": time.perf_counter() - t1}
+    times = {"load_s": t1 - t0, "save_s": time.perf_counter() - t1}
+    if kv_cache_dtype is not None:
+        t2 = time.perf_counter()
+        _save_kv_scales(dst, cfg, params, tokenizer, dt, kv_cache_dtype, kv_calibration_file)
+        times["calibrate_s"] = time.perf_counter() - t2
+    return times
+
+
+def _save_kv_scales(dst: str, cfg, params, tokenizer, dt, kv_cache_dtype: str,
+                    kv_calibration_file: str | None) -> None:
+    """Run the engine's KV calibration pass on the loaded model; write DST/kv_scales.json."""
+    from jaxserve import kv_calibration as cal
+    from models.checkpoint import save_kv_scales
+    from models.registry import get_architecture
+    from pallas_kernels.kv_cache import KV_QUANT_DTYPES
+
+    if kv_cache_dtype not in KV_QUANT_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} must be one of "
+                         f"{sorted(KV_QUANT_DTYPES)}")
+    model = get_architecture(cfg.architecture).model(cfg, dt)
+    ids = cal.calibration_token_ids(tokenizer, kv_calibration_file,
+                                    min(cal.MAX_CALIBRATION_TOKENS, cfg.max_position_embeddings))
+    k_amax, v_amax = cal.calibration_amax(model, params, ids, block_size=16, dtype=dt)
+    qdt = KV_QUANT_DTYPES[kv_cache_dtype]
+    save_kv_scales(dst, kv_cache_dtype, cal.scales_from_amax(k_amax, qdt),
+                   cal.scales_from_amax(v_amax, qdt), num_tokens=len(ids), percentile=100.0)
 
 
 def run(ns: argparse.Namespace) -> int:
     """The ``convert`` command: convert and print what was written."""
     times = convert(ns.src, ns.dst, ns.dtype, ns.quantization, ns.quantization_group_size,
-                    ns.quantize_embeddings)
+                    ns.quantize_embeddings, ns.kv_cache_dtype, ns.kv_calibration_file)
     flags = ""
     if ns.quantization != "none":
         flags = f" --quantization {ns.quantization}"
@@ -78,6 +115,8 @@ def run(ns: argparse.Namespace) -> int:
             flags += f" --quantization-group-size {ns.quantization_group_size}"
         if ns.quantize_embeddings:
             flags += " --quantize-embeddings"
-    print(f"wrote {ns.dst} (read {times['load_s']:.1f} s, wrote {times['save_s']:.1f} s); "
+    kv = (f", KV scales for {ns.kv_cache_dtype} calibrated in {times['calibrate_s']:.1f} s"
+          if ns.kv_cache_dtype else "")
+    print(f"wrote {ns.dst} (read {times['load_s']:.1f} s, wrote {times['save_s']:.1f} s{kv}); "
           f"serve it with: jaxserve serve {ns.dst}{flags}", flush=True)
     return 0

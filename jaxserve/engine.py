@@ -31,6 +31,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
 from models.config import ModelConfig
 from pallas_kernels import allocate_kv_cache, attention_fn_for_backend, kv_cache_bytes_per_block
+from pallas_kernels.kv_cache import KV_QUANT_DTYPES
 
 GIB = 1 << 30
 
@@ -156,6 +157,15 @@ class LLMEngine:
     The KV cache may hold fewer tokens than ``max_model_len``; a request that can never fit
     in it is refused by ``validate`` (see there).
 
+    With ``kv_cache_dtype`` "fp8" / "int8" the cache is allocated at 1 byte per element (its
+    block count from the same memory budget grows accordingly) with per-(layer, kv-head)
+    scales from a calibration prefill (``jaxserve.kv_calibration``) or 1.0
+    (``kv_scale_mode="unit"``). Attributes for reports: ``kv_cache_dtype`` (the storage dtype),
+    ``kv_bytes_per_token`` (bytes one token's K and V take across all layers and devices),
+    ``kv_scales`` (``(k_scale, v_scale)`` numpy ``f32[num_layers, num_kv_heads]``, or None),
+    ``kv_scales_source`` ("calibrated", "checkpoint": stored by ``jaxserve convert
+    --kv-cache-dtype``, "unit", or None), ``kv_calibration_tokens`` and ``kv_calibration_s``.
+
     Raises:
       ValueError: invalid settings (max_model_len above the model's, a host tier smaller than
         one block, or one the device cannot place in pinned host memory).
@@ -196,30 +206,41 @@ class LLMEngine:
             params = sharding.shard_params(params, mc, self.mesh)
             self.model_config = mc = sharded_mc
             attention_fn = sharding.shard_attention(attention_fn, self.mesh)
+        self.kv_cache_dtype = (self.dtype if config.kv_cache_dtype == "auto"
+                               else KV_QUANT_DTYPES[config.kv_cache_dtype])
+        self.kv_bytes_per_token = kv_cache_bytes_per_block(
+            mc.num_layers, 1, mc.num_kv_heads, mc.head_dim, self.kv_cache_dtype)
         self.num_blocks = self._num_kv_blocks(params)
         max_blocks = -(-self.max_model_len // config.block_size)
         # the most tokens one request (prompt + output) can hold: the context window, or the
         # whole KV cache when that is smaller
         self.max_request_tokens = min(self.max_model_len,
                                       (self.num_blocks - 1) * config.block_size)
-        kv_sharding = None
+        kv_sharding = scale_sharding = None
         if self.mesh is not None:
-            from jaxserve.sharding import kv_cache_spec
+            from jaxserve.sharding import kv_cache_spec, kv_scale_spec
 
             kv_sharding = jax.sharding.NamedSharding(self.mesh, kv_cache_spec())
+            scale_sharding = jax.sharding.NamedSharding(self.mesh, kv_scale_spec())
+        self.model = get_architecture(mc.architecture).model(mc, self.dtype,
+                                                             attention_fn=attention_fn)
+        self.kv_scales = self._kv_scales(params, kv_sharding)
+        scales = {} if self.kv_scales is None else {
+            "k_scale": self.kv_scales[0], "v_scale": self.kv_scales[1],
+            "scale_sharding": scale_sharding}
         kv = allocate_kv_cache(mc.num_layers, self.num_blocks, config.block_size,
-                               mc.num_kv_heads, mc.head_dim, self.dtype, sharding=kv_sharding)
+                               mc.num_kv_heads, mc.head_dim, self.kv_cache_dtype,
+                               sharding=kv_sharding, **scales)
         self.host_kv: HostKVTier | None = None
         if config.kv_offloading_size is not None:
             per_block = kv_cache_bytes_per_block(mc.num_layers, config.block_size,
-                                                 mc.num_kv_heads, mc.head_dim, self.dtype)
+                                                 mc.num_kv_heads, mc.head_dim,
+                                                 self.kv_cache_dtype)
             n = int(config.kv_offloading_size * GIB // per_block)
             if n < 1:
                 raise ValueError(f"kv_offloading_size={config.kv_offloading_size} GiB is less "
                                  f"than one KV block ({per_block} bytes)")
             self.host_kv = HostKVTier(kv, n + 1, max_blocks_per_copy=max_blocks)
-        self.model = get_architecture(mc.architecture).model(mc, self.dtype,
-                                                             attention_fn=attention_fn)
         vocab_limit = self.tokenizer.vocab_size if self.tokenizer.vocab_size < mc.vocab_size \
             else None
         self.runner = ModelRunner(self.model, params, kv,
@@ -257,6 +278,57 @@ class LLMEngine:
         return apply_quantization(params, arch.quant_targets, qcfg, arch.name,
                                   delete_source=True)
 
+    def _kv_scales(self, params, kv_sharding) -> tuple[np.ndarray, np.ndarray] | None:
+        """The 8-bit cache's ``(k_scale, v_scale)``, ``f32[num_layers, num_kv_heads]`` (None
+        for a float cache): all 1.0 in "unit" mode, else those stored in an orbax checkpoint
+        (unless a calibration file is given), else from the calibration prefill."""
+        c, mc = self.config, self.model_config
+        self.kv_calibration_s = 0.0
+        self.kv_calibration_tokens = 0
+        self.kv_scales_source = None
+        if c.kv_cache_dtype == "auto":
+            return None
+        shape = (mc.num_layers, mc.num_kv_heads)
+        if c.kv_scale_mode == "unit":
+            self.kv_scales_source = "unit"
+            return np.ones(shape, np.float32), np.ones(shape, np.float32)
+        from jaxserve import kv_calibration as cal
+
+        path = self.load_config.model
+        if c.kv_calibration_file is None and self.load_config.load_format != "dummy" and path:
+            stored = cal.checkpoint_kv_scales(path, mc.num_layers, mc.num_kv_heads,
+                                              self.kv_cache_dtype)
+            if stored is not None:
+                self.kv_scales_source = "checkpoint"
+                return stored
+        self.kv_scales_source = "calibrated"
+        t0 = time.perf_counter()
+        ids = cal.calibration_token_ids(self.tokenizer, c.kv_calibration_file, min(
+            cal.MAX_CALIBRATION_TOKENS, mc.max_position_embeddings))
+        k_amax, v_amax = cal.calibration_amax(
+            self.model, params, ids, block_size=c.block_size, dtype=self.dtype,
+            percentile=c.kv_calibration_percentile, cache_sharding=kv_sharding)
+        self.kv_calibration_s = time.perf_counter() - t0
+        self.kv_calibration_tokens = len(ids)
+        return (cal.scales_from_amax(k_amax, self.kv_cache_dtype),
+                cal.scales_from_amax(v_amax, self.kv_cache_dtype))
+
+    def kv_cache_summary(self) -> str:
+        """One line for start-up logs: the cache dtype, bytes per token, and for an 8-bit
+        cache how its scales were set (e.g. ``"kv fp8 (float8_e4m3fn), 23040 B/token, scales
+        calibrated on 868 tokens in 1.2 s"``)."""
+        c = self.config
+        line = f"kv {c.kv_cache_dtype}"
+        if c.kv_cache_dtype != "auto":
+            line += f" ({self.kv_cache_dtype.name})"
+        line += f", {self.kv_bytes_per_token} B/token"
+        if self.kv_scales_source == "calibrated":
+            line += (f", scales calibrated on {self.kv_calibration_tokens} tokens in "
+                     f"{self.kv_calibration_s:.1f} s")
+        elif self.kv_scales_source is not None:
+            line += f", {self.kv_scales_source} scales"
+        return line
+
     def _num_kv_blocks(self, params) -> int:
         c, mc = self.config, self.model_config
         if c.num_kv_blocks is not None:
@@ -264,7 +336,8 @@ class LLMEngine:
         # per device: with tensor parallelism each device holds num_kv_heads / tp heads, and
         # both memory settings are budgets of one device (as vLLM's gpu_memory_utilization)
         per_block = kv_cache_bytes_per_block(mc.num_layers, c.block_size, mc.num_kv_heads,
-                                             mc.head_dim, self.dtype) // c.tensor_parallel_size
+                                             mc.head_dim, self.kv_cache_dtype) \
+            // c.tensor_parallel_size
         if c.kv_cache_memory_gib is not None:
             budget = c.kv_cache_memory_gib * GIB
         else:

@@ -16,11 +16,16 @@ sizes (``copy_sizes``); a batch is padded with (0 -> 0) pairs, and a longer one 
 Dispatch is asynchronous: nothing here waits for a copy, so the step's program is enqueued
 behind the copies without a host sync (the device orders them: each reads the arrays the
 previous one wrote).
+
+An 8-bit device cache gives an 8-bit host tier (the same dtype, 1 byte per element): its scales
+are static per (layer, kv head), so a block's stored bytes mean the same on either side and only
+the pages move; the copy programs take and return the K and V page arrays, never the scales.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -82,42 +87,44 @@ class HostKVTier:
     def _offload_fn(self):
         host_sharding = self.host_sharding
 
-        def offload(host: KVCache, kv: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+        def offload(host: KVCache, k: jax.Array, v: jax.Array, src: jax.Array, dst: jax.Array
+                    ) -> KVCache:
             def one(h, d):
                 blocks = jax.device_put(d[:, src], host_sharding)  # [L, n, bs, kvh, hd]
                 return h.at[:, dst].set(blocks)
-            return KVCache(k=one(host.k, kv.k), v=one(host.v, kv.v))
+            return KVCache(k=one(host.k, k), v=one(host.v, v))
 
         return offload
 
     def _load_fn(self):
         dev_sharding = self.device_sharding
 
-        def load(kv: KVCache, host: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+        def load(k: jax.Array, v: jax.Array, host: KVCache, src: jax.Array, dst: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
             def one(d, h):
                 blocks = jax.device_put(h[:, src], dev_sharding)
                 return d.at[:, dst].set(blocks)
-            return KVCache(k=one(kv.k, host.k), v=one(kv.v, host.v))
+            return one(k, host.k), one(v, host.v)
 
         return load
 
     def warmup(self) -> dict[str, float]:
         """Compile the copy programs; returns {"num_programs", "compile_s"}."""
         t0 = time.perf_counter()
-        dev = KVCache(k=self._device_kv_shape, v=self._device_kv_shape)
+        dev = self._device_kv_shape
         for n in self.sizes:
             idx = jax.ShapeDtypeStruct((n,), jnp.int32)
             if n not in self._offload:
                 self._offload[n] = jax.jit(
                     self._offload_fn(), donate_argnums=(0,),
                     out_shardings=KVCache(self.host_sharding, self.host_sharding),
-                ).lower(self.cache, dev, idx, idx).compile()
+                ).lower(self.cache, dev, dev, idx, idx).compile()
                 self.num_compiles += 1
             if n not in self._load:
                 self._load[n] = jax.jit(
-                    self._load_fn(), donate_argnums=(0,),
-                    out_shardings=KVCache(self.device_sharding, self.device_sharding),
-                ).lower(dev, self.cache, idx, idx).compile()
+                    self._load_fn(), donate_argnums=(0, 1),
+                    out_shardings=(self.device_sharding, self.device_sharding),
+                ).lower(dev, dev, self.cache, idx, idx).compile()
                 self.num_compiles += 1
         return {"num_programs": float(2 * len(self.sizes)), "compile_s": time.perf_counter() - t0}
 
@@ -138,15 +145,16 @@ class HostKVTier:
             prog = self._offload.get(n)
             if prog is None:
                 raise RuntimeError("HostKVTier.offload before warmup()")
-            self.cache = prog(self.cache, kv, src, dst)
+            self.cache = prog(self.cache, kv.k, kv.v, src, dst)
 
     def load(self, kv: KVCache, pairs: Sequence[tuple[int, int]]) -> KVCache:
         """Copy host blocks into device blocks, ``pairs`` of (host block, device block), each
-        device block at most once; returns the new device cache (``kv`` is donated).
-        Asynchronous. Raises RuntimeError before ``warmup``."""
+        device block at most once; returns the new device cache (``kv``'s pages are donated;
+        its scales, if any, carry over). Asynchronous. Raises RuntimeError before ``warmup``."""
         for n, src, dst in self._batches(pairs):
             prog = self._load.get(n)
             if prog is None:
                 raise RuntimeError("HostKVTier.load before warmup()")
-            kv = prog(kv, self.cache, src, dst)
+            k, v = prog(kv.k, kv.v, self.cache, src, dst)
+            kv = dataclasses.replace(kv, k=k, v=v)
         return kv

@@ -9,7 +9,9 @@ layer needs exactly two all-reduces of ``[T, hidden]``: after the attention outp
 and after the MLP's down projection. Attention itself is independent per kv head, so the paged KV
 cache ``[L, num_blocks, block_size, kv_heads, head_dim]`` is split over kv heads and the attention
 op (and ``write_kv``) run per device under ``shard_map`` on their local heads, with no
-communication. The embedding table and the LM head are split over the vocabulary.
+communication. The embedding table and the LM head are split over the vocabulary. An 8-bit
+cache's scales ``[L, kv_heads]`` are split over kv heads the same way (``kv_scale_spec``), so each
+device holds the scales of its own heads.
 
 The mesh has one axis, ``"tp"``. Where ``num_kv_heads`` is smaller than the TP size the kv heads
 are *replicated* (each kv head copied ``tp // num_kv_heads`` times, so every device holds one),
@@ -174,6 +176,11 @@ def kv_cache_spec() -> P:
     return P(None, None, None, TP_AXIS, None)
 
 
+def kv_scale_spec() -> P:
+    """An 8-bit cache's ``k_scale`` / ``v_scale`` ``f32[L, kv_heads]``: split like the cache."""
+    return P(None, TP_AXIS)
+
+
 def make_mesh(tp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A 1-D ``("tp",)`` mesh over the first ``tp`` devices (or the given ones).
 
@@ -210,17 +217,24 @@ def shard_attention(attention_fn: Callable[..., jax.Array], mesh: Mesh
     """Wrap the pinned attention op so each device attends with its own heads.
 
     q ``[T, heads, hd]`` and out are split over heads, the caches over kv heads, the batch
-    layout (block tables, lengths) replicated; no communication happens inside.
+    layout (block tables, lengths) replicated; no communication happens inside. An 8-bit
+    cache's ``k_scale`` / ``v_scale`` keywords are split over kv heads too (``kv_scale_spec``).
     """
     heads = P(None, TP_AXIS, None)
     cache = kv_cache_spec()
 
     def wrapped(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs,
-                **kw):
-        f = jax.shard_map(lambda *a: attention_fn(*a, **kw), mesh=mesh,
-                      in_specs=(heads, cache, cache, P(), P(), P(), P(), P()),
-                      out_specs=heads, check_vma=False)
-        return f(q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs)
+                k_scale=None, v_scale=None, **kw):
+        args = (q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs)
+        specs = (heads, cache, cache, P(), P(), P(), P(), P())
+        if k_scale is None:
+            body = lambda *a: attention_fn(*a, **kw)
+        else:  # the scales enter as arguments (not closed over) so that they are split too
+            body = lambda *a: attention_fn(*a[:-2], k_scale=a[-2], v_scale=a[-1], **kw)
+            args += (k_scale, v_scale)
+            specs += (kv_scale_spec(), kv_scale_spec())
+        f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)
+        return f(*args)
 
     return wrapped
 
@@ -230,10 +244,18 @@ def shard_write_kv(write_fn: Callable, mesh: Mesh) -> Callable:
     heads = P(None, TP_AXIS, None)
     cache = kv_cache_spec()
 
-    def wrapped(k_cache, v_cache, layer, k_new, v_new, slot_mapping):
-        f = jax.shard_map(write_fn, mesh=mesh,
-                      in_specs=(cache, cache, P(), heads, heads, P()),
-                      out_specs=(cache, cache), check_vma=False)
-        return f(k_cache, v_cache, layer, k_new, v_new, slot_mapping)
+    def wrapped(k_cache, v_cache, layer, k_new, v_new, slot_mapping, k_scale=None,
+                v_scale=None):
+        args = (k_cache, v_cache, layer, k_new, v_new, slot_mapping)
+        specs = (cache, cache, P(), heads, heads, P())
+        if k_scale is None:
+            body = write_fn
+        else:
+            body = lambda *a: write_fn(*a[:-2], k_scale=a[-2], v_scale=a[-1])
+            args += (k_scale, v_scale)
+            specs += (kv_scale_spec(), kv_scale_spec())
+        f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(cache, cache),
+                          check_vma=False)
+        return f(*args)
 
     return wrapped

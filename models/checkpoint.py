@@ -12,6 +12,10 @@ write one from their own training code):
   DIR/tokenizer.json         HF ``tokenizers`` file (written by ``jaxserve convert``)
   DIR/tokenizer_config.json  bos/eos token strings, add_bos_token, chat_template
   DIR/generation_config.json ``eos_token_id`` list (every id that ends generation)
+  DIR/kv_scales.json         optional (``jaxserve convert --kv-cache-dtype fp8|int8``): the 8-bit
+                             KV cache's calibrated scales, ``{"kv_cache_dtype", "k_scale",
+                             "v_scale" ([num_layers][num_kv_heads] floats), "num_tokens",
+                             "percentile"}``; served without a calibration pass
 
 Loading reads ``config.json``, builds the model of that architecture, and restores the params
 straight into ``model.param_shapes()`` as ``jax.ShapeDtypeStruct`` targets carrying the target
@@ -29,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 CONFIG_FILE = "config.json"
+KV_SCALES_FILE = "kv_scales.json"
 PARAMS_DIR = "params"
 FORMAT = "jaxserve-orbax"
 
@@ -80,6 +85,47 @@ def save_checkpoint(path: str, cfg, params, dtype: jnp.dtype | None = None) -> N
     with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as fh:
         json.dump(data, fh, indent=2)
         fh.write("\n")
+
+
+def save_kv_scales(path: str, kv_cache_dtype: str, k_scale, v_scale, *, num_tokens: int,
+                   percentile: float) -> None:
+    """Write ``path/kv_scales.json``: the 8-bit KV cache's scales for ``kv_cache_dtype``
+    ("fp8" / "int8"), each ``[num_layers, num_kv_heads]``, and how they were calibrated."""
+    data = {"kv_cache_dtype": kv_cache_dtype,
+            "k_scale": [[float(x) for x in row] for row in k_scale],
+            "v_scale": [[float(x) for x in row] for row in v_scale],
+            "num_tokens": int(num_tokens), "percentile": float(percentile)}
+    with open(os.path.join(path, KV_SCALES_FILE), "w", encoding="utf-8") as fh:
+        json.dump(data, fh)
+        fh.write("\n")
+
+
+def read_kv_scales(path: str) -> dict | None:
+    """``path/kv_scales.json`` as ``{"kv_cache_dtype": str, "k_scale", "v_scale":
+    float32 numpy [num_layers, num_kv_heads], ...}``, or None when the file is absent.
+
+    Raises:
+      ValueError: an unreadable file, a missing key, or scales that are not finite and > 0.
+    """
+    import numpy as np
+
+    file = os.path.join(path, KV_SCALES_FILE)
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file, encoding="utf-8") as fh:
+            data = json.load(fh)
+        data["k_scale"] = np.asarray(data["k_scale"], np.float32)
+        data["v_scale"] = np.asarray(data["v_scale"], np.float32)
+        str(data["kv_cache_dtype"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot read {file}: {e}") from None
+    for key in ("k_scale", "v_scale"):
+        a = data[key]
+        if a.ndim != 2 or not np.all(np.isfinite(a) & (a > 0)):
+            raise ValueError(f"{file}: {key} must be [num_layers][num_kv_heads] of finite "
+                             f"positive numbers")
+    return data
 
 
 def read_config(path: str):

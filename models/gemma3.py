@@ -33,7 +33,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import Gemma3Config
-from models.llama import AttentionFn, AttentionMetadata, RMSNorm, apply_rope
+from models.llama import (
+    AttentionFn,
+    AttentionMetadata,
+    RMSNorm,
+    apply_rope,
+    cache_scales,
+    kv_scale_kwargs,
+)
 from models.quant import embed_lookup, qmatmul, weight
 from pallas_kernels import KVCache, ragged_paged_attention, write_kv
 
@@ -57,7 +64,8 @@ def _rope_tables(positions: jax.Array, theta: float, head_dim: int, scale: float
 
 class Gemma3DecoderLayer(nn.Module):
     """One layer; called by nn.scan with carry ``(x, k_cache, v_cache, layer)``, the step's
-    constants (metadata and both RoPE tables) and this layer's ``(window i32, is_global bool)``.
+    constants (metadata, both RoPE tables and an 8-bit cache's scales or None, see
+    ``models.llama.kv_scale_kwargs``) and this layer's ``(window i32, is_global bool)``.
     """
 
     cfg: Gemma3Config
@@ -67,7 +75,7 @@ class Gemma3DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, carry, consts, per_layer):
         x, k_cache, v_cache, layer = carry
-        md, (cos_l, sin_l), (cos_g, sin_g) = consts
+        md, (cos_l, sin_l), (cos_g, sin_g), scales = consts
         window, is_global = per_layer
         cfg, dt = self.cfg, self.dtype
         init = nn.initializers.normal(0.02)
@@ -85,10 +93,12 @@ class Gemma3DecoderLayer(nn.Module):
         cos = jnp.where(is_global, cos_g, cos_l)
         sin = jnp.where(is_global, sin_g, sin_l)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, md.slot_mapping)
+        kw = kv_scale_kwargs(scales)
+        k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, md.slot_mapping, **kw)
         attn = self.attention_fn(
             q, k_cache, v_cache, layer, md.block_tables, md.seq_lens, md.query_start_loc,
-            md.num_seqs, sm_scale=cfg.query_pre_attn_scalar ** -0.5, sliding_window=window)
+            md.num_seqs, sm_scale=cfg.query_pre_attn_scalar ** -0.5, sliding_window=window,
+            **kw)
         o = qmatmul(attn.reshape(t, nq * hd).astype(dt), w("wo", (nq * hd, h)))
         x = x + RMSNorm(eps, dt, name="post_attn_norm")(o)
 
@@ -132,8 +142,9 @@ class Gemma3Model(nn.Module):
         windows = jnp.asarray(layer_windows(cfg))
         per_layer = (windows, windows == GLOBAL_WINDOW)
         carry = (x, kv_cache.k, kv_cache.v, jnp.int32(0))
-        (x, k, v, _), _ = self.layers(carry, (md, local, glob), per_layer)
-        return self.final_norm(x), KVCache(k, v)
+        (x, k, v, _), _ = self.layers(carry, (md, local, glob, cache_scales(kv_cache)),
+                                      per_layer)
+        return self.final_norm(x), KVCache(k, v, kv_cache.k_scale, kv_cache.v_scale)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         return qmatmul(hidden.astype(self.dtype), self.embed, transpose=True).astype(jnp.float32)

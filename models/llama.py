@@ -6,7 +6,10 @@ Data flow of ``forward`` for a ragged batch of ``T`` tokens:
   residual -> RMSNorm -> SwiGLU MLP -> residual] -> final RMSNorm ``[T, hidden]``.
 The KV cache (``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` each for K and V)
 rides in the scan *carry* with the layer index, so every layer reads and writes the one buffer in
-place; passing it as scan xs/ys would slice and re-stack (copy) it.
+place; passing it as scan xs/ys would slice and re-stack (copy) it. An 8-bit cache's scales
+(``f32[num_layers, num_kv_heads]`` each, static) ride with the step's constants and reach
+``write_kv`` and the attention op as ``k_scale`` / ``v_scale`` (not passed for a float cache, so
+attention functions that know no scales keep working).
 
 Features: GQA, optional sliding-window attention (Mistral), RoPE (rotate-half layout of HF transformers; GGUF q/k rows are un-permuted at load
 time) with theta and Llama-3 frequency scaling, RMSNorm, SwiGLU, tied or untied embeddings,
@@ -90,8 +93,20 @@ class RMSNorm(nn.Module):
         return (xf * w.astype(jnp.float32)).astype(self.dtype)
 
 
+def kv_scale_kwargs(scales: tuple[jax.Array, jax.Array] | None) -> dict[str, jax.Array]:
+    """``{"k_scale", "v_scale"}`` for ``write_kv`` and the attention op from an 8-bit cache's
+    ``(k_scale, v_scale)`` (each ``f32[num_layers, num_kv_heads]``); ``{}`` for None."""
+    return {} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}
+
+
+def cache_scales(kv_cache: KVCache) -> tuple[jax.Array, jax.Array] | None:
+    """``(k_scale, v_scale)`` of an 8-bit cache, None for a float one."""
+    return None if kv_cache.k_scale is None else (kv_cache.k_scale, kv_cache.v_scale)
+
+
 class DecoderLayer(nn.Module):
-    """One decoder layer; called by nn.scan with carry ``(x, k_cache, v_cache, layer)``."""
+    """One decoder layer; called by nn.scan with carry ``(x, k_cache, v_cache, layer)`` and
+    constants ``(md, cos, sin, scales)`` (``scales``: see ``kv_scale_kwargs``)."""
 
     cfg: ModelConfig
     dtype: jnp.dtype
@@ -100,7 +115,7 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, carry, consts):
         x, k_cache, v_cache, layer = carry
-        md, cos, sin = consts
+        md, cos, sin, scales = consts
         cfg, dt = self.cfg, self.dtype
         init = nn.initializers.normal(0.02)
         h, nq, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -118,10 +133,11 @@ class DecoderLayer(nn.Module):
         q = apply_rope(q.reshape(t, nq, hd), cos, sin)
         k = apply_rope(k.reshape(t, nkv, hd), cos, sin)
         v = v.reshape(t, nkv, hd)
-        k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, md.slot_mapping)
+        kw = kv_scale_kwargs(scales)
+        k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, md.slot_mapping, **kw)
         attn = self.attention_fn(
             q, k_cache, v_cache, layer, md.block_tables, md.seq_lens, md.query_start_loc,
-            md.num_seqs, sm_scale=hd ** -0.5, sliding_window=cfg.sliding_window)
+            md.num_seqs, sm_scale=hd ** -0.5, sliding_window=cfg.sliding_window, **kw)
         x = x + qmatmul(attn.reshape(t, nq * hd).astype(dt), w("wo", (nq * hd, h)))
 
         y = RMSNorm(cfg.rms_norm_eps, dt, name="mlp_norm")(x)
@@ -158,8 +174,9 @@ class LlamaModel(nn.Module):
         x = embed_lookup(self.embed, token_ids, self.dtype)
         ang = positions.astype(jnp.float32)[:, None] * rope_frequencies(self.cfg)[None, :]
         carry = (x, kv_cache.k, kv_cache.v, jnp.int32(0))
-        (x, k, v, _), _ = self.layers(carry, (md, jnp.cos(ang), jnp.sin(ang)))
-        return self.final_norm(x), KVCache(k, v)
+        scales = cache_scales(kv_cache)
+        (x, k, v, _), _ = self.layers(carry, (md, jnp.cos(ang), jnp.sin(ang), scales))
+        return self.final_norm(x), KVCache(k, v, kv_cache.k_scale, kv_cache.v_scale)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         h = hidden.astype(self.dtype)

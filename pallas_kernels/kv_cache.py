@@ -9,6 +9,16 @@ so kernels need no branch for padding.
 The cache is a pytree carried through the layer scan and donated across steps: it is updated in
 place and never copied (the benchmark ``scripts/bench_kv_size.py`` checks that decode step time
 does not depend on ``num_blocks``).
+
+Quantised cache (``kv_cache_dtype`` "fp8" / "int8"): K and V are stored at 8 bits,
+``float8_e4m3fn`` or ``int8``, with static symmetric scales per (layer, kv head), ``k_scale`` and
+``v_scale`` ``f32[num_layers, num_kv_heads]``: a stored value ``x_q`` stands for ``x_q * scale``.
+``write_kv`` divides by the scale, rounds (int8) and saturates to the format's range
+(``QUANT_MAX``: 448 for e4m3, 127 for int8); attention folds the K scale into the scores and
+the V scale into the output, so a page is read at 1 byte per element. Scales are static (fixed
+at engine start by calibration, see ``jaxserve.kv_calibration``), so moving blocks (host tier,
+swap) moves only the pages. Per-tensor-static scaling follows vLLM's FP8 KV cache and
+TensorRT-LLM's INT8/FP8 KV cache; per-head granularity is finer than their per-tensor default.
 """
 
 from __future__ import annotations
@@ -17,22 +27,69 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 PADDING_SLOT = 0  # slot of padding tokens (inside reserved block 0)
+
+# ``kv_cache_dtype`` names of the 8-bit formats and their storage dtypes
+KV_QUANT_DTYPES: dict[str, jnp.dtype] = {
+    "fp8": jnp.dtype(jnp.float8_e4m3fn),
+    "int8": jnp.dtype(jnp.int8),
+}
+# largest magnitude each storage dtype holds (e4m3fn: 448; int8: symmetric, -128 unused)
+QUANT_MAX: dict[jnp.dtype, float] = {
+    jnp.dtype(jnp.float8_e4m3fn): 448.0,
+    jnp.dtype(jnp.int8): 127.0,
+}
+
+
+def is_quantized_dtype(dtype: jnp.dtype) -> bool:
+    """Whether a cache dtype is one of the 8-bit formats (stored with scales)."""
+    return jnp.dtype(dtype) in QUANT_MAX
+
+
+def quantize_kv(x: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """``x / scale`` in an 8-bit storage dtype, saturated to ``QUANT_MAX[dtype]``.
+
+    Args:
+      x: ``[..., num_kv_heads, head_dim]`` float.
+      scale: ``f32[num_kv_heads]`` (broadcast over head_dim).
+      dtype: ``float8_e4m3fn`` (round to nearest even) or ``int8`` (round half to even).
+    Returns:
+      ``x``'s shape in ``dtype``.
+    """
+    dtype = jnp.dtype(dtype)
+    qmax = QUANT_MAX[dtype]
+    y = jnp.clip(x.astype(jnp.float32) / scale[:, None], -qmax, qmax)
+    if jnp.issubdtype(dtype, jnp.integer):
+        y = jnp.round(y)
+    return y.astype(dtype)
+
+
+def dequantize_kv(x_q: jax.Array, scale: jax.Array, dtype: jnp.dtype = jnp.float32
+                  ) -> jax.Array:
+    """``x_q * scale`` in ``dtype``. x_q: ``[..., num_kv_heads, head_dim]``; scale:
+    ``f32[num_kv_heads]``."""
+    return (x_q.astype(jnp.float32) * scale[:, None]).astype(dtype)
 
 
 @jax.tree_util.register_dataclass
 @dataclass
 class KVCache:
-    """Paged K and V arrays.
+    """Paged K and V arrays, with their scales when stored at 8 bits.
 
     Fields:
       k: ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``, the cache dtype.
       v: the same shape and dtype as ``k``.
+      k_scale, v_scale: ``f32[num_layers, num_kv_heads]`` dequantisation scales of an 8-bit
+        cache (``float8_e4m3fn`` / ``int8``); None for a float cache. Static: steps pass them
+        through unchanged.
     """
 
     k: jax.Array
     v: jax.Array
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
 
     @property
     def num_layers(self) -> int:
@@ -69,14 +126,39 @@ def allocate_kv_cache(
     head_dim: int,
     dtype: jnp.dtype,
     sharding: jax.sharding.Sharding | None = None,
+    *,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+    scale_sharding: jax.sharding.Sharding | None = None,
 ) -> KVCache:
     """Zero-filled K and V arrays, created on the device (no host copy).
 
+    For an 8-bit ``dtype`` (``is_quantized_dtype``) ``k_scale`` and ``v_scale``
+    (``[num_layers, num_kv_heads]``, positive) are required and stored as float32, placed with
+    ``scale_sharding`` (under tensor parallelism: split over kv heads like the cache).
+
     Raises:
-      ValueError: if num_blocks < 2 (block 0 is reserved).
+      ValueError: if num_blocks < 2 (block 0 is reserved); scales missing for an 8-bit cache,
+        given for a float one, of the wrong shape, or not finite and positive.
     """
     if num_blocks < 2:
         raise ValueError(f"num_blocks={num_blocks} must be >= 2 (block 0 is reserved)")
     shape = kv_cache_shape(num_layers, num_blocks, block_size, num_kv_heads, head_dim)
     make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    return KVCache(k=make(), v=make())
+    if not is_quantized_dtype(dtype):
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale/v_scale are for an 8-bit cache, not dtype={dtype}")
+        return KVCache(k=make(), v=make())
+    scales = []
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None:
+            raise ValueError(f"{name} is required for an 8-bit cache (dtype={jnp.dtype(dtype)})")
+        host = np.asarray(s, np.float32)
+        if host.shape != (num_layers, num_kv_heads):
+            raise ValueError(f"{name}.shape={host.shape} must be "
+                             f"(num_layers, num_kv_heads)=({num_layers}, {num_kv_heads})")
+        if not np.all(np.isfinite(host) & (host > 0)):
+            raise ValueError(f"{name} must be finite and > 0, got min {host.min()}")
+        # a jitted constant, so that every process of a multi-host mesh places its own shards
+        scales.append(jax.jit(lambda h=host: jnp.asarray(h), out_shardings=scale_sharding)())
+    return KVCache(k=make(), v=make(), k_scale=scales[0], v_scale=scales[1])

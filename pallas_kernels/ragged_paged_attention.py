@@ -12,6 +12,12 @@ numpy (a Python loop over sequences) that tests compare against. The Pallas GPU 
 same signature is ``ragged_paged_attention_triton.ragged_paged_attention_pallas``. Algorithm:
 the online-softmax recurrence of FlashAttention (Dao et al., 2022, arXiv:2205.14135) over
 chunks of KV pages, as in vLLM's PagedAttention (Kwon et al., 2023, arXiv:2309.06180).
+
+An 8-bit cache (``float8_e4m3fn`` / ``int8``, see ``kv_cache``) comes with ``k_scale`` /
+``v_scale`` ``f32[num_layers, num_kv_heads]``: ``write_kv`` quantises, and attention reads the
+8-bit pages, folding the per-head K scale into the queries (``q . (s_k k) = (s_k q) . k``) and the
+V scale into the output (``sum_j p_j s_v v_j = s_v sum_j p_j v_j``), which is exact and costs
+no per-element multiply.
 """
 
 from __future__ import annotations
@@ -22,7 +28,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.kv_cache import is_quantized_dtype, quantize_kv
+
 _MASK_VALUE = -1e30
+
+
+def check_kv_scales(k_cache: jax.Array, k_scale: jax.Array | None,
+                    v_scale: jax.Array | None) -> bool:
+    """Whether the cache is quantised; raises ValueError when its scales are missing, given
+    for a float cache, or of the wrong shape (``[num_layers, num_kv_heads]``)."""
+    quantized = is_quantized_dtype(k_cache.dtype)
+    if not quantized:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale/v_scale given for a {k_cache.dtype} cache; they belong "
+                             "to an 8-bit (float8_e4m3fn / int8) cache")
+        return False
+    want = (k_cache.shape[0], k_cache.shape[3])
+    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if sc is None:
+            raise ValueError(f"{name} is required to read or write a {k_cache.dtype} KV cache")
+        if tuple(sc.shape) != want:
+            raise ValueError(f"{name}.shape={tuple(sc.shape)} must be (num_layers, "
+                             f"num_kv_heads)={want}")
+    return True
 
 
 def write_kv(
@@ -32,21 +60,33 @@ def write_kv(
     k_new: jax.Array,
     v_new: jax.Array,
     slot_mapping: jax.Array,
+    *,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter this step's keys and values into the paged cache at (layer, slot).
 
     Args:
       k_cache, v_cache: ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``.
       layer: i32 scalar, the layer to write.
-      k_new, v_new: ``[T, num_kv_heads, head_dim]`` (cast to the cache dtype).
+      k_new, v_new: ``[T, num_kv_heads, head_dim]`` (cast to the cache dtype; for an 8-bit
+        cache divided by the layer's scales, rounded for int8 and saturated, see
+        ``kv_cache.quantize_kv``).
       slot_mapping: ``i32[T]``, ``block_id * block_size + offset``; padding rows point into
         reserved block 0.
+      k_scale, v_scale: ``f32[num_layers, num_kv_heads]``, required for (and only for) an
+        8-bit cache.
     Returns:
       The updated ``(k_cache, v_cache)``; in place when the caller donates or carries them.
+    Raises:
+      ValueError: scales missing for an 8-bit cache or given for a float one.
     """
     block_size = k_cache.shape[2]
     blk = slot_mapping // block_size
     off = slot_mapping % block_size
+    if check_kv_scales(k_cache, k_scale, v_scale):
+        k_new = quantize_kv(k_new, k_scale[layer], k_cache.dtype)
+        v_new = quantize_kv(v_new, v_scale[layer], v_cache.dtype)
     k_cache = k_cache.at[layer, blk, off].set(k_new.astype(k_cache.dtype))
     v_cache = v_cache.at[layer, blk, off].set(v_new.astype(v_cache.dtype))
     return k_cache, v_cache
@@ -82,6 +122,8 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | jax.Array | None = None,
     logit_soft_cap: float | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
     q_tile: int = 128,
     kv_chunk: int = 128,
 ) -> jax.Array:
@@ -102,6 +144,8 @@ def ragged_paged_attention(
         so one compiled program serves layers of different windows (Gemma 3 passes each
         layer's window through its layer scan; a window >= the context is no window).
       logit_soft_cap: ``cap * tanh(s / cap)`` on scores, if set.
+      k_scale, v_scale: ``f32[num_layers, num_kv_heads]`` scales of an 8-bit cache (required
+        for one, None for a float cache): keys are read as ``k * k_scale[layer, head]``.
       q_tile: query rows per tile on the prefill path.
       kv_chunk: keys per online-softmax step (rounded to whole pages).
     Returns:
@@ -129,6 +173,9 @@ def ragged_paged_attention(
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     live = jnp.arange(num_slots) < n
     qf = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim) * sm_scale
+    quantized = check_kv_scales(k_cache, k_scale, v_scale)
+    if quantized:  # scores on dequantised keys == scores of scaled queries on the stored keys
+        qf = qf * k_scale[layer].astype(jnp.float32)[None, :, None, None]
     kpos0 = jnp.arange(chunk, dtype=jnp.int32)
 
     def keys(pages, shape):
@@ -248,6 +295,8 @@ def ragged_paged_attention(
         return jax.lax.fori_loop(0, n_tiles, tile_body, out)
 
     out = jax.lax.fori_loop(0, jnp.sum(is_pf), seq_body, out)
+    if quantized:  # the output is linear in the values
+        out = out * v_scale[layer].astype(jnp.float32)[None, :, None, None]
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
@@ -264,14 +313,22 @@ def ref_ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     logit_soft_cap: float | None = None,
+    k_scale: np.ndarray | None = None,
+    v_scale: np.ndarray | None = None,
 ) -> np.ndarray:
     """Deliberately naive float64 numpy reference: a Python loop over sequences.
 
-    Same arguments and result as ``ragged_paged_attention``; for tests only.
+    Same arguments and result as ``ragged_paged_attention``; for tests only. An 8-bit cache is
+    dequantised page by page first (``stored * scale[layer, head]``), no scale folding.
     """
     q = np.asarray(q, np.float64)
-    k_cache = np.asarray(k_cache, np.float64)
-    v_cache = np.asarray(v_cache, np.float64)
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("give both k_scale and v_scale, or neither")
+    k_cache = np.asarray(k_cache).astype(np.float64)  # ml_dtypes' float8 converts exactly
+    v_cache = np.asarray(v_cache).astype(np.float64)
+    if k_scale is not None:
+        k_cache = k_cache * np.asarray(k_scale, np.float64)[:, None, None, :, None]
+        v_cache = v_cache * np.asarray(v_scale, np.float64)[:, None, None, :, None]
     out = np.zeros_like(q)
     block_size, num_kv_heads = k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // num_kv_heads

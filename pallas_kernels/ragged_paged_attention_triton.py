@@ -39,6 +39,12 @@ block and its KV pages are read once per kv head.
 Dtypes: q and the cache in float32, bfloat16 or float16; dots in the input dtype with float32
 accumulation (probabilities are cast to the value dtype for the second dot, as FlashAttention
 does); the output in q's dtype. ``head_dim`` must be a power of two (64, 128, 256 in practice).
+
+8-bit cache (``float8_e4m3fn`` or ``int8`` pages with ``k_scale`` / ``v_scale``
+``f32[num_layers, num_kv_heads]``, see ``kv_cache``): the program loads its kv head's two scales
+once, reads 1-byte keys and values (half the bytes of bf16: decode is bound by these reads),
+converts each tile to q's dtype in registers (exact: e4m3 and int8 values fit bf16), folds the
+K scale into ``sm_scale`` and multiplies the accumulator by the V scale before it is stored.
 """
 
 from __future__ import annotations
@@ -50,6 +56,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.kv_cache import is_quantized_dtype
+from pallas_kernels.ragged_paged_attention import check_kv_scales
 
 _MASK_VALUE = -1e30
 _GPU_NUM_SMS = 132  # H100/H200; only used to size the default number of KV splits
@@ -69,12 +78,15 @@ def _kernel(
     bt_ref,  # i32[S * max_blocks_per_seq] block tables, flattened
     layer_ref,  # i32[1]
     window_ref,  # i32[1] sliding window (read only when ``windowed``)
+    k_scale_ref,  # f32[num_layers * num_kv_heads] (read only when ``quantized``)
+    v_scale_ref,  # same
     q_ref,  # [T * num_q_heads, head_dim]
     k_ref,  # [num_layers * num_blocks * block_size, num_kv_heads, head_dim]
     v_ref,  # same
     *out_refs,  # o [P * T * num_q_heads, head_dim] (+ m, l f32[P * T * num_q_heads] if P > 1)
     sm_scale: float,
     windowed: bool,
+    quantized: bool,
     logit_soft_cap: float | None,
     num_tokens: int,
     num_q_heads: int,
@@ -121,6 +133,12 @@ def _kernel(
     layer_base = layer_ref[0] * num_blocks
     bt_base = seq * max_blocks_per_seq
     kk = jnp.arange(block_k, dtype=jnp.int32)
+    # Triton casts no integer constant to fp8, so a float cache pads masked lanes with 0.0
+    kv_zero = 0.0 if jnp.issubdtype(k_ref.dtype, jnp.floating) else 0
+    score_scale = sm_scale
+    if quantized:  # this program's kv head: fold the K scale into the softmax scale
+        num_kv_heads = k_ref.shape[1]
+        score_scale = k_scale_ref[layer_ref[0] * num_kv_heads + h] * sm_scale
 
     def body(i, carry):
         m, l, acc = carry
@@ -129,9 +147,11 @@ def _kernel(
         page = plgpu.load(bt_ref.at[jnp.where(k_ok, bt_base + pos // block_size, 0)],
                           mask=k_ok, other=0)
         slot = jnp.where(k_ok, (layer_base + page) * block_size + pos % block_size, 0)
-        k = plgpu.load(k_ref.at[slot[:, None], h, dd], mask=k_ok[:, None], other=0)  # [block_k, D]
-        v = plgpu.load(v_ref.at[slot[:, None], h, dd], mask=k_ok[:, None], other=0)
-        s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32) * sm_scale  # [rows, block_k]
+        k = plgpu.load(k_ref.at[slot[:, None], h, dd], mask=k_ok[:, None], other=kv_zero)
+        v = plgpu.load(v_ref.at[slot[:, None], h, dd], mask=k_ok[:, None], other=kv_zero)
+        if quantized:  # 8-bit pages to q's dtype, exactly (e4m3 and int8 values fit)
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
+        s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32) * score_scale  # [rows, block_k]
         if logit_soft_cap is not None:
             s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)
         mask = (pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
@@ -149,6 +169,8 @@ def _kernel(
     init = (jnp.full((rows,), _MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32))
     m, l, acc = jax.lax.fori_loop(t_begin, t_end, body, init)
+    if quantized:  # the output (and each split's partial) is linear in the values
+        acc = acc * v_scale_ref[layer_ref[0] * k_ref.shape[1] + h]
 
     # masked-out rows point one past the end: never written on a GPU (masked store), dropped by
     # the interpreter's scatter (which would otherwise write them back over a real row)
@@ -214,6 +236,8 @@ def ragged_paged_attention_pallas(
     sm_scale: float,
     sliding_window: int | jax.Array | None = None,
     logit_soft_cap: float | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
     block_q_rows: int = 64,
     block_k: int = 64,
     num_kv_splits: int | None = None,
@@ -234,6 +258,8 @@ def ragged_paged_attention_pallas(
       sm_scale, sliding_window, logit_soft_cap: as ``ragged_paged_attention`` (the window, a
         Python int or an ``i32`` scalar array, reaches the kernel as an input, not a constant,
         so layers of different windows share one compiled kernel).
+      k_scale, v_scale: ``f32[num_layers, num_kv_heads]``, required for (and only for) an
+        8-bit cache (``float8_e4m3fn`` / ``int8``); keys read as ``k * k_scale[layer, head]``.
       block_q_rows: tile rows per program (query tokens x padded heads of one kv group); a
         power of two >= 16 (Triton's smallest dot).
       block_k: key positions per online-softmax step, a power of two >= 16.
@@ -248,10 +274,11 @@ def ragged_paged_attention_pallas(
     _validate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
               block_q_rows=block_q_rows, block_k=block_k, num_kv_splits=num_kv_splits,
               sliding_window=sliding_window)
+    check_kv_scales(k_cache, k_scale, v_scale)
     window = None if sliding_window is None else jnp.asarray(sliding_window, jnp.int32)
     return _ragged_paged_attention_pallas(
         q, k_cache, v_cache, layer, block_tables, seq_lens, query_start_loc, num_seqs, window,
-        sm_scale=sm_scale, logit_soft_cap=logit_soft_cap, block_q_rows=block_q_rows,
+        k_scale, v_scale, sm_scale=sm_scale, logit_soft_cap=logit_soft_cap, block_q_rows=block_q_rows,
         block_k=block_k, num_kv_splits=num_kv_splits, num_warps=num_warps,
         num_stages=num_stages, interpret=interpret)
 
@@ -262,12 +289,13 @@ def ragged_paged_attention_pallas(
 def _ragged_paged_attention_pallas(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
     block_tables: jax.Array, seq_lens: jax.Array, query_start_loc: jax.Array,
-    num_seqs: jax.Array, window: jax.Array | None, *, sm_scale: float,
+    num_seqs: jax.Array, window: jax.Array | None, k_scale: jax.Array | None,
+    v_scale: jax.Array | None, *, sm_scale: float,
     logit_soft_cap: float | None, block_q_rows: int, block_k: int, num_kv_splits: int | None,
     num_warps: int, num_stages: int, interpret: bool,
 ) -> jax.Array:
     """The jitted body of ``ragged_paged_attention_pallas`` (arguments checked there;
-    ``window``: None or an ``i32`` scalar)."""
+    ``window``: None or an ``i32`` scalar; scales: None or ``f32[num_layers, num_kv_heads]``)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_layers, num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_slots, max_blocks = block_tables.shape
@@ -281,6 +309,7 @@ def _ragged_paged_attention_pallas(
 
     kernel = functools.partial(
         _kernel, sm_scale=float(sm_scale), windowed=window is not None,
+        quantized=k_scale is not None,
         logit_soft_cap=logit_soft_cap, num_tokens=num_tokens, num_q_heads=num_q_heads,
         group=group, group_pad=group_pad, block_q=block_q, block_k=block_k,
         block_size=block_size, num_blocks=num_blocks, max_blocks_per_seq=max_blocks,
@@ -306,6 +335,8 @@ def _ragged_paged_attention_pallas(
         block_tables.astype(jnp.int32).reshape(num_slots * max_blocks),
         jnp.asarray(layer, jnp.int32).reshape(1),
         (jnp.zeros((1,), jnp.int32) if window is None else window.reshape(1)),
+        *((jnp.ones((1,), jnp.float32),) * 2 if k_scale is None else
+          (k_scale.astype(jnp.float32).reshape(-1), v_scale.astype(jnp.float32).reshape(-1))),
         q.reshape(num_tokens * num_q_heads, head_dim),
         k_cache.reshape(flat_cache), v_cache.reshape(flat_cache),
     )
@@ -344,9 +375,12 @@ def _validate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of "
                          f"num_kv_heads={num_kv_heads}")
-    for name, x in (("q", q), ("k_cache", k_cache)):
-        if jnp.dtype(x.dtype) not in (jnp.float32, jnp.bfloat16, jnp.float16):
-            raise ValueError(f"{name}.dtype={x.dtype} must be float32, bfloat16 or float16")
+    floats = (jnp.float32, jnp.bfloat16, jnp.float16)
+    if jnp.dtype(q.dtype) not in floats:
+        raise ValueError(f"q.dtype={q.dtype} must be float32, bfloat16 or float16")
+    if jnp.dtype(k_cache.dtype) not in floats and not is_quantized_dtype(k_cache.dtype):
+        raise ValueError(f"k_cache.dtype={k_cache.dtype} must be float32, bfloat16, float16, "
+                         "float8_e4m3fn or int8")
     if block_tables.ndim != 2:
         raise ValueError(f"block_tables.shape={block_tables.shape} must be [S, max_blocks]")
     num_slots = block_tables.shape[0]

@@ -10,7 +10,11 @@ Steps, each a row of the table printed last (JSON with ``--json PATH``):
   4. a 512-token prefill chunk at context 4k: time and fraction of bf16 tensor-core peak;
   5. ``write_kv`` (XLA scatter) at 64 and 512 tokens;
   6. engine steps of the dummy ``llama-3.1-8b`` in bf16 (weights made on the device), decode at
-     batch 64 and context 4k through ``ModelRunner``: step time against the weight + KV read floor.
+     batch 64 and context 4k through ``ModelRunner``: step time against the weight + KV read floor;
+  7. the 8-bit KV cache (``kv_cache_dtype`` fp8 = float8_e4m3fn, int8; per-(layer, head) scales):
+     kernel correctness against the float64 reference on the dequantised pages, decode attention
+     at batch 64 x context 4k (compare with the bf16 row: the KV read floor halves), and one
+     engine row with an fp8 cache (last, skipped first when time runs short).
 A deadline (``--budget-s``, default 270 s) skips the remaining rows rather than overrun 5 minutes.
 
 ``--dry-run`` runs every step at tiny shapes on the CPU with the kernel in interpret mode (and the
@@ -41,6 +45,7 @@ from pallas_kernels import (
     ref_ragged_paged_attention,
     write_kv,
 )
+from pallas_kernels.kv_cache import KV_QUANT_DTYPES, QUANT_MAX, quantize_kv
 from pallas_kernels.testing import make_case
 
 H200_BF16_TFLOPS = 989.0  # dense bf16 tensor-core peak of an H100/H200 SXM
@@ -128,40 +133,103 @@ def check_correctness(rep: Report, interpret: bool, group: int, head_dim: int) -
                     "ok" if ok else "FAIL", max_scaled_err=f"{err:.2e}", tol=tol)
 
 
+# -- 7. 8-bit KV cache ----------------------------------------------------------------------------
+def quantize_case(k: np.ndarray, v: np.ndarray, kv_dtype: str):
+    """Quantise a float64 case's pages with per-(layer, head) absmax scales (NaN pages stay
+    NaN in fp8). Returns ``(k_q, v_q, k_scale, v_scale)``: device arrays and ``f32[L, kv]``."""
+    dt = KV_QUANT_DTYPES[kv_dtype]
+    out = []
+    for x in (k, v):
+        amax = np.nanmax(np.abs(x), axis=(1, 2, 4)).astype(np.float32)  # [L, kv]
+        scale = np.maximum(amax / QUANT_MAX[dt], 1e-6).astype(np.float32)
+        xq = jax.vmap(lambda a, s: quantize_kv(a, s, dt))(jnp.asarray(x, jnp.float32),
+                                                           jnp.asarray(scale))
+        out.append((xq, scale))
+    (kq, ks), (vq, vs) = out
+    return kq, vq, ks, vs
+
+
+def check_correctness_quant(rep: Report, interpret: bool, group: int, head_dim: int,
+                            kv_dtype: str) -> None:
+    rng = np.random.default_rng(1)
+    q_lens = [1, 13, 1, 5, 1, 16, 1]
+    ctx = [16, 13, 100, 17, 3, 32, 513 if not interpret else 40]
+    q, k, v, bt, sl, qsl, ns = make_case(rng, q_lens, ctx, block_size=16, num_seqs_pad=8,
+                                         tokens_pad=64, kv_heads=2, group=group,
+                                         head_dim=head_dim)
+    kq, vq, ks, vs = quantize_case(k, v, kv_dtype)
+    total = int(qsl[-1])
+    for dtype, tol in (("float32", 1e-3), ("bfloat16", 2e-2)):
+        for splits in (1, 4):
+            qd = np.asarray(jnp.asarray(q, dtype).astype(jnp.float32), np.float64)
+            got = ragged_paged_attention_pallas(
+                jnp.asarray(q, dtype), kq, vq, jnp.int32(1), jnp.asarray(bt), jnp.asarray(sl),
+                jnp.asarray(qsl), jnp.asarray(ns), sm_scale=head_dim ** -0.5,
+                k_scale=jnp.asarray(ks), v_scale=jnp.asarray(vs), num_kv_splits=splits,
+                interpret=interpret)
+            got = np.asarray(got.astype(jnp.float32), np.float64)
+            want = ref_ragged_paged_attention(qd, np.asarray(kq), np.asarray(vq), 1, bt, sl, qsl,
+                                              ns, sm_scale=head_dim ** -0.5, k_scale=ks,
+                                              v_scale=vs)
+            err = float(np.max(np.abs(got[:total] - want[:total])
+                               / (tol + np.abs(want[:total]))) * tol)
+            ok = (np.all(np.isfinite(got)) and np.allclose(got[:total], want[:total], rtol=tol,
+                                                           atol=tol)
+                  and np.all(got[total:] == 0))
+            rep.add(f"correct kv-{kv_dtype} q-{dtype} g{group} d{head_dim} splits{splits}",
+                    "ok" if ok else "FAIL", max_scaled_err=f"{err:.2e}", tol=tol)
+
+
 # -- 3./4. attention timings -------------------------------------------------------------------------
 def attention_inputs(batch: int, q_len: int, context: int, *, nq: int, nkv: int, d: int,
-                     block_size: int = 16, dtype=jnp.bfloat16):
+                     block_size: int = 16, dtype=jnp.bfloat16, kv_dtype: str | None = None):
     """One-layer cache holding ``batch`` sequences of ``context`` tokens, each with ``q_len`` new
-    tokens (decode: 1), contiguous blocks per sequence; values random on the device."""
+    tokens (decode: 1), contiguous blocks per sequence; values random on the device.
+    ``kv_dtype`` "fp8" / "int8": the cache is quantised with scale 4 / QUANT_MAX (values
+    beyond 4 sigma saturate), and the scales are returned as ``{"k_scale", "v_scale"}``
+    (else ``{}``) after the usual arguments."""
     bps = -(-context // block_size)
     num_blocks = 1 + batch * bps
     key = jax.random.PRNGKey(0)
     shape = (1, num_blocks, block_size, nkv, d)
-    mk = jax.jit(lambda k: jax.random.normal(k, shape, jnp.float32).astype(dtype))
+    extra = {}
+    if kv_dtype is None:
+        mk = jax.jit(lambda k: jax.random.normal(k, shape, jnp.float32).astype(dtype))
+    else:
+        qdt = KV_QUANT_DTYPES[kv_dtype]
+        scale = jnp.full((1, nkv), 4.0 / QUANT_MAX[qdt], jnp.float32)
+        mk = jax.jit(lambda k: quantize_kv(jax.random.normal(k, shape, jnp.float32), scale[0],
+                                           qdt))
+        extra = {"k_scale": scale, "v_scale": scale}
     k_cache, v_cache = mk(key), mk(jax.random.fold_in(key, 1))
     q = jax.random.normal(jax.random.fold_in(key, 2), (batch * q_len, nq, d), dtype)
     bt = (1 + np.arange(batch * bps, dtype=np.int32)).reshape(batch, bps)
     sl = np.full(batch, context, np.int32)
     qsl = (np.arange(batch + 1) * q_len).astype(np.int32)
-    return (q, k_cache, v_cache, jnp.int32(0), jnp.asarray(bt), jnp.asarray(sl),
+    args = (q, k_cache, v_cache, jnp.int32(0), jnp.asarray(bt), jnp.asarray(sl),
             jnp.asarray(qsl), jnp.asarray([batch], jnp.int32))
+    return args if kv_dtype is None else (*args, extra)
 
 
 def check_decode(rep: Report, batch: int, context: int, interpret: bool, nq: int, nkv: int,
-                 d: int, with_reference: bool) -> None:
-    args = attention_inputs(batch, 1, context, nq=nq, nkv=nkv, d=d)
-    kv_bytes = 2 * batch * context * nkv * d * 2
+                 d: int, with_reference: bool, kv_dtype: str | None = None) -> None:
+    args = attention_inputs(batch, 1, context, nq=nq, nkv=nkv, d=d, kv_dtype=kv_dtype)
+    scales = {}
+    if kv_dtype is not None:
+        *args, scales = args
+    kv_bytes = 2 * batch * context * nkv * d * (2 if kv_dtype is None else 1)
     pallas = jax.jit(functools.partial(ragged_paged_attention_pallas, sm_scale=d ** -0.5,
-                                       interpret=interpret))
+                                       interpret=interpret, **scales))
     t = bench_s(pallas, *args)
     floor = kv_bytes / (rep.bandwidth_gbps * 1e9)
     row = {"ms": round(t * 1e3, 4), "floor_ms": round(floor * 1e3, 4),
                "frac_of_bw": round(floor / t, 3)}
     if with_reference:
-        ref = jax.jit(functools.partial(ragged_paged_attention, sm_scale=d ** -0.5))
+        ref = jax.jit(functools.partial(ragged_paged_attention, sm_scale=d ** -0.5, **scales))
         tr = bench_s(ref, *args)
         row.update(xla_ms=round(tr * 1e3, 4), speedup=round(tr / t, 2))
-    rep.add(f"decode b{batch} ctx{context}", **row)
+    kv = "" if kv_dtype is None else f" kv-{kv_dtype}"
+    rep.add(f"decode{kv} b{batch} ctx{context}", **row)
 
 
 def check_prefill(rep: Report, q_len: int, context: int, interpret: bool, nq: int, nkv: int,
@@ -202,7 +270,7 @@ def check_write_kv(rep: Report, num_tokens: int, num_blocks: int, nkv: int, d: i
 
 # -- 6. engine steps ------------------------------------------------------------------------------
 def check_engine(rep: Report, model_name: str, batch: int, context: int, backend: str,
-                 dtype, steps: int) -> None:
+                 dtype, steps: int, kv_dtype: str | None = None) -> None:
     from jaxserve.buckets import make_buckets
     from jaxserve.runner import ModelRunner, RowParams
     from models.config import builtin_config
@@ -218,8 +286,14 @@ def check_engine(rep: Report, model_name: str, batch: int, context: int, backend
     params = dummy_params(model, 0)
     jax.block_until_ready(params)
     param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    scales = {}
+    kv_dt = dtype
+    if kv_dtype is not None:  # fixed scales: this row measures time, not accuracy
+        kv_dt = KV_QUANT_DTYPES[kv_dtype]
+        scales = {"k_scale": np.full((cfg.num_layers, cfg.num_kv_heads), 0.05, np.float32),
+                  "v_scale": np.full((cfg.num_layers, cfg.num_kv_heads), 0.05, np.float32)}
     kv = allocate_kv_cache(cfg.num_layers, 1 + batch * bps, block_size, cfg.num_kv_heads,
-                           cfg.head_dim, dtype)
+                           cfg.head_dim, kv_dt, **scales)
     runner = ModelRunner(model, params, kv, max_num_batched_tokens=max(8, batch),
                          max_num_seqs=batch, max_blocks_per_seq=bps,
                          vocab_limit=None)
@@ -241,9 +315,11 @@ def check_engine(rep: Report, model_name: str, batch: int, context: int, backend
         times.append(time.perf_counter() - t)
     t = float(np.median(times[2:]))
     kv_bytes = (2 * batch * context * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
-                * jnp.dtype(dtype).itemsize)
+                * jnp.dtype(kv_dt).itemsize)
     floor = (param_bytes + kv_bytes) / (rep.bandwidth_gbps * 1e9)
-    rep.add(f"engine {model_name} {backend} b{batch} ctx{context}", ms=round(t * 1e3, 3),
+    kv_name = "" if kv_dtype is None else f" kv-{kv_dtype}"
+    rep.add(f"engine {model_name} {backend}{kv_name} b{batch} ctx{context}",
+            ms=round(t * 1e3, 3),
             floor_ms=round(floor * 1e3, 3), frac_of_floor=round(floor / t, 3),
             setup_s=round(setup_s, 1))
     del runner, params, kv
@@ -292,6 +368,12 @@ def main() -> int:
         with_ref = not dry and batch * ctx <= 64 * 16384
         rep.run(f"decode b{batch} ctx{ctx}", check_decode, batch, ctx, dry, nq, nkv, d,
                 with_ref, need_s=8)
+    for kv_dtype in ("fp8", "int8"):  # the 8-bit cache: correctness, then decode at b64 ctx4k
+        rep.run(f"correct kv-{kv_dtype}", check_correctness_quant, dry, 3 if dry else 4,
+                16 if dry else 128, kv_dtype, need_s=5)
+        b, c = (8, 64) if dry else (64, 4096)
+        rep.run(f"decode kv-{kv_dtype} b{b} ctx{c}", check_decode, b, c, dry, nq, nkv, d,
+                not dry, kv_dtype, need_s=8)
     rep.run("prefill", check_prefill, 16 if dry else 512, 64 if dry else 4096, dry, nq, nkv, d,
             not dry, need_s=8)
     for num_tokens in ((8,) if dry else (64, 512)):
@@ -303,6 +385,8 @@ def main() -> int:
             "pallas-interpret" if dry else "pallas", dt, 3 if dry else 10, need_s=90)
     rep.run("engine reference", check_engine, model, batch, ctx, "reference", dt,
             3 if dry else 10, need_s=90)
+    rep.run("engine pallas kv-fp8", check_engine, model, batch, ctx,
+            "pallas-interpret" if dry else "pallas", dt, 3 if dry else 10, "fp8", need_s=60)
 
     rep.add("total", s=round(time.perf_counter() - rep.t0, 1))
     if a.json:
