@@ -31,7 +31,7 @@ Metrics (each configuration; the baseline has the same keys):
   max_concurrent_seqs: sequences of ``max_model_len`` tokens whose KV cache fits in the memory
     the baseline uses for weights plus KV cache:
     ``floor((baseline weights + baseline KV bytes - weights bytes) / (kv_bytes_per_token *
-    max_model_len))``.
+    max_model_len))`` (0 when that is negative).
 """
 
 from __future__ import annotations
