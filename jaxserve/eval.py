@@ -43,7 +43,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
@@ -317,9 +317,11 @@ def metrics_row(result: ConfigResult, base: ConfigResult) -> dict:
 
 def evaluate(config: EngineConfig, load: LoadConfig, inputs: EvalInputs,
              configs: Sequence[tuple[str, dict[str, object]]], *, progress: bool = False,
-             log: TextIO | None = None) -> dict:
+             log: TextIO | None = None, on_row: Callable[[dict], None] | None = None) -> dict:
     """The report: the baseline (``baseline_config(config)``) first, then each ``(name,
     overrides)`` as ``dataclasses.replace(config, **overrides)`` on its own fresh engine.
+    ``on_row(report so far)`` is called after each configuration (a long run that is stopped
+    keeps what it finished).
 
     Returns ``{"baseline": row, "rows": [row, ...]}`` with rows as ``metrics_row``.
     Raises:
@@ -335,9 +337,15 @@ def evaluate(config: EngineConfig, load: LoadConfig, inputs: EvalInputs,
         built.append((name, dataclasses.replace(config, **overrides)))
     base = run_config("baseline", baseline_config(config), load, inputs, progress=progress,
                       log=log)
-    rows = [metrics_row(run_config(name, cfg, load, inputs, progress=progress, log=log), base)
-            for name, cfg in built]
-    return {"baseline": metrics_row(base, base), "rows": rows}
+    report: dict = {"baseline": metrics_row(base, base), "rows": []}
+    if on_row is not None:
+        on_row(report)
+    for name, cfg in built:
+        report["rows"].append(metrics_row(run_config(name, cfg, load, inputs, progress=progress,
+                                                     log=log), base))
+        if on_row is not None:
+            on_row(report)
+    return report
 
 
 def format_table(report: dict) -> str:
@@ -388,7 +396,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 def run(ns: argparse.Namespace, config: EngineConfig, load: LoadConfig) -> int:
     """``jaxserve eval``: read and check the inputs, evaluate, print the table (stdout; the
-    progress goes to stderr), write ``--output``. Raises ValueError naming the flag."""
+    progress and the table so far after each configuration go to stderr), write ``--output``
+    (rewritten after each configuration). Raises ValueError naming the flag."""
     if ns.num_prompts is not None and ns.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {ns.num_prompts}")
     text_path, prompts_path = ns.text, ns.prompts
@@ -412,10 +421,14 @@ def run(ns: argparse.Namespace, config: EngineConfig, load: LoadConfig) -> int:
         except OSError as e:
             raise ValueError(f"--output {ns.output}: cannot write it: {e.strerror or e}"
                              ) from None
-    report = evaluate(config, load, inputs, configs, progress=True, log=sys.stderr)
+
+    def save(report: dict) -> None:  # after every configuration: the table so far
+        print(format_table(report), file=sys.stderr, flush=True)
+        if ns.output:
+            with open(ns.output, "w", encoding="utf-8") as fh:
+                json.dump(report, fh, indent=2)
+                fh.write("\n")
+
+    report = evaluate(config, load, inputs, configs, progress=True, log=sys.stderr, on_row=save)
     print(format_table(report), flush=True)
-    if ns.output:
-        with open(ns.output, "w", encoding="utf-8") as fh:
-            json.dump(report, fh, indent=2)
-            fh.write("\n")
     return 0
