@@ -11,6 +11,10 @@ are errors.
 ``jaxserve run-batch -i IN.jsonl -o OUT.jsonl [--model MODEL] [--flags]`` loads and compiles the
 same way, then runs an OpenAI Batch file through the engine (``jaxserve.batch``) and exits 0,
 also when some lines failed (each failure is its own output line).
+
+``jaxserve eval [--model MODEL] [--compare int8,kv-fp8,...] [--flags]`` scores a corpus and a
+prompt set with the unquantised model and with each configuration (``jaxserve.eval``), prints one
+table row per configuration and, with ``--output``, writes them as JSON.
 """
 
 from __future__ import annotations
@@ -227,6 +231,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most lines in the engine at once (default: twice --max-num-seqs)")
     add_limit_args(r)
     add_engine_args(r)
+    ev = sub.add_parser("eval", help="quality and memory of quantised configurations against "
+                                     "the unquantised model, on a corpus and a prompt set",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ev.add_argument("--model", default=None,
+                    help="as serve's MODEL (default: SmolLM2-135M-Instruct)")
+    _add_model_args(ev)
+    from jaxserve.eval import add_cli_args as add_eval_args
+
+    add_eval_args(ev)
+    add_engine_args(ev)
     from jaxserve.convert import add_cli_args as add_convert_args
 
     add_convert_args(sub.add_parser(
@@ -385,6 +399,11 @@ def main(argv: list[str] | None = None) -> int:
             serve(ns)
         elif ns.command == "run-batch":
             run_batch(ns)
+        elif ns.command == "eval":
+            from jaxserve.eval import run as run_eval
+
+            return run_eval(ns, engine_config_from_args(ns),
+                            LoadConfig(ns.model, ns.load_format, ns.served_model_name))
         elif ns.command == "convert":
             from jaxserve.convert import run as convert
 
