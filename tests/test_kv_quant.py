@@ -294,10 +294,19 @@ def _engine_with(loaded, config: EngineConfig) -> LLMEngine:
     """An engine on already-loaded ``(config, params, tokenizer, name)`` (building the
     tokenizer from the GGUF or loading SmolLM2 again costs seconds each time)."""
     import jaxserve.engine as engine_module
+    from jaxserve import sharded_load
 
     load = loaded if callable(loaded) else (lambda *a: loaded)
+
+    def load_onto_mesh(load_config, dtype, seed, mesh):  # the tensor-parallel load path
+        cfg, params, tok, name = load(load_config, dtype, seed)
+        sharded_load.check_shardable(cfg, mesh.shape["tp"])
+        placed, report = sharded_load.shard_loaded(params, cfg, mesh, 0.0, "test")
+        return sharded_load.ShardedLoad(cfg, placed, tok, name, report)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(engine_module, "load_model", load)
+        mp.setattr(sharded_load, "load_sharded", load_onto_mesh)
         return LLMEngine(config)
 
 
