@@ -288,7 +288,7 @@ def _start_engine(cfg: EngineConfig, load: LoadConfig, out: typing.TextIO):  # -
 
     t0 = time.perf_counter()
     engine = LLMEngine(cfg, load, metrics=EngineMetrics())
-    print(f"loaded {engine.model_name} in {engine.load_s:.1f} s ({engine.dtype}, "
+    print(f"loaded {engine.model_name} in {engine.load_s:.1f} s ({engine.weights_summary()}, "
           f"{engine.num_blocks} KV blocks of {cfg.block_size} tokens "
           f"({engine.kv_cache_summary()}), max_model_len "
           f"{engine.max_model_len})", file=out, flush=True)
@@ -340,7 +340,7 @@ def serve(ns: argparse.Namespace) -> None:
     else:
         engine = LLMEngine(cfg, load, metrics=EngineMetrics())
         aeng = AsyncEngine(engine)
-    print(f"loaded {engine.model_name} in {engine.load_s:.1f} s ({engine.dtype}, "
+    print(f"loaded {engine.model_name} in {engine.load_s:.1f} s ({engine.weights_summary()}, "
           f"{engine.num_blocks} KV blocks of {cfg.block_size} tokens "
           f"({engine.kv_cache_summary()}), max_model_len "
           f"{engine.max_model_len}, {ns.data_parallel_size} replica(s) x "
@@ -402,8 +402,14 @@ def main(argv: list[str] | None = None) -> int:
         elif ns.command == "eval":
             from jaxserve.eval import run as run_eval
 
+            # a calibration file serves the 8-bit KV configurations of --compare even when
+            # the base configuration's cache is float (where EngineConfig refuses it)
+            calibration = getattr(ns, "kv_calibration_file", None)
+            if getattr(ns, "kv_cache_dtype", None) in (None, "auto"):
+                ns.kv_calibration_file = None
             return run_eval(ns, engine_config_from_args(ns),
-                            LoadConfig(ns.model, ns.load_format, ns.served_model_name))
+                            LoadConfig(ns.model, ns.load_format, ns.served_model_name),
+                            kv_calibration_file=calibration)
         elif ns.command == "convert":
             from jaxserve.convert import run as convert
 

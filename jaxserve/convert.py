@@ -60,16 +60,29 @@ def convert(src: str, dst: str, dtype: str = "auto", quantization: str = "none",
         bad quantisation settings (naming the field), an architecture without quantisation, or
         an unreadable calibration file.
     """
+    from jaxserve import kv_calibration as cal
     from jaxserve.config import LoadConfig
     from jaxserve.engine import load_model, resolve_dtype
     from models.checkpoint import save_checkpoint
     from models.quant import QuantConfig, apply_quantization
     from models.registry import get_architecture
+    from pallas_kernels.kv_cache import KV_QUANT_DTYPES
 
     qcfg = QuantConfig(quantization, quantization_group_size, quantize_embeddings)
+    if kv_calibration_file is not None and kv_cache_dtype is None:
+        raise ValueError("kv_calibration_file is used only with kv_cache_dtype fp8 or int8 "
+                         "(--kv-cache-dtype); nothing would be calibrated")
+    if kv_cache_dtype is not None and kv_cache_dtype not in KV_QUANT_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} must be one of "
+                         f"{sorted(KV_QUANT_DTYPES)}")
     dt = resolve_dtype(dtype)
     t0 = time.perf_counter()
     cfg, params, tokenizer, _ = load_model(LoadConfig(src), dt, seed=0)
+    ids = None
+    if kv_cache_dtype is not None:  # a bad calibration file fails before anything is written
+        ids = cal.calibration_token_ids(
+            tokenizer, kv_calibration_file,
+            min(cal.MAX_CALIBRATION_TOKENS, cfg.max_position_embeddings))
     arch = get_architecture(cfg.architecture)
     params = apply_quantization(params, arch.quant_targets, qcfg, arch.name,
                                 delete_source=True)
@@ -79,25 +92,20 @@ def convert(src: str, dst: str, dtype: str = "auto", quantization: str = "none",
     times = {"load_s": t1 - t0, "save_s": time.perf_counter() - t1}
     if kv_cache_dtype is not None:
         t2 = time.perf_counter()
-        _save_kv_scales(dst, cfg, params, tokenizer, dt, kv_cache_dtype, kv_calibration_file)
+        _save_kv_scales(dst, cfg, params, dt, kv_cache_dtype, ids)
         times["calibrate_s"] = time.perf_counter() - t2
     return times
 
 
-def _save_kv_scales(dst: str, cfg, params, tokenizer, dt, kv_cache_dtype: str,
-                    kv_calibration_file: str | None) -> None:
-    """Run the engine's KV calibration pass on the loaded model; write DST/kv_scales.json."""
+def _save_kv_scales(dst: str, cfg, params, dt, kv_cache_dtype: str, ids: list[int]) -> None:
+    """Run the engine's KV calibration pass over ``ids`` on the loaded model; write
+    DST/kv_scales.json."""
     from jaxserve import kv_calibration as cal
     from models.checkpoint import save_kv_scales
     from models.registry import get_architecture
     from pallas_kernels.kv_cache import KV_QUANT_DTYPES
 
-    if kv_cache_dtype not in KV_QUANT_DTYPES:
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} must be one of "
-                         f"{sorted(KV_QUANT_DTYPES)}")
     model = get_architecture(cfg.architecture).model(cfg, dt)
-    ids = cal.calibration_token_ids(tokenizer, kv_calibration_file,
-                                    min(cal.MAX_CALIBRATION_TOKENS, cfg.max_position_embeddings))
     k_amax, v_amax = cal.calibration_amax(model, params, ids, block_size=16, dtype=dt)
     qdt = KV_QUANT_DTYPES[kv_cache_dtype]
     save_kv_scales(dst, kv_cache_dtype, cal.scales_from_amax(k_amax, qdt),

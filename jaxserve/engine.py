@@ -316,6 +316,17 @@ class LLMEngine:
         return (cal.scales_from_amax(k_amax, self.kv_cache_dtype),
                 cal.scales_from_amax(v_amax, self.kv_cache_dtype))
 
+    def weights_summary(self) -> str:
+        """One line for start-up logs: the weights' format and size, e.g. ``"float32 weights,
+        513 MiB"`` or ``"int8 weights (+embeddings) computing in float32, 129 MiB"``."""
+        c = self.config
+        size = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.runner.params)) / 2 ** 20
+        if c.quantization == "none":
+            return f"{self.dtype} weights, {size:.0f} MiB"
+        group = f" group {c.quantization_group_size}" if c.quantization == "int4" else ""
+        emb = " (+embeddings)" if c.quantize_embeddings else ""
+        return f"{c.quantization}{group} weights{emb} computing in {self.dtype}, {size:.0f} MiB"
+
     def kv_cache_summary(self) -> str:
         """One line for start-up logs: the cache dtype, bytes per token, and for an 8-bit
         cache how its scales were set (e.g. ``"kv fp8 (float8_e4m3fn bits in uint8), 23040

@@ -394,10 +394,13 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="tokens generated (greedy) per prompt")
 
 
-def run(ns: argparse.Namespace, config: EngineConfig, load: LoadConfig) -> int:
+def run(ns: argparse.Namespace, config: EngineConfig, load: LoadConfig,
+        kv_calibration_file: str | None = None) -> int:
     """``jaxserve eval``: read and check the inputs, evaluate, print the table (stdout; the
     progress and the table so far after each configuration go to stderr), write ``--output``
-    (rewritten after each configuration). Raises ValueError naming the flag."""
+    (rewritten after each configuration). ``kv_calibration_file`` goes to every compared
+    configuration with an 8-bit KV cache (the baseline's cache is float, so it has none).
+    Raises ValueError naming the flag."""
     if ns.num_prompts is not None and ns.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {ns.num_prompts}")
     text_path, prompts_path = ns.text, ns.prompts
@@ -411,6 +414,10 @@ def run(ns: argparse.Namespace, config: EngineConfig, load: LoadConfig) -> int:
                         ns.greedy_tokens)
     if ns.compare is not None:
         configs = parse_compare(ns.compare)
+        if kv_calibration_file is not None:
+            for _, overrides in configs:
+                if overrides.get("kv_cache_dtype", config.kv_cache_dtype) != "auto":
+                    overrides["kv_calibration_file"] = kv_calibration_file
     elif describe(config) != "none":
         configs = [(describe(config), {})]
     else:

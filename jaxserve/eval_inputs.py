@@ -36,7 +36,7 @@ COMPARE_PARTS: dict[str, tuple[str, object]] = {
 }
 NO_CHANGE = ("none", "baseline")
 UNQUANTISED: dict[str, object] = {"quantization": "none", "quantize_embeddings": False,
-                                  "kv_cache_dtype": "auto"}
+                                  "kv_cache_dtype": "auto", "kv_calibration_file": None}
 """The fields that make a configuration quantised, at their unquantised values."""
 
 

@@ -100,3 +100,19 @@ def test_existing_destination_and_plain_directories_are_refused(tiny, tmp_path) 
         checkpoint.save_checkpoint(path, cfg, params)
     with pytest.raises(ValueError, match="neither an orbax checkpoint"):
         load_model(LoadConfig(str(tmp_path)), jnp.float32, seed=0)
+
+
+def test_convert_checks_the_kv_calibration_before_writing(tmp_path) -> None:
+    """A calibration file without an 8-bit KV dtype is refused before loading; one too short
+    to calibrate is refused before DST is written, so a corrected retry can use the same DST."""
+    from jaxserve.convert import convert
+
+    short = tmp_path / "short.txt"
+    short.write_text("hello", encoding="utf-8")
+    dst = tmp_path / "ck"
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        convert("no-such-model.gguf", str(dst), kv_calibration_file=str(short))
+    with pytest.raises(ValueError, match="kv_calibration_file="):
+        convert(default_gguf_path(), str(dst), kv_cache_dtype="int8",
+                kv_calibration_file=str(short))
+    assert not dst.exists()

@@ -253,3 +253,15 @@ def test_cli_writes_the_report(tmp_path, capsys) -> None:
                        (["--text", str(tmp_path / "nope.txt")], "--text .*cannot read")]:
         assert main(argv + extra) == 2
         assert msg.split(".*")[0] in capsys.readouterr().err
+
+
+def test_baseline_drops_the_kv_calibration_file(tmp_path) -> None:
+    """The baseline's cache is float, so the 8-bit configuration's calibration file must not
+    follow it there (EngineConfig refuses the pair)."""
+    if "kv_calibration_file" not in eval_inputs.config_fields():
+        pytest.skip("this build has no KV-cache quantisation")
+    cal = tmp_path / "cal.txt"
+    cal.write_text("text", encoding="utf-8")
+    cfg = EngineConfig(kv_cache_dtype="int8", kv_calibration_file=str(cal))
+    base = eval_inputs.baseline_config(cfg)
+    assert base.kv_cache_dtype == "auto" and base.kv_calibration_file is None

@@ -307,6 +307,7 @@ def test_quantised_smollm2_serves_through_engine_and_http(goldens) -> None:
     assert all(isinstance(lay[n], QuantizedWeight) and lay[n].q.dtype == jnp.int8
                for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
     assert not isinstance(eng.runner.params["embed"], QuantizedWeight)
+    assert eng.weights_summary().startswith("int8 weights computing in float32")  # start-up line
     mem = quant.param_bytes(eng.runner.params)
     assert mem["quantized_ratio"] <= 0.27
     gold = next(p for p in goldens["prompts"] if p["name"] == "france_text")
