@@ -205,6 +205,10 @@ class LLMEngine:
         self.model_name = load.served_model_name or name
         mc = self.model_config
         params = self._quantize(params)
+        if self.mesh is not None and config.quantization != "none":
+            from jaxserve.sharding import place_params
+
+            params = place_params(params, mc, self.mesh)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context "

@@ -193,6 +193,20 @@ def make_mesh(tp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
     return Mesh(np.array(devs[:tp]), (TP_AXIS,))
 
 
+def place_params(params, cfg: ModelConfig, mesh: Mesh):
+    """Lay a params tree already on ``mesh`` (kv heads replicated, e.g. weights quantised
+    after a sharded load) out with ``param_partition_specs``, so quantised leaves get their
+    documented shardings rather than whatever XLA propagated through the quantisation.
+
+    Raises:
+      ValueError: as ``check_divisible``.
+    """
+    specs = param_partition_specs(params, cfg)
+    check_divisible(params, specs, mesh.shape[TP_AXIS])
+    shardings = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs)
+    return jax.jit(lambda p: p, out_shardings=shardings)(params)
+
+
 def shard_params(params, cfg: ModelConfig, mesh: Mesh):
     """Place a params tree on the mesh with ``param_partition_specs`` (kv heads replicated
     first where needed). Returns the placed tree."""

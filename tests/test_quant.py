@@ -477,3 +477,21 @@ def test_quantization_of_reports_the_layout() -> None:
     for qcfg in (QuantConfig("int8"), QuantConfig("int4", 32, True), QuantConfig("fp8", 64)):
         got = quant.quantization_of(quant.quantize_params(params, DECODER_QUANT_TARGETS, qcfg))
         assert got.same_layout(qcfg) and dataclasses.asdict(got)["method"] == qcfg.method
+
+
+def test_load_time_int4_under_tp_is_laid_out_or_refused() -> None:
+    """Weights quantised after a sharded load get the documented specs (the int4 group axis of
+    a row-parallel weight split with it), and a TP size that does not divide the groups is
+    refused naming the leaf, as for a quantised checkpoint (it used to be resharded silently)."""
+    from jaxserve.config import LoadConfig
+
+    def engine(tp: int) -> LLMEngine:
+        return LLMEngine(EngineConfig(tensor_parallel_size=tp, quantization="int4",
+                                      max_model_len=64, num_kv_blocks=8, max_num_seqs=2,
+                                      max_num_batched_tokens=16, compilation_cache_dir=""),
+                         LoadConfig("tiny", "dummy"))
+
+    w = engine(2).runner.params["layers"]["w_down"]  # tiny: 128 input rows, 2 groups of 64
+    assert w.q.sharding.spec[1] == "tp" and w.scale.sharding.spec[1] == "tp"
+    with pytest.raises(ValueError, match="w_down/scale"):
+        engine(4)
