@@ -323,8 +323,10 @@ class LLMEngine:
     def weights_summary(self) -> str:
         """One line for start-up logs: the weights' format and size, e.g. ``"float32 weights,
         513 MiB"`` or ``"int8 weights (+embeddings) computing in float32, 129 MiB"``."""
+        from models.quant import param_bytes
+
         c = self.config
-        size = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.runner.params)) / 2 ** 20
+        size = param_bytes(self.runner.params)["total_bytes"] / 2 ** 20
         if c.quantization == "none":
             return f"{self.dtype} weights, {size:.0f} MiB"
         group = f" group {c.quantization_group_size}" if c.quantization == "int4" else ""

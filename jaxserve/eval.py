@@ -192,7 +192,9 @@ def memory_bytes(engine: LLMEngine) -> tuple[int, int, float]:
     (block 0 included in both)."""
     import jax
 
-    weights = sum(int(x.nbytes) for x in jax.tree.leaves(engine.runner.params))
+    from models.quant import param_bytes
+
+    weights = int(param_bytes(engine.runner.params)["total_bytes"])
     kv = sum(int(x.nbytes) for x in jax.tree.leaves(engine.runner.kv_cache))
     return weights, kv, kv / (engine.num_blocks * engine.config.block_size)
 
