@@ -67,10 +67,10 @@ ENGINE_HELP = {
     "tensor_parallel_size": "devices one model is split over (heads, MLP and vocabulary); "
     "must divide num_heads",
     "quantization": "weight quantisation at load time: none, int8 (per output channel), int4 "
-                    "(group-wise, two per byte) or fp8 (e4m3, per channel); every linear of "
-                    "the decoder layers",
-    "quantization_group_size": "input rows per int4 scale; must divide the quantised weights' "
-                               "input dims (576 and 1536 for SmolLM2)",
+                    "(group-wise asymmetric, two per byte) or fp8 (e4m3, per channel); "
+                    "every linear of the decoder layers",
+    "quantization_group_size": "input rows per int4 scale and zero point; must divide the "
+                               "quantised weights' input dims (576 and 1536 for SmolLM2)",
     "quantize_embeddings": "also quantise the embedding table and the LM head (needs "
                            "--quantization)",
 }

@@ -35,9 +35,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                         "on accelerators)")
     p.add_argument("--quantization", default="none", choices=QUANTIZATION_METHODS,
                    help="store the weights quantised: int8 (per output channel), int4 "
-                        "(group-wise, two per byte) or fp8 (e4m3, per channel)")
-    p.add_argument("--quantization-group-size", type=int, default=64,
-                   help="input rows per int4 scale (must divide the weights' input dims)")
+                        "(group-wise asymmetric, two per byte) or fp8 (e4m3, per channel)")
+    p.add_argument("--quantization-group-size", type=int, default=32,
+                   help="input rows per int4 scale and zero point (must divide the "
+                        "weights' input dims)")
     p.add_argument("--quantize-embeddings", action="store_true",
                    help="also quantise the embedding table and the LM head")
     p.add_argument("--kv-cache-dtype", default=None, choices=["fp8", "int8"],
@@ -48,7 +49,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 
 def convert(src: str, dst: str, dtype: str = "auto", quantization: str = "none",
-            quantization_group_size: int = 64, quantize_embeddings: bool = False,
+            quantization_group_size: int = 32, quantize_embeddings: bool = False,
             kv_cache_dtype: str | None = None, kv_calibration_file: str | None = None
             ) -> dict[str, float]:
     """Load ``src`` (quantising it as ``models.quant.apply_quantization`` does for serving)

@@ -20,7 +20,7 @@ refused (padding them would add a zero head's matmul and attention on every devi
 
 Quantised weights (``models.quant.QuantizedWeight``) split like the float weight they replace:
 ``q`` takes the weight's spec (int4's packed axis holds adjacent input rows, so a shard is a
-contiguous range of rows), ``scale`` the same spec, except that a per-channel scale (one entry
+contiguous range of rows), ``scale`` (and int4's ``zero``) the same spec, except that a per-channel scale (one entry
 along the contraction axis) is replicated along it. Every split axis must divide by the TP
 size (int4 row-parallel weights: their number of groups, ``in / quantization_group_size``);
 ``shard_params`` refuses others naming the leaf and the numbers.
@@ -109,7 +109,7 @@ def replicate_kv_heads(params: dict, cfg: ModelConfig, tp: int) -> dict:
 
     layers = dict(params["layers"])
     for name in ("wk", "wv", "bk", "bv"):
-        if name in layers:  # a QuantizedWeight's q and scale both end with the kv*hd axis
+        if name in layers:  # a QuantizedWeight's q, scale and zero all end with the kv*hd axis
             layers[name] = jax.tree_util.tree_map(rep, layers[name])
     return {**params, "layers": layers}
 
@@ -142,7 +142,8 @@ def param_partition_specs(params, cfg: ModelConfig) -> dict:
         scale = list(s)
         if leaf.scale.shape[ax] == 1:  # per-channel: one scale along the contraction axis
             scale[ax] = None
-        return QuantizedWeight(P(*s), P(*scale), leaf.method, leaf.group_size, leaf.axis)
+        return QuantizedWeight(P(*s), P(*scale), leaf.method, leaf.group_size, leaf.axis,
+                               None if leaf.zero is None else P(*scale))
 
     return jax.tree_util.tree_map_with_path(
         spec, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
@@ -162,7 +163,7 @@ def check_divisible(params, specs, tp: int) -> None:
             if name == TP_AXIS and leaf.shape[ax] % tp:
                 where = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
                 hint = ""
-                if where.endswith(("/scale", "/q")):
+                if where.endswith(("/scale", "/q", "/zero")):
                     hint = (" (a quantised weight: for int4 the split axis holds "
                             "in / quantization_group_size groups, or in / 2 packed rows; "
                             "choose a quantization_group_size that leaves a multiple of "

@@ -6,8 +6,10 @@ write one from their own training code):
   DIR/config.json            the model config: ``cfg.to_dict()`` plus ``"architecture"`` (the
                              ``models.registry`` name, e.g. ``"llama"``) and ``"format":
                              "jaxserve-orbax"``; a quantised checkpoint also ``"quantization":
-                             {"method", "group_size", "embeddings"}`` (``models.quant``; its
-                             quantised leaves are ``{"q", "scale"}`` pairs)
+                             {"method", "group_size", "embeddings"}`` and for int4
+                             ``"int4_format": "asym-zp16"`` (``models.quant``; its quantised
+                             leaves are ``{"q", "scale"}`` pairs, int4 ``{"q", "scale",
+                             "zero"}``)
   DIR/params/                ``orbax.checkpoint.StandardCheckpointer`` save of the params pytree,
                              each array stored in chunks of at most ``CHUNK_BYTES``
   DIR/tokenizer.json         HF ``tokenizers`` file (written by ``jaxserve convert``)
@@ -75,7 +77,7 @@ def save_checkpoint(path: str, cfg, params, dtype: jnp.dtype | None = None) -> N
         raise ValueError(f"{target} exists already; choose a new destination directory")
     import orbax.checkpoint as ocp
 
-    from models.quant import QuantizedWeight, quantization_of
+    from models.quant import INT4_FORMAT, QuantizedWeight, quantization_of
 
     if dtype is not None:
         params = jax.tree_util.tree_map(
@@ -92,6 +94,8 @@ def save_checkpoint(path: str, cfg, params, dtype: jnp.dtype | None = None) -> N
     if quant.method != "none":
         data["quantization"] = {"method": quant.method, "group_size": quant.group_size,
                                 "embeddings": quant.embeddings}
+        if quant.method == "int4":
+            data["quantization"]["int4_format"] = INT4_FORMAT
     with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as fh:
         json.dump(data, fh, indent=2)
         fh.write("\n")
@@ -159,7 +163,7 @@ def read_quantization(path: str):
 
 
 def _read(path: str):
-    from models.quant import QuantConfig
+    from models.quant import INT4_FORMAT, QuantConfig
     from models.registry import get_architecture
 
     try:
@@ -168,7 +172,8 @@ def _read(path: str):
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read {path}/{CONFIG_FILE}: {e}") from None
     data.pop("format", None)
-    quant = data.pop("quantization", None) or {}
+    quant = dict(data.pop("quantization", None) or {})
+    int4_format = quant.pop("int4_format", None)
     if "architecture" not in data:
         raise ValueError(f"{path}/{CONFIG_FILE} lacks the key 'architecture'")
     arch = get_architecture(str(data["architecture"]))
@@ -177,6 +182,12 @@ def _read(path: str):
     except TypeError as e:
         raise ValueError(f"{path}/{CONFIG_FILE}: bad 'quantization' entry {quant!r}: {e}"
                          ) from None
+    if qcfg.method == "int4" and int4_format != INT4_FORMAT:
+        have = repr(int4_format) if int4_format else "the symmetric layout of older versions"
+        raise ValueError(
+            f"{path}: its int4 weights are stored in {have}; this jaxserve reads "
+            f"{INT4_FORMAT!r} (asymmetric: f16 scale and u8 zero point per group); convert the "
+            f"original model again with --quantization int4")
     return arch.config_from_dict(data), qcfg
 
 

@@ -34,7 +34,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=128, help="cached tokens per sequence")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--methods", default="none,int8,int4,fp8")
-    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--group-size", type=int, default=32)
     p.add_argument("--quantize-embeddings", action="store_true")
     p.add_argument("--dtype", default="auto", help="auto: float32 on CPU, bfloat16 elsewhere")
     p.add_argument("--out", default="results/quant.json")
