@@ -22,7 +22,9 @@ tied LM head contracts over ``hidden`` (axis -1), so its scales are per row):
   consecutive input rows share a scale and a zero point per output channel, the GPTQ/AWQ layout:
   Frantar et al. 2022, arXiv:2210.17323; Lin et al. 2023, arXiv:2306.00978). Per group, with
   ``lo = min(min(w), 0)`` and ``hi = max(max(w), 0)``: ``scale = (hi - lo) / 15`` stored as
-  ``f16`` (at least ``2**-24``, at most 65504), ``zero = round(-lo / scale * 16)`` stored as
+  ``f16`` (at least ``2**-14``, f16's least normal number, so its rounding is at most ``2**-11``
+  relative and never pushes a value out of the 16 levels; at most 65504, so weights beyond
+  about ``±4.9e5`` are not representable), ``zero = round(-lo / scale * 16)`` stored as
   ``u8`` (the zero point in sixteenths of a step, ``0..240``), ``q = round(w / scale + zero /
   16)`` in ``[0, 15]`` and ``w ~ (q - zero / 16) * scale``; ``|w - deq| <= scale / 2`` (the
   fractional zero point keeps every value of ``[lo, hi]`` inside the 16 levels, so nothing is
@@ -163,17 +165,31 @@ def _nbytes(a) -> int:
     return int(np.prod(a.shape, dtype=np.int64)) * jnp.dtype(a.dtype).itemsize
 
 
-def _check_group(n: int, group_size: int, where: str = "") -> None:
+def _check_group(n: int, group_size: int, where: str = "", hint: str | None = None) -> None:
     if group_size < 2 or group_size % 2 or n % group_size:
         raise ValueError(
             f"quantization_group_size={group_size} must be even and divide the contraction "
             f"dim {n}{where} (int4 groups input rows; choose a divisor of {n}, e.g. "
-            f"{_divisor_hint(n)})")
+            f"{hint or _divisor_hint([n])})")
 
 
-def _divisor_hint(n: int) -> str:
-    ds = [d for d in (128, 64, 32, 16, 8, 4, 2) if n % d == 0]
-    return ", ".join(map(str, ds)) if ds else "none (the dim is odd)"
+def _divisor_hint(dims) -> str:
+    ds = [d for d in (128, 64, 32, 16, 8, 4, 2) if all(n % d == 0 for n in dims)]
+    return ", ".join(map(str, ds)) if ds else "none (a dim is odd)"
+
+
+def _check_groups(named_dims: list[tuple[str, tuple[int, ...], int]], group_size: int) -> None:
+    """Refuse a group size that does not divide every int4 weight's contraction dim, before
+    any is quantised; the hint lists the sizes that divide all of them.
+
+    Args:
+      named_dims: ``(param name, shape, contraction axis)`` of each weight to quantise.
+    """
+    dims = sorted({shape[axis] for _, shape, axis in named_dims})
+    hint = _divisor_hint(dims) + (f" (every quantised weight's: {', '.join(map(str, dims))})"
+                                  if len(dims) > 1 else "")
+    for name, shape, axis in named_dims:
+        _check_group(shape[axis], group_size, f" of param {name} {tuple(shape)}", hint)
 
 
 def pack_int4(q: jax.Array, axis: int) -> jax.Array:
@@ -212,7 +228,8 @@ def quantize(w: jax.Array, method: str, group_size: int = DEFAULT_GROUP_SIZE, ax
       axis: the contraction axis (-2 for ``[in, out]`` linears, -1 for embeddings).
 
     Returns:
-      A ``QuantizedWeight``; all-zero channels/groups get scale 1 (and q 0).
+      A ``QuantizedWeight``; all-zero channels get scale 1 and all-zero int4 groups scale
+      ``2**-14``, with q (and zero) 0.
 
     Raises:
       ValueError: unknown method, or (int4) a group size that is odd or does not divide.
@@ -238,7 +255,7 @@ def quantize(w: jax.Array, method: str, group_size: int = DEFAULT_GROUP_SIZE, ax
     lo = jnp.minimum(jnp.min(g, axis=ax + 1, keepdims=True), 0.0)
     hi = jnp.maximum(jnp.max(g, axis=ax + 1, keepdims=True), 0.0)
     f16 = jnp.finfo(INT4_SCALE_DTYPE)
-    scale = jnp.clip((hi - lo) / INT4_LEVELS, float(f16.smallest_subnormal), float(f16.max))
+    scale = jnp.clip((hi - lo) / INT4_LEVELS, float(f16.smallest_normal), float(f16.max))
     scale = scale.astype(INT4_SCALE_DTYPE).astype(jnp.float32)  # quantise with the stored scale
     zero = jnp.clip(jnp.round(-lo / scale * INT4_ZERO_STEPS), 0, 255)
     q = jnp.clip(jnp.round(g / scale + zero / INT4_ZERO_STEPS), 0, INT4_LEVELS)
@@ -380,15 +397,16 @@ def quantize_params(params, targets: QuantTargets, qcfg: QuantConfig, *,
     if qcfg.method == "none":
         return params
     flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_qw)
+    axes = [None if _is_qw(leaf) else targets.axis_of(path_name(path), qcfg.embeddings)
+            for path, leaf in flat]
+    if qcfg.method == "int4":
+        _check_groups([(path_name(p), leaf.shape, a) for (p, leaf), a in zip(flat, axes)
+                       if a is not None], qcfg.group_size)
     out = []
-    for path, leaf in flat:
-        name = path_name(path)
-        axis = None if _is_qw(leaf) else targets.axis_of(name, qcfg.embeddings)
+    for (path, leaf), axis in zip(flat, axes):
         if axis is None:
             out.append(leaf)
             continue
-        if qcfg.method == "int4":
-            _check_group(leaf.shape[axis], qcfg.group_size, f" of param {name} {leaf.shape}")
         qw = _quantize_jit(leaf, method=qcfg.method, group_size=qcfg.group_size, axis=axis)
         if delete_source and isinstance(leaf, jax.Array):
             jax.block_until_ready(qw)
@@ -406,6 +424,11 @@ def quantized_shapes(shapes, targets: QuantTargets, qcfg: QuantConfig):
     """
     if qcfg.method == "none":
         return shapes
+    if qcfg.method == "int4":
+        _check_groups([(path_name(p), x.shape, a) for p, x in
+                       jax.tree_util.tree_flatten_with_path(shapes)[0]
+                       if (a := targets.axis_of(path_name(p), qcfg.embeddings)) is not None],
+                      qcfg.group_size)
 
     def one(path, s):
         name = path_name(path)
@@ -415,7 +438,6 @@ def quantized_shapes(shapes, targets: QuantTargets, qcfg: QuantConfig):
         ax = axis % len(s.shape)
         qs, ss = list(s.shape), list(s.shape)
         if qcfg.method == "int4":
-            _check_group(s.shape[ax], qcfg.group_size, f" of param {name} {tuple(s.shape)}")
             qs[ax] //= 2
             ss[ax] //= qcfg.group_size
             return QuantizedWeight(jax.ShapeDtypeStruct(tuple(qs), jnp.uint8),
