@@ -424,6 +424,12 @@ def run(ns: argparse.Namespace, config: EngineConfig, load: LoadConfig,
         configs = [(describe(config), {})]
     else:
         configs = []
+    from models.quant import DEFAULT_GROUP_SIZE
+
+    gs = config.quantization_group_size
+    if gs != DEFAULT_GROUP_SIZE:  # int4 rows name a group size that is not the default
+        configs = [(f"{name}@g{gs}" if overrides.get("quantization", config.quantization)
+                    == "int4" else name, overrides) for name, overrides in configs]
     if ns.output:
         try:
             open(ns.output, "a").close()

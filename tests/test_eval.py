@@ -265,3 +265,22 @@ def test_baseline_drops_the_kv_calibration_file(tmp_path) -> None:
     cfg = EngineConfig(kv_cache_dtype="int8", kv_calibration_file=str(cal))
     base = eval_inputs.baseline_config(cfg)
     assert base.kv_cache_dtype == "auto" and base.kv_calibration_file is None
+
+
+def test_int4_rows_name_a_group_size_that_is_not_the_default(monkeypatch, capsys) -> None:
+    """Two int4 evaluations at different --quantization-group-size must not print the same
+    row name: a non-default group size is appended to int4 rows (``int4@g64``)."""
+    from jaxserve.cli import main
+
+    seen: list[list[str]] = []
+
+    def fake_evaluate(config, load, inputs, configs, **kw):
+        seen.append([name for name, _ in configs])
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(ev, "evaluate", fake_evaluate)
+    argv = ["eval", "--model", "tiny", "--load-format", "dummy", "--compare", "int4,int8+emb",
+            "--max-eval-tokens", "8"]
+    assert main(argv) == 2 and main(argv + ["--quantization-group-size", "64"]) == 2
+    assert seen == [["int4", "int8+emb"], ["int4@g64", "int8+emb"]]
+    assert "stop here" in capsys.readouterr().err
