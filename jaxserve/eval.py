@@ -249,19 +249,23 @@ class EvalInputs:
 
 
 def run_config(name: str, config: EngineConfig, load: LoadConfig, inputs: EvalInputs, *,
-               progress: bool = False, log: TextIO | None = None) -> ConfigResult:
+               progress: bool = False, log: TextIO | None = None,
+               check: Callable[[LLMEngine], None] | None = None) -> ConfigResult:
     """Build a fresh engine for ``config``, score the corpus and generate for the prompts, then
     drop the engine (and collect garbage) so the next configuration starts from free memory.
+    ``check(engine)``, when given, runs once the engine is built, before any work.
 
     Raises:
       ValueError: invalid settings, a window longer than ``max_model_len - 1``, a corpus of
-        fewer than 2 tokens, or a request the engine refuses.
+        fewer than 2 tokens, a request the engine refuses, or what ``check`` raises.
     """
     from jaxserve.engine import LLMEngine
 
     t0 = time.perf_counter()
     engine = LLMEngine(config, load)
     try:
+        if check is not None:
+            check(engine)
         stats = engine.warmup(progress=progress)
         if log is not None:
             print(f"[{name}] loaded and compiled {int(stats['num_programs'])} programs in "
@@ -317,6 +321,54 @@ def metrics_row(result: ConfigResult, base: ConfigResult) -> dict:
     return row
 
 
+def _refuse_quantised_checkpoint(load: LoadConfig) -> None:
+    """The baseline is the model unquantised, which a checkpoint written by ``jaxserve convert
+    --quantization`` cannot give (its float weights are gone).
+
+    Raises:
+      ValueError: ``load.model`` is such a checkpoint (naming its quantisation).
+    """
+    import os
+
+    from models import checkpoint
+
+    path = load.model or ""
+    if not (os.path.isdir(path) and checkpoint.is_checkpoint(path)):
+        return
+    have = checkpoint.read_quantization(path)
+    if have.method != "none":
+        raise ValueError(f"--model {path} holds weights quantised as {have.describe()}; jaxserve "
+                         f"eval compares against the model unquantised, so give it the model "
+                         f"that checkpoint was converted from")
+
+
+def check_quantization(engine: LLMEngine, configs: Sequence[tuple[str, EngineConfig]]
+                       ) -> None:
+    """Refuse, before the baseline's long run, a compared weight quantisation that the loaded
+    model cannot take: an architecture without quantisation support, or an int4 group size
+    that does not divide its weights (shape arithmetic on the model's params, nothing run).
+
+    Raises:
+      ValueError: naming the configuration and the cause.
+    """
+    from models.quant import QuantConfig, quantized_shapes
+    from models.registry import get_architecture
+
+    arch = get_architecture(engine.model_config.architecture)
+    for name, cfg in configs:
+        if cfg.quantization == "none":
+            continue
+        try:
+            if arch.quant_targets is None:
+                raise ValueError(f"architecture {arch.name!r} does not support weight "
+                                 f"quantisation")
+            quantized_shapes(engine.model.param_shapes(), arch.quant_targets,
+                             QuantConfig(cfg.quantization, cfg.quantization_group_size,
+                                         cfg.quantize_embeddings))
+        except ValueError as e:
+            raise ValueError(f"configuration {name!r}: {e}") from None
+
+
 def evaluate(config: EngineConfig, load: LoadConfig, inputs: EvalInputs,
              configs: Sequence[tuple[str, dict[str, object]]], *, progress: bool = False,
              log: TextIO | None = None, on_row: Callable[[dict], None] | None = None) -> dict:
@@ -327,8 +379,10 @@ def evaluate(config: EngineConfig, load: LoadConfig, inputs: EvalInputs,
 
     Returns ``{"baseline": row, "rows": [row, ...]}`` with rows as ``metrics_row``.
     Raises:
-      ValueError: as ``run_config``, or overrides that are not EngineConfig fields.
+      ValueError: as ``run_config``, overrides that are not EngineConfig fields, or (once the
+        baseline's engine is built, before it runs) as ``check_quantization``.
     """
+    _refuse_quantised_checkpoint(load)
     fields = config_fields()
     built = []
     for name, overrides in configs:
@@ -338,7 +392,7 @@ def evaluate(config: EngineConfig, load: LoadConfig, inputs: EvalInputs,
                              f"field(s) {unknown}")
         built.append((name, dataclasses.replace(config, **overrides)))
     base = run_config("baseline", baseline_config(config), load, inputs, progress=progress,
-                      log=log)
+                      log=log, check=lambda engine: check_quantization(engine, built))
     report: dict = {"baseline": metrics_row(base, base), "rows": []}
     if on_row is not None:
         on_row(report)

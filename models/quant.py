@@ -169,8 +169,8 @@ def _check_group(n: int, group_size: int, where: str = "", hint: str | None = No
     if group_size < 2 or group_size % 2 or n % group_size:
         raise ValueError(
             f"quantization_group_size={group_size} must be even and divide the contraction "
-            f"dim {n}{where} (int4 groups input rows; choose a divisor of {n}, e.g. "
-            f"{hint or _divisor_hint([n])})")
+            f"dim {n}{where} (int4 groups input rows; choose "
+            f"{hint or f'a divisor of {n}, e.g. {_divisor_hint([n])}'})")
 
 
 def _divisor_hint(dims) -> str:
@@ -186,8 +186,9 @@ def _check_groups(named_dims: list[tuple[str, tuple[int, ...], int]], group_size
       named_dims: ``(param name, shape, contraction axis)`` of each weight to quantise.
     """
     dims = sorted({shape[axis] for _, shape, axis in named_dims})
-    hint = _divisor_hint(dims) + (f" (every quantised weight's: {', '.join(map(str, dims))})"
-                                  if len(dims) > 1 else "")
+    hint = None if len(dims) < 2 else (
+        f"a size dividing every quantised weight's ({', '.join(map(str, dims))}), e.g. "
+        f"{_divisor_hint(dims)}")
     for name, shape, axis in named_dims:
         _check_group(shape[axis], group_size, f" of param {name} {tuple(shape)}", hint)
 

@@ -284,3 +284,21 @@ def test_int4_rows_name_a_group_size_that_is_not_the_default(monkeypatch, capsys
     assert main(argv) == 2 and main(argv + ["--quantization-group-size", "64"]) == 2
     assert seen == [["int4", "int8+emb"], ["int4@g64", "int8+emb"]]
     assert "stop here" in capsys.readouterr().err
+
+
+def test_a_group_size_the_model_cannot_take_is_refused_before_the_baseline_runs(
+        monkeypatch) -> None:
+    """int4 at a group size that does not divide the tiny model's 128-row weights: refused as
+    soon as the baseline's engine exists, naming the configuration, before any scoring."""
+    def no_scoring(*a, **k):
+        raise AssertionError("the baseline ran before the configuration was checked")
+
+    monkeypatch.setattr(ev, "score_corpus", no_scoring)
+    cfg = EngineConfig(quantization_group_size=40, max_model_len=64, num_kv_blocks=8,
+                       max_num_seqs=2, max_num_batched_tokens=32, compilation_cache_dir="")
+    inputs = ev.EvalInputs("some text to score " * 4, None)
+    with pytest.raises(ValueError, match=r"configuration 'int4': quantization_group_size=40 "
+                                         r"must be even and divide .*dim 128 of param "
+                                         r"layers/w_down.*\(64, 128\), e\.g\. 64, 32"):
+        ev.evaluate(cfg, LoadConfig("tiny", "dummy"), inputs,
+                    [("int8", {"quantization": "int8"}), ("int4", {"quantization": "int4"})])

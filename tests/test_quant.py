@@ -179,9 +179,9 @@ def test_odd_shapes() -> None:
     for quantise in (quant.quantized_shapes, quant.quantize_params):
         shapes = LlamaForCausalLM(SMOLLM2).param_shapes()
         with pytest.raises(ValueError, match=r"quantization_group_size=40 .*1536 of param "
-                                             r"layers/w_down \(30, 1536, 576\).*e\.g\. 64, 32, "
-                                             r"16, 8, 4, 2 \(every quantised weight's: 576, "
-                                             r"1536\)"):
+                                             r"layers/w_down \(30, 1536, 576\).*choose a size "
+                                             r"dividing every quantised weight's \(576, 1536\), "
+                                             r"e\.g\. 64, 32, 16, 8, 4, 2\)"):
             quantise(shapes, DECODER_QUANT_TARGETS, QuantConfig("int4", 40))
 
 
@@ -530,6 +530,20 @@ def test_int4_checkpoint_of_another_layout_is_refused(tiny_src, tmp_path) -> Non
         with pytest.raises(ValueError, match=rf"stored in {want}; .*'asym-zp16'.*convert the "
                                              r"original model again"):
             load_model(LoadConfig(dst), jnp.float32, seed=0)
+
+
+def test_eval_refuses_a_quantised_checkpoint_as_its_baseline(tiny_src, tmp_path) -> None:
+    """``jaxserve eval`` needs the model unquantised for its baseline: a checkpoint written by
+    ``convert --quantization`` is refused up front, saying why (not with serving advice)."""
+    from jaxserve import eval as ev
+
+    src, _ = tiny_src
+    dst = str(tmp_path / "q8")
+    assert cli_main(["convert", src, dst, "--dtype", "float32", "--quantization", "int8"]) == 0
+    with pytest.raises(ValueError, match=r"holds weights quantised as int8 .*compares against "
+                                         r"the model unquantised"):
+        ev.evaluate(EngineConfig(quantization="int8"), LoadConfig(dst),
+                    ev.EvalInputs("text", None), [])
 
 
 def test_bring_your_own_model_refuses_quantisation(tokenizer, tmp_path) -> None:
