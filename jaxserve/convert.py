@@ -124,6 +124,8 @@ def run(ns: argparse.Namespace) -> int:
             flags += f" --quantization-group-size {ns.quantization_group_size}"
         if ns.quantize_embeddings:
             flags += " --quantize-embeddings"
+    if ns.kv_cache_dtype:  # the stored scales serve only an 8-bit cache
+        flags += f" --kv-cache-dtype {ns.kv_cache_dtype}"
     kv = (f", KV scales for {ns.kv_cache_dtype} calibrated in {times['calibrate_s']:.1f} s"
           if ns.kv_cache_dtype else "")
     print(f"wrote {ns.dst} (read {times['load_s']:.1f} s, wrote {times['save_s']:.1f} s{kv}); "

@@ -41,6 +41,7 @@ import dataclasses
 import gc
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -53,6 +54,8 @@ from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.eval_inputs import (
     DEFAULT_CORPUS,
     DEFAULT_PROMPTS,
+    NO_CHANGE,
+    UNQUANTISED,
     baseline_config,
     config_fields,
     describe,
@@ -450,6 +453,33 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="tokens generated (greedy) per prompt")
 
 
+def row_names(config: EngineConfig, configs: Sequence[tuple[str, dict[str, object]]]
+              ) -> list[tuple[str, dict[str, object]]]:
+    """Name each ``(item, overrides)`` by what it runs on top of ``config``: ``describe()`` of
+    the resulting config (so quantisation flags given beside ``--compare`` show, e.g.
+    ``int8+kv-fp8``), with ``@gN`` for int4 at a group size other than the default.
+
+    Raises:
+      ValueError: two items that run the same configuration (e.g. ``int8+emb,emb+int8``), or
+        an override EngineConfig refuses.
+    """
+    from models.quant import DEFAULT_GROUP_SIZE
+
+    out: list[tuple[str, dict[str, object]]] = []
+    seen: dict[str, str] = {}
+    for item, overrides in configs:
+        cfg = dataclasses.replace(config, **overrides)
+        name = describe(cfg)
+        if cfg.quantization == "int4" and cfg.quantization_group_size != DEFAULT_GROUP_SIZE:
+            name += f"@g{cfg.quantization_group_size}"
+        if name in seen:
+            raise ValueError(f"--compare: {seen[name]!r} and {item!r} run the same "
+                             f"configuration ({name})")
+        seen[name] = item
+        out.append((name, overrides))
+    return out
+
+
 def run(ns: argparse.Namespace, config: EngineConfig, load: LoadConfig,
         kv_calibration_file: str | None = None) -> int:
     """``jaxserve eval``: read and check the inputs, evaluate, print the table (stdout; the
@@ -469,7 +499,9 @@ def run(ns: argparse.Namespace, config: EngineConfig, load: LoadConfig,
     inputs = EvalInputs(text, prompts, ns.eval_window, ns.eval_stride, ns.max_eval_tokens,
                         ns.greedy_tokens)
     if ns.compare is not None:
-        configs = parse_compare(ns.compare)
+        unquantised = {k: v for k, v in UNQUANTISED.items() if k in config_fields()}
+        configs = [(name, dict(unquantised) if name in NO_CHANGE else overrides)
+                   for name, overrides in parse_compare(ns.compare)]
         if kv_calibration_file is not None:
             for _, overrides in configs:
                 if overrides.get("kv_cache_dtype", config.kv_cache_dtype) != "auto":
@@ -478,15 +510,13 @@ def run(ns: argparse.Namespace, config: EngineConfig, load: LoadConfig,
         configs = [(describe(config), {})]
     else:
         configs = []
-    from models.quant import DEFAULT_GROUP_SIZE
-
-    gs = config.quantization_group_size
-    if gs != DEFAULT_GROUP_SIZE:  # int4 rows name a group size that is not the default
-        configs = [(f"{name}@g{gs}" if overrides.get("quantization", config.quantization)
-                    == "int4" else name, overrides) for name, overrides in configs]
-    if ns.output:
+    configs = row_names(config, configs)
+    if ns.output:  # checked before the long run; an empty file is not left behind
+        existed = os.path.exists(ns.output)
         try:
             open(ns.output, "a").close()
+            if not existed:
+                os.remove(ns.output)
         except OSError as e:
             raise ValueError(f"--output {ns.output}: cannot write it: {e.strerror or e}"
                              ) from None

@@ -172,7 +172,11 @@ def _read(path: str):
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read {path}/{CONFIG_FILE}: {e}") from None
     data.pop("format", None)
-    quant = dict(data.pop("quantization", None) or {})
+    quant = data.pop("quantization", None) or {}
+    if not isinstance(quant, dict):
+        raise ValueError(f"{path}/{CONFIG_FILE}: bad 'quantization' entry {quant!r}: must be "
+                         f"an object with keys method, group_size, embeddings")
+    quant = dict(quant)
     int4_format = quant.pop("int4_format", None)
     if "architecture" not in data:
         raise ValueError(f"{path}/{CONFIG_FILE} lacks the key 'architecture'")

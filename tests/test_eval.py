@@ -267,7 +267,8 @@ def test_baseline_drops_the_kv_calibration_file(tmp_path) -> None:
     assert base.kv_cache_dtype == "auto" and base.kv_calibration_file is None
 
 
-def test_int4_rows_name_a_group_size_that_is_not_the_default(monkeypatch, capsys) -> None:
+def test_int4_rows_name_a_group_size_that_is_not_the_default(monkeypatch, capsys,
+                                                             tmp_path) -> None:
     """Two int4 evaluations at different --quantization-group-size must not print the same
     row name: a non-default group size is appended to int4 rows (``int4@g64``)."""
     from jaxserve.cli import main
@@ -284,6 +285,19 @@ def test_int4_rows_name_a_group_size_that_is_not_the_default(monkeypatch, capsys
     assert main(argv) == 2 and main(argv + ["--quantization-group-size", "64"]) == 2
     assert seen == [["int4", "int8+emb"], ["int4@g64", "int8+emb"]]
     assert "stop here" in capsys.readouterr().err
+    # rows are named by what runs: a flag beside --compare shows, and "none" is unquantised
+    seen.clear()
+    kv = ["eval", "--model", "tiny", "--load-format", "dummy", "--max-eval-tokens", "8",
+          "--kv-cache-dtype", "fp8", "--compare", "int8,none"]
+    assert main(kv) == 2 and seen == [["int8+kv-fp8", "none"]]
+    # two items that run the same configuration are refused before anything runs
+    for spec in ("int8+emb,emb+int8", "none,baseline"):
+        assert main(argv[:-4] + ["--compare", spec]) == 2
+        assert "run the same configuration" in capsys.readouterr().err
+    assert len(seen) == 1
+    # --output is checked up front, without leaving an empty file when the run fails
+    out = tmp_path / "r.json"
+    assert main(argv + ["--output", str(out)]) == 2 and not out.exists()
 
 
 def test_a_group_size_the_model_cannot_take_is_refused_before_the_baseline_runs(

@@ -510,13 +510,18 @@ def test_convert_quantised_round_trip(tiny_src, tmp_path, monkeypatch, method, f
                   LoadConfig(dst))
 
 
-def test_int4_checkpoint_of_another_layout_is_refused(tiny_src, tmp_path) -> None:
+def test_int4_checkpoint_of_another_layout_is_refused(tiny_src, tmp_path, capsys) -> None:
     """An int4 checkpoint whose config.json does not name this version's layout (one written
     with the earlier symmetric int4 has no ``int4_format``) is refused before any weight is
-    read, naming the layout and the fix, instead of loading into the wrong arithmetic."""
+    read, naming the layout and the fix, instead of loading into the wrong arithmetic; so is a
+    ``quantization`` entry that is not an object. The serve line convert prints carries every
+    flag the checkpoint needs, the 8-bit KV cache its scales are for included."""
     src, _ = tiny_src
     dst = str(tmp_path / "q4")
-    assert cli_main(["convert", src, dst, "--dtype", "float32", "--quantization", "int4"]) == 0
+    assert cli_main(["convert", src, dst, "--dtype", "float32", "--quantization", "int4",
+                     "--kv-cache-dtype", "fp8"]) == 0
+    assert (f"serve it with: jaxserve serve {dst} --quantization int4 --quantization-group-size "
+            f"32 --kv-cache-dtype fp8") in capsys.readouterr().out
     cfg_path = Path(dst, "config.json")
     data = json.loads(cfg_path.read_text())
     assert data["quantization"]["int4_format"] == "asym-zp16"
@@ -529,6 +534,11 @@ def test_int4_checkpoint_of_another_layout_is_refused(tiny_src, tmp_path) -> Non
         want = "the symmetric layout of older versions" if fmt is None else "'sym'"
         with pytest.raises(ValueError, match=rf"stored in {want}; .*'asym-zp16'.*convert the "
                                              r"original model again"):
+            load_model(LoadConfig(dst), jnp.float32, seed=0)
+    for bad in ("int4", [1]):
+        data["quantization"] = bad
+        cfg_path.write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=r"config\.json: bad 'quantization' entry"):
             load_model(LoadConfig(dst), jnp.float32, seed=0)
 
 
