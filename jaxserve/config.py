@@ -62,8 +62,9 @@ class EngineConfig:
       tensor_parallel_size: devices one model is split over (Megatron-style heads / MLP /
         vocabulary split, see jaxserve.sharding); 1: one device.
       quantization: weight quantisation at load time (models.quant): "none", "int8"
-        (per-output-channel), "int4" (group-wise asymmetric: f16 scale and zero point per group, two per byte) or "fp8" (e4m3, per channel);
-        every linear of the decoder layers, dequantised on the fly in the serving dtype.
+        (per-output-channel), "int4" (group-wise asymmetric: an f16 scale and a zero point per
+        group, two values per byte) or "fp8" (e4m3, per channel); every linear of the decoder
+        layers, dequantised on the fly in the serving dtype.
       quantization_group_size: input rows per int4 scale and zero point (even; must divide
         the contraction dims of the quantised weights, e.g. 576 and 1536 for SmolLM2; default
         32, the block of llama.cpp's 4-bit formats).

@@ -331,8 +331,6 @@ def _refuse_quantised_checkpoint(load: LoadConfig) -> None:
     Raises:
       ValueError: ``load.model`` is such a checkpoint (naming its quantisation).
     """
-    import os
-
     from models import checkpoint
 
     path = load.model or ""

@@ -20,10 +20,10 @@ refused (padding them would add a zero head's matmul and attention on every devi
 
 Quantised weights (``models.quant.QuantizedWeight``) split like the float weight they replace:
 ``q`` takes the weight's spec (int4's packed axis holds adjacent input rows, so a shard is a
-contiguous range of rows), ``scale`` (and int4's ``zero``) the same spec, except that a per-channel scale (one entry
-along the contraction axis) is replicated along it. Every split axis must divide by the TP
-size (int4 row-parallel weights: their number of groups, ``in / quantization_group_size``);
-``shard_params`` refuses others naming the leaf and the numbers.
+contiguous range of rows), ``scale`` (and int4's ``zero``) the same spec, except that a
+per-channel scale (one entry along the contraction axis) is replicated along it. Every split
+axis must divide by the TP size (int4 row-parallel weights: their number of groups, ``in /
+quantization_group_size``); ``shard_params`` refuses others naming the leaf and the numbers.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 dequantises on the fly inside the jitted step.
 
 Data flow: a checkpoint loads in the serving dtype (any format) -> ``quantize_params`` replaces
-each listed weight, one leaf at a time on its device, by a ``QuantizedWeight`` (``q``, ``scale`` and,
-for int4, ``zero``) and frees the float leaf -> the model's layers call ``qmatmul`` / ``embed_lookup``,
-which take plain arrays too, so a model written against them serves both. Stacked layer
+each listed weight, one leaf at a time on its device, by a ``QuantizedWeight`` (``q``,
+``scale`` and, for int4, ``zero``) and frees the float leaf -> the model's layers call
+``qmatmul`` / ``embed_lookup``, which take plain arrays too, so a model written against them serves both. Stacked layer
 weights keep the layer axis first (``q [L, in, out]``, ``scale [L, G, out]``), so ``nn.scan``
 slices them like any other param. A checkpoint written by ``jaxserve convert --quantization``
 holds the quantised leaves and loads without quantising again (``quantized_shapes`` gives
