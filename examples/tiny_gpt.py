@@ -171,7 +171,7 @@ class TinyGPT:
 
 def _one_token_metadata():
     """Attention metadata of a one-token step (for tracing ``init``)."""
-    from models.llama import AttentionMetadata
+    from models.interface import AttentionMetadata
 
     return AttentionMetadata(jnp.zeros((1,), jnp.int32), jnp.zeros((1, 1), jnp.int32),
                              jnp.ones((1,), jnp.int32), jnp.array([0, 1], jnp.int32),
@@ -243,13 +243,13 @@ def main(argv: list[str]) -> int:
         return 2
     register()
     if argv[0] == "write":
-        from jaxserve.model_files import default_gguf_path
+        from jaxserve.loading.model_files import default_gguf_path
         from jaxserve.tokenizer import Tokenizer
 
         write_checkpoint(argv[1], TinyGPTConfig(), Tokenizer.from_gguf(default_gguf_path()))
         print(f"wrote {argv[1]}")
         return 0
-    from jaxserve.cli import main as jaxserve_main
+    from jaxserve.cli.main import main as jaxserve_main
 
     return jaxserve_main(["serve", *argv[1:]])
 

@@ -17,8 +17,8 @@ _EXPORTS = {
     "RequestOutput": "jaxserve.outputs",
     "CompletionOutput": "jaxserve.outputs",
     "EngineConfig": "jaxserve.config",
-    "LLMEngine": "jaxserve.engine",
-    "AsyncEngine": "jaxserve.async_engine",
+    "LLMEngine": "jaxserve.engine.llm_engine",
+    "AsyncEngine": "jaxserve.engine.async_engine",
 }
 
 

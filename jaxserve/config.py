@@ -48,7 +48,7 @@ class EngineConfig:
         static per-(layer, kv-head) scales, so the same KV memory holds 2x (bfloat16) / 4x
         (float32) the tokens.
       kv_calibration_file: a UTF-8 text file prefilled once at start to measure K/V magnitudes
-        (see jaxserve.kv_calibration); None: the passage shipped with the package. Only with an
+        (see jaxserve.device.kv_calibration); None: the passage shipped with the package. Only with an
         8-bit kv_cache_dtype and kv_scale_mode "calibrated".
       kv_scale_mode: "calibrated" (scales from the calibration pass) or "unit" (every scale
         1.0; kept to measure what calibration buys).

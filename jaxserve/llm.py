@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from jaxserve.config import EngineConfig, LoadConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 

@@ -2,7 +2,8 @@
 name (``models.registry``)."""
 
 from models.config import BUILTIN_CONFIGS, ModelConfig, RopeScaling, builtin_config
-from models.llama import AttentionMetadata, LlamaForCausalLM, LlamaModel
+from models.interface import AttentionMetadata
+from models.llama import LlamaForCausalLM, LlamaModel
 
 __all__ = [
     "BUILTIN_CONFIGS",

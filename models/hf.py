@@ -7,7 +7,7 @@ from disk only when asked for, with a tqdm bar over the tensors read.
 
 Each params leaf is described by an ``HFLeaf`` (which HF tensor(s), transposed or not, stacked
 over layers or not); ``HFLeaf.read(index)`` reads only a region of our leaf, so a
-tensor-parallel load (``jaxserve.sharded_load``) reads each device's slice with
+tensor-parallel load (``jaxserve.loading.sharded``) reads each device's slice with
 ``safe_open(...).get_slice(name)[...]`` and never the whole tensor; the single-device load reads
 every leaf whole through the same descriptions.
 

@@ -20,38 +20,15 @@ optional q/k/v bias. Source: Touvron et al. 2023 (arXiv:2302.13971) and HF trans
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
+from models.interface import AttentionFn, AttentionMetadata
 from models.quant import embed_lookup, qmatmul, weight
 from pallas_kernels import KVCache, ragged_paged_attention, write_kv
-
-AttentionFn = Callable[..., jax.Array]
-
-
-@jax.tree_util.register_dataclass
-@dataclass
-class AttentionMetadata:
-    """Per-step layout of the ragged batch (see pallas_kernels.ragged_paged_attention).
-
-    Fields:
-      slot_mapping: ``i32[T]`` cache slot of each token (padding -> block 0).
-      block_tables: ``i32[S, max_blocks_per_seq]``.
-      seq_lens: ``i32[S]`` context length including this step's tokens.
-      query_start_loc: ``i32[S + 1]``.
-      num_seqs: ``i32[1]`` real sequences.
-    """
-
-    slot_mapping: jax.Array
-    block_tables: jax.Array
-    seq_lens: jax.Array
-    query_start_loc: jax.Array
-    num_seqs: jax.Array
 
 
 def rope_frequencies(cfg: ModelConfig) -> jax.Array:

@@ -8,7 +8,7 @@ load its params from each format it supports. Every loader (GGUF, HF safetensors
 goes through this one table, so a model registered here is served like the built-in Llama.
 
 Bring your own model: write a config class and a model class that follow ``ModelConfigLike`` and
-``CausalLM`` below (see ``examples/tiny_gpt.py``), then
+``CausalLM`` (``models.interface``) (see ``examples/tiny_gpt.py``), then
 
     register_architecture(Architecture(name="my-model", model=MyModel,
                                        config_from_dict=MyConfig.from_dict))
@@ -25,63 +25,13 @@ import importlib
 import importlib.metadata
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
-import jax
-import jax.numpy as jnp
-
+from models.interface import CausalLM, ModelConfigLike
 from models.quant import QuantTargets
 
 ENTRY_POINT_GROUP = "jaxserve.models"
 BUILTIN_MODULES = ("models.architectures",)
 """Modules that register the built-in architectures when imported (imported on first lookup)."""
-
-
-class ModelConfigLike(Protocol):
-    """What the engine reads from a model config (a frozen dataclass in practice).
-
-    Fields: ``architecture`` (the registry name), ``name`` (served name), ``vocab_size``,
-    ``num_layers``, ``num_kv_heads``, ``head_dim`` (the KV cache is
-    ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``), ``max_position_embeddings``
-    (context window, tokens). ``to_dict()`` gives the JSON-able form that ``config.json`` of an
-    orbax checkpoint holds; the architecture's ``config_from_dict`` reads it back.
-    """
-
-    architecture: str
-    name: str
-    vocab_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int
-
-    def to_dict(self) -> dict: ...
-
-
-class CausalLM(Protocol):
-    """The model protocol of design.md.
-
-    ``forward(params, token_ids i32[T], positions i32[T], kv_cache, md) -> (hidden [T, hidden],
-    kv_cache)``: one ragged step; ``md`` is a ``models.llama.AttentionMetadata``; layer ``l``
-    writes its new K/V with ``pallas_kernels.write_kv(k, v, l, k_new, v_new, md.slot_mapping)``
-    and attends with ``attention_fn(q, k_cache, v_cache, l, md.block_tables, md.seq_lens,
-    md.query_start_loc, md.num_seqs, sm_scale=...)`` (the op the engine passes in; stack layers
-    and run them with ``nn.scan``/``lax.scan`` carrying the cache, so compile time does not grow
-    with depth and the cache is not copied).
-    ``compute_logits(params, hidden [L, hidden]) -> f32[L, vocab]``.
-    ``param_shapes()``: the params pytree as ``jax.ShapeDtypeStruct`` leaves (nothing allocated);
-    the orbax loader restores into it and dummy weights are drawn in its shapes.
-    """
-
-    cfg: ModelConfigLike
-    dtype: jnp.dtype
-
-    def forward(self, params, token_ids: jax.Array, positions: jax.Array, kv_cache, md
-                ) -> tuple[jax.Array, object]: ...
-
-    def compute_logits(self, params, hidden: jax.Array) -> jax.Array: ...
-
-    def param_shapes(self): ...
 
 
 @dataclass(frozen=True)
@@ -99,7 +49,7 @@ class Architecture:
         params``, where ``tensors`` is a ``models.hf.SafetensorsDir``; None when not read.
       hf_sources: ``(tensors, cfg) -> pytree of models.hf.HFLeaf`` (the params tree's
         structure): lets a tensor-parallel load read only each device's slice of every tensor
-        (``jaxserve.sharded_load``); None: such a load reads ``hf_params`` whole, then shards.
+        (``jaxserve.loading.sharded``); None: such a load reads ``hf_params`` whole, then shards.
       quant_targets: the params that load-time weight quantisation replaces by
         ``models.quant.QuantizedWeight`` leaves (the model must compute with
         ``models.quant.qmatmul`` / ``embed_lookup``); None: the model does not support

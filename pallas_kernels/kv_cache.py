@@ -17,7 +17,7 @@ Quantised cache (``kv_cache_dtype`` "fp8" / "int8"): K and V are stored at 8 bit
 ``write_kv`` divides by the scale, rounds (int8) and saturates to the format's range
 (``QUANT_MAX``: 448 for e4m3, 127 for int8); attention folds the K scale into the scores and
 the V scale into the output, so a page is read at 1 byte per element. Scales are static (fixed
-at engine start by calibration, see ``jaxserve.kv_calibration``), so moving blocks (host tier,
+at engine start by calibration, see ``jaxserve.device.kv_calibration``), so moving blocks (host tier,
 swap) moves only the pages. Per-tensor-static scaling follows vLLM's FP8 KV cache and
 TensorRT-LLM's INT8/FP8 KV cache; per-head granularity is finer than their per-tensor default.
 

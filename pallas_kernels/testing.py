@@ -1,6 +1,6 @@
 """Random ragged paged-attention inputs for tests and the GPU check (numpy only).
 
-Shared by tests/test_attention.py, tests/test_pallas_attention.py and scripts/gpu_check.py, so
+Shared by tests/kernels/test_attention.py, tests/kernels/test_pallas_attention.py and scripts/gpu_check.py, so
 all three exercise the same adversarial layout: permuted block tables, NaN in every page and
 slot no sequence owns, padding sequences and tokens.
 """

@@ -45,8 +45,9 @@ def main() -> None:
     a = p.parse_args()
 
     from jaxserve.config import EngineConfig, LoadConfig
-    from jaxserve.engine import LLMEngine, resolve_dtype
-    from jaxserve.metrics import EngineMetrics
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.metrics import EngineMetrics
+    from jaxserve.loading.load import resolve_dtype
     from jaxserve.sampling_params import SamplingParams
     from models.config import builtin_config
     from pallas_kernels import kv_cache_bytes_per_block

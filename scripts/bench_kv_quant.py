@@ -2,7 +2,7 @@
 the decode step time at batch 64.
 
 1. Perplexity of a model (default: SmolLM2-135M-Instruct, float32 on the CPU) over the first
-   ``--num-tokens`` tokens of ``jaxserve/bench/data/pride_and_prejudice_ch1-12.txt``, through the
+   ``--num-tokens`` tokens of ``jaxserve/cli/bench/data/pride_and_prejudice_ch1-12.txt``, through the
    engine (``SamplingParams(prompt_logprobs=1, max_tokens=1)``: the logprob and the top-1 token
    at every prompt position), for each configuration of ``--configs``:
    ``auto`` (the float cache), ``fp8`` / ``int8`` with calibrated scales (``...@P``: calibrated
@@ -54,9 +54,9 @@ def parse_config(name: str) -> tuple[dict, float | None]:
 
 def prompt_logprobs(cfg_fields: dict, ids: list[int], model: str | None,
                     headroom: float | None = None) -> dict:
-    from jaxserve import kv_calibration
     from jaxserve.config import EngineConfig, LoadConfig
-    from jaxserve.engine import LLMEngine
+    from jaxserve.device import kv_calibration
+    from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.sampling_params import SamplingParams
     from pallas_kernels.kv_cache import KV_QUANT_DTYPES
 
@@ -92,7 +92,7 @@ def decode_step_ms(kv_dtype: str, batch: int, context: int, steps: int) -> float
     import jax
     import jax.numpy as jnp
 
-    from jaxserve.runner import ModelRunner, RowParams
+    from jaxserve.device.runner import ModelRunner, RowParams
     from models.config import builtin_config
     from models.llama import LlamaForCausalLM
     from models.loader import dummy_params
@@ -142,7 +142,7 @@ def main() -> int:
     p.add_argument("--output", default="bench_kv_quant.json")
     a = p.parse_args()
 
-    from jaxserve.model_files import default_gguf_path
+    from jaxserve.loading.model_files import default_gguf_path
     from jaxserve.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(a.model or default_gguf_path())

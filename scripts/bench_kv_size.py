@@ -15,7 +15,7 @@ import time
 
 def decode_step_ms(num_blocks: int, batch: int, context: int, steps: int) -> list[float]:
     from jaxserve.config import EngineConfig
-    from jaxserve.engine import LLMEngine
+    from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.sampling_params import SamplingParams
 
     e = LLMEngine(EngineConfig(max_model_len=1024, num_kv_blocks=num_blocks, max_num_seqs=batch,

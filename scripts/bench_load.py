@@ -1,7 +1,7 @@
 """Load time of SmolLM2-135M per weights format: GGUF (Q4_1, dequantised), the orbax checkpoint
 ``jaxserve convert`` writes (stored in the serving dtype), and dummy (random) weights.
 
-Each figure is the wall time of ``jaxserve.engine.load_model`` (config, params on the device,
+Each figure is the wall time of ``jaxserve.loading.load.load_model`` (config, params on the device,
 tokenizer) in a fresh Python process after its imports, until every param is ready; the median
 of ``--repeats`` processes is reported. The orbax checkpoint is converted once first (its
 conversion time is printed, not counted). Prints a table and writes JSON.
@@ -26,7 +26,7 @@ CHILD = """
 import json, sys, time
 import jax, jax.numpy as jnp
 from jaxserve.config import LoadConfig
-from jaxserve.engine import load_model
+from jaxserve.loading.load import load_model
 model, fmt, dtype = sys.argv[1:4]
 t0 = time.perf_counter()
 cfg, params, tok, name = load_model(LoadConfig(model, fmt), jnp.dtype(dtype), seed=0)
@@ -52,8 +52,8 @@ def main() -> None:
                     "(default: a temporary directory)")
     args = ap.parse_args()
 
-    from jaxserve.convert import convert
-    from jaxserve.model_files import default_gguf_path
+    from jaxserve.cli.convert import convert
+    from jaxserve.loading.model_files import default_gguf_path
 
     gguf = default_gguf_path()
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:

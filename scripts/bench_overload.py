@@ -142,7 +142,7 @@ def main() -> None:
     a = ap.parse_args()
 
     port = free_port()
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port),
+    cmd = [sys.executable, "-m", "jaxserve.cli.main", "serve", "--port", str(port),
            "--max-waiting-requests", str(a.max_waiting_requests), "--max-model-len", "512",
            "--log-level", "warning", *a.extra]
     rng = random.Random(a.seed)

@@ -26,7 +26,7 @@ from bench_block_size import sharegpt_like
 def simulate(ins: np.ndarray, outs: np.ndarray, policy: str, num_blocks: int,
              num_host_blocks: int, block_size: int) -> dict[str, float]:
     """Run the workload through the scheduler; counts of work and finish steps."""
-    from jaxserve import scheduler as s
+    from jaxserve.core import scheduler as s
 
     cfg = s.SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512, block_size=block_size,
                             max_model_len=4096, num_blocks=num_blocks,

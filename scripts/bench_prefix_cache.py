@@ -70,8 +70,8 @@ def main() -> None:
     a = p.parse_args()
 
     from jaxserve.config import EngineConfig, LoadConfig
-    from jaxserve.engine import LLMEngine
-    from jaxserve.metrics import EngineMetrics
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.metrics import EngineMetrics
 
     rng = np.random.default_rng(a.seed)
     vocab = 49152 - 200

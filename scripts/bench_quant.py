@@ -46,7 +46,7 @@ def main() -> None:
     from models import quant
     from models.architectures import DECODER_QUANT_TARGETS
     from models.config import builtin_config
-    from models.llama import AttentionMetadata
+    from models.interface import AttentionMetadata
     from models.loader import dummy_params
     from models.registry import get_architecture
     from pallas_kernels import allocate_kv_cache

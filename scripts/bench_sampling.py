@@ -40,7 +40,7 @@ def main() -> None:
     a = p.parse_args()
 
     from jaxserve.config import EngineConfig, LoadConfig
-    from jaxserve.engine import LLMEngine
+    from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.sampling_params import SamplingParams
 
     eng = LLMEngine(EngineConfig(max_num_seqs=a.batch,

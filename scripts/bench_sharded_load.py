@@ -1,5 +1,5 @@
 """Per-shard load time and host memory: tensor-parallel loading that reads each device's slice
-(``jaxserve.sharded_load``) against reading the whole checkpoint, then sharding it.
+(``jaxserve.loading.sharded``) against reading the whole checkpoint, then sharding it.
 
 Writes SmolLM2-135M-shaped dummy weights (float32, seed 0) once as an orbax checkpoint
 (``models.checkpoint.save_checkpoint``) and as an HF safetensors directory (``LlamaForCausalLM``
@@ -89,7 +89,8 @@ def child(fmt: str, path: str, tp: int, method: str) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jaxserve import sharded_load, sharding
+    from jaxserve import sharding
+    from jaxserve.loading import sharded as sharded_load
     from models import checkpoint, hf
 
     dtype = jnp.dtype(jnp.float32)

@@ -26,7 +26,7 @@ def free_port() -> int:
 
 def start_once(cache_dir: str, extra: list[str], timeout_s: float = 600) -> dict[str, float]:
     port = free_port()
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--port", str(port),
+    cmd = [sys.executable, "-m", "jaxserve.cli.main", "serve", "--port", str(port),
            "--compilation-cache-dir", cache_dir, *extra]
     t0 = time.perf_counter()
     with tempfile.TemporaryFile(mode="w+") as log:

@@ -82,7 +82,7 @@ def main() -> None:
     a = p.parse_args()
 
     from jaxserve.config import EngineConfig
-    from jaxserve.engine import LLMEngine
+    from jaxserve.engine.llm_engine import LLMEngine
 
     ceiling = matmul_ceiling_gflops()
     engine = LLMEngine(EngineConfig(max_model_len=1024, max_num_seqs=a.max_num_seqs,

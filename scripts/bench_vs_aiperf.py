@@ -30,7 +30,7 @@ import shlex
 import subprocess
 import sys
 
-from jaxserve.bench.sweep import ServerProcess
+from jaxserve.cli.bench.sweep import ServerProcess
 
 KEYS = [  # (label, jaxserve key, aiperf metric tag, aiperf stat)
     ("request throughput (req/s)", "request_throughput", "request_throughput", "avg"),
@@ -48,7 +48,7 @@ KEYS = [  # (label, jaxserve key, aiperf metric tag, aiperf stat)
 
 def export_tokenizer(out_dir: str) -> str:
     """The default model's tokenizer as an HF folder (tokenizer.json + tokenizer_config.json)."""
-    from jaxserve.model_files import default_gguf_path
+    from jaxserve.loading.model_files import default_gguf_path
     from jaxserve.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(default_gguf_path())
@@ -107,7 +107,7 @@ def main() -> None:
             check=True).stdout)["data"][0]["id"]
         for r in range(a.rounds):
             name = f"jaxserve-{r}.json"
-            subprocess.run([*pin, sys.executable, "-m", "jaxserve.cli", "bench", "serve",
+            subprocess.run([*pin, sys.executable, "-m", "jaxserve.cli.main", "bench", "serve",
                             "--base-url", server.url, "--dataset-name", "random",
                             "--random-input-len", str(a.input_len), "--random-output-len",
                             str(a.output_len), "--num-prompts", str(a.num_prompts),

@@ -1,5 +1,5 @@
 """Write tiny random Llama, Mistral and Qwen2 checkpoints as HF safetensors directories, and the
-float32 logits HF transformers computes for them (dev-only; tests/test_hf.py checks against them).
+float32 logits HF transformers computes for them (dev-only; tests/loading/test_hf.py checks against them).
 
 Each model is tiny (hidden 32, 2 layers, vocab 320) with random weights drawn from a fixed seed
 (norms near 1, biases non-zero, so every tensor matters), chosen to exercise what differs between

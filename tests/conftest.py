@@ -21,19 +21,19 @@ from jaxserve.tokenizer import Tokenizer
 @pytest.fixture(scope="session")
 def tokenizer() -> Tokenizer:
     """The real SmolLM2-135M-Instruct tokenizer, built from its GGUF (about 2 s, once)."""
-    from jaxserve.model_files import default_gguf_path
+    from jaxserve.loading.model_files import default_gguf_path
 
     return Tokenizer.from_gguf(default_gguf_path())
 
 
-# -- the real engine and the model goldens (tests/test_model_goldens.py, tests/test_engine.py) --
+# -- the real engine and the model goldens (tests/models/test_model_goldens.py, tests/engine/test_engine.py) --
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GOLDENS_DIR = Path(__file__).resolve().parent / "goldens"
 
 # The shared engine's KV cache: 159 usable blocks of 16 tokens (2544 tokens). One full-length
 # request (max_model_len 1024) needs 64, so a handful of long requests exhausts the pool and
-# forces preemption (tests/test_engine.py::test_preemption_keeps_goldens_and_frees_blocks).
+# forces preemption (tests/engine/test_engine.py::test_preemption_keeps_goldens_and_frees_blocks).
 ENGINE_NUM_KV_BLOCKS = 160
 ENGINE_MAX_MODEL_LEN = 1024
 
@@ -55,10 +55,10 @@ def engine():
 
     Building it costs about 10 s of loading plus warm-up; the persistent compilation cache in
     ``<repo>/.jax_cache`` (git-ignored) makes warm-up cheap on reruns. Tests must leave it idle
-    with every block free (tests/test_engine.py checks after each test).
+    with every block free (tests/engine/test_engine.py checks after each test).
     """
     from jaxserve.config import EngineConfig
-    from jaxserve.engine import LLMEngine
+    from jaxserve.engine.llm_engine import LLMEngine
 
     eng = LLMEngine(
         EngineConfig(

@@ -3,7 +3,7 @@
 Checks: refusal of shapes that cannot be split, the param and KV-cache shardings, the sharded
 model's logits against one device, greedy engine output with TP 1/2/4/8 (tiny), TP 2 from an
 orbax checkpoint restored per shard (tiny) and TP 3 (SmolLM2) against one device, and the
-collectives XLA emits per layer. The loaders' per-shard reads: tests/test_sharded_load.py.
+collectives XLA emits per layer. The loaders' per-shard reads: tests/loading/test_sharded_load.py.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve import sharding
 from jaxserve.config import EngineConfig, LoadConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
 from models.config import builtin_config
-from models.llama import AttentionMetadata, LlamaForCausalLM
+from models.interface import AttentionMetadata
+from models.llama import LlamaForCausalLM
 from models.loader import dummy_params
 from pallas_kernels import allocate_kv_cache, ragged_paged_attention
 
@@ -188,7 +189,7 @@ def test_orbax_checkpoint_loaded_per_shard_serves_the_tp2_weights(tmp_path, toke
     path = str(tmp_path / "tiny")
     checkpoint.save_checkpoint(path, TINY, dummy_params(LlamaForCausalLM(TINY), 0))
     tokenizer.save_pretrained(path)
-    with caplog.at_level("INFO", logger="jaxserve.engine"):
+    with caplog.at_level("INFO", logger="jaxserve.engine.llm_engine"):
         eng = LLMEngine(EngineConfig(tensor_parallel_size=2, max_model_len=128,
                                      num_kv_blocks=24, max_num_seqs=4,
                                      max_num_batched_tokens=16, compilation_cache_dir=""),

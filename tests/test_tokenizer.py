@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve import model_files
+from jaxserve.loading import model_files
 from jaxserve.tokenizer import CHATML_TEMPLATE, Tokenizer, normalize_messages
 
 GOLDENS = Path(__file__).parent / "goldens" / "smollm2.json"

@@ -1,0 +1,133 @@
+"""``jaxserve convert SRC DST [--dtype D]``: write a model as an orbax checkpoint directory.
+
+SRC is anything ``jaxserve serve`` loads (a GGUF file, an HF safetensors directory, another
+orbax checkpoint). DST gets the params pytree as an orbax checkpoint in ``--dtype`` (weights
+dequantised, q/k rows in HF's rotate-half order, linear weights ``[in, out]``), ``config.json``,
+and the tokenizer files with the chat template (``models/checkpoint.py`` and the README describe
+the layout). ``jaxserve serve DST`` then loads without reading the source format again.
+
+With ``--quantization int8|int4|fp8`` (and ``--quantization-group-size``,
+``--quantize-embeddings``) the weights are quantised after loading, as ``serve`` would, and
+stored quantised (``models.quant``); ``config.json`` records the settings, and serving DST
+restores the quantised leaves as stored (no quantisation runs) when given the same
+``--quantization`` flags, and refuses other ones.
+
+With ``--kv-cache-dtype fp8|int8`` the converter also runs the KV calibration pass
+(``jaxserve.device.kv_calibration``) and stores the scales in ``DST/kv_scales.json``, so serving DST with
+an 8-bit KV cache skips it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from jaxserve.config import DTYPES, QUANTIZATION_METHODS
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    """The ``convert`` subcommand's arguments."""
+    p.add_argument("src", help="a GGUF file, an HF safetensors directory, or an orbax checkpoint")
+    p.add_argument("dst", help="new directory for the orbax checkpoint")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="stored dtype; store the dtype you serve in so loading casts nothing "
+                        "(auto: what 'serve --dtype auto' uses here: float32 on CPU, bfloat16 "
+                        "on accelerators)")
+    p.add_argument("--quantization", default="none", choices=QUANTIZATION_METHODS,
+                   help="store the weights quantised: int8 (per output channel), int4 "
+                        "(group-wise asymmetric, two per byte) or fp8 (e4m3, per channel)")
+    p.add_argument("--quantization-group-size", type=int, default=32,
+                   help="input rows per int4 scale and zero point (must divide the "
+                        "weights' input dims)")
+    p.add_argument("--quantize-embeddings", action="store_true",
+                   help="also quantise the embedding table and the LM head")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["fp8", "int8"],
+                   help="also calibrate and store the scales of this 8-bit KV cache "
+                        "(kv_scales.json; serving with either 8-bit format uses them)")
+    p.add_argument("--kv-calibration-file", default=None,
+                   help="text for that calibration (default: the passage shipped with jaxserve)")
+
+
+def convert(src: str, dst: str, dtype: str = "auto", quantization: str = "none",
+            quantization_group_size: int = 32, quantize_embeddings: bool = False,
+            kv_cache_dtype: str | None = None, kv_calibration_file: str | None = None
+            ) -> dict[str, float]:
+    """Load ``src`` (quantising it as ``models.quant.apply_quantization`` does for serving)
+    and write it to ``dst`` as an orbax checkpoint; returns ``{"load_s", "save_s"}`` (and
+    ``"calibrate_s"`` with ``kv_cache_dtype``).
+
+    Raises:
+      ValueError / FileNotFoundError: an unreadable SRC, a DST that holds a checkpoint already,
+        bad quantisation settings (naming the field), an architecture without quantisation, or
+        an unreadable calibration file.
+    """
+    from jaxserve.config import LoadConfig
+    from jaxserve.device import kv_calibration as cal
+    from jaxserve.loading.load import load_model, resolve_dtype
+    from models.checkpoint import save_checkpoint
+    from models.quant import QuantConfig, apply_quantization
+    from models.registry import get_architecture
+    from pallas_kernels.kv_cache import KV_QUANT_DTYPES
+
+    qcfg = QuantConfig(quantization, quantization_group_size, quantize_embeddings)
+    if kv_calibration_file is not None and kv_cache_dtype is None:
+        raise ValueError("kv_calibration_file is used only with kv_cache_dtype fp8 or int8 "
+                         "(--kv-cache-dtype); nothing would be calibrated")
+    if kv_cache_dtype is not None and kv_cache_dtype not in KV_QUANT_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} must be one of "
+                         f"{sorted(KV_QUANT_DTYPES)}")
+    dt = resolve_dtype(dtype)
+    t0 = time.perf_counter()
+    cfg, params, tokenizer, _ = load_model(LoadConfig(src), dt, seed=0)
+    ids = None
+    if kv_cache_dtype is not None:  # a bad calibration file fails before anything is written
+        ids = cal.calibration_token_ids(
+            tokenizer, kv_calibration_file,
+            min(cal.MAX_CALIBRATION_TOKENS, cfg.max_position_embeddings))
+    arch = get_architecture(cfg.architecture)
+    params = apply_quantization(params, arch.quant_targets, qcfg, arch.name,
+                                delete_source=True)
+    t1 = time.perf_counter()
+    save_checkpoint(dst, cfg, params, dt)
+    tokenizer.save_pretrained(dst)
+    times = {"load_s": t1 - t0, "save_s": time.perf_counter() - t1}
+    if kv_cache_dtype is not None:
+        t2 = time.perf_counter()
+        _save_kv_scales(dst, cfg, params, dt, kv_cache_dtype, ids)
+        times["calibrate_s"] = time.perf_counter() - t2
+    return times
+
+
+def _save_kv_scales(dst: str, cfg, params, dt, kv_cache_dtype: str, ids: list[int]) -> None:
+    """Run the engine's KV calibration pass over ``ids`` on the loaded model; write
+    DST/kv_scales.json."""
+    from jaxserve.device import kv_calibration as cal
+    from models.checkpoint import save_kv_scales
+    from models.registry import get_architecture
+    from pallas_kernels.kv_cache import KV_QUANT_DTYPES
+
+    model = get_architecture(cfg.architecture).model(cfg, dt)
+    k_amax, v_amax = cal.calibration_amax(model, params, ids, block_size=16, dtype=dt)
+    qdt = KV_QUANT_DTYPES[kv_cache_dtype]
+    save_kv_scales(dst, kv_cache_dtype, cal.scales_from_amax(k_amax, qdt),
+                   cal.scales_from_amax(v_amax, qdt), num_tokens=len(ids), percentile=100.0)
+
+
+def run(ns: argparse.Namespace) -> int:
+    """The ``convert`` command: convert and print what was written."""
+    times = convert(ns.src, ns.dst, ns.dtype, ns.quantization, ns.quantization_group_size,
+                    ns.quantize_embeddings, ns.kv_cache_dtype, ns.kv_calibration_file)
+    flags = ""
+    if ns.quantization != "none":
+        flags = f" --quantization {ns.quantization}"
+        if ns.quantization == "int4":
+            flags += f" --quantization-group-size {ns.quantization_group_size}"
+        if ns.quantize_embeddings:
+            flags += " --quantize-embeddings"
+    if ns.kv_cache_dtype:  # the stored scales serve only an 8-bit cache
+        flags += f" --kv-cache-dtype {ns.kv_cache_dtype}"
+    kv = (f", KV scales for {ns.kv_cache_dtype} calibrated in {times['calibrate_s']:.1f} s"
+          if ns.kv_cache_dtype else "")
+    print(f"wrote {ns.dst} (read {times['load_s']:.1f} s, wrote {times['save_s']:.1f} s{kv}); "
+          f"serve it with: jaxserve serve {ns.dst}{flags}", flush=True)
+    return 0

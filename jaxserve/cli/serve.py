@@ -1,0 +1,134 @@
+"""``jaxserve serve`` and ``jaxserve run-batch``: load, compile every step program, then serve
+HTTP until SIGTERM has drained the server (or SIGINT stops it), or run an OpenAI Batch file."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+import time
+import typing
+
+from jaxserve.cli.args import engine_config_from_args, limits_from_args, server_config_from_args
+from jaxserve.config import EngineConfig, LoadConfig
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise ValueError if ``host:port`` cannot be bound now (port 0 always can)."""
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def start_engine(cfg: EngineConfig, load: LoadConfig, out: typing.TextIO):  # -> AsyncEngine
+    """Load the model and compile every step program, printing progress to ``out``."""
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.metrics import EngineMetrics
+
+    t0 = time.perf_counter()
+    engine = LLMEngine(cfg, load, metrics=EngineMetrics())
+    print(f"loaded {engine.model_name} in {engine.load_s:.1f} s ({engine.weights_summary()}, "
+          f"{engine.num_blocks} KV blocks of {cfg.block_size} tokens "
+          f"({engine.kv_cache_summary()}), max_model_len "
+          f"{engine.max_model_len})", file=out, flush=True)
+    aeng = AsyncEngine(engine)
+    aeng.start(warmup=True, progress=True)
+    st = aeng.warmup_stats
+    print(f"compiled {int(st['num_programs'])} programs in {st['compile_s']:.1f} s; ready in "
+          f"{time.perf_counter() - t0:.1f} s", file=out, flush=True)
+    return aeng
+
+
+def serve(ns: argparse.Namespace) -> None:
+    """Load, compile, then serve until SIGTERM has drained the server or SIGINT stops it."""
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.metrics import EngineMetrics
+    from jaxserve.server.app import build_app
+    from jaxserve.server.gate import run_server
+    from jaxserve.server.logs import configure_logging
+
+    if ns.model and ns.model_opt and ns.model != ns.model_opt:
+        raise ValueError(f"MODEL {ns.model!r} and --model {ns.model_opt!r} disagree")
+    server_cfg = server_config_from_args(ns)
+    limits = limits_from_args(ns)
+    from jaxserve.cli.multihost import initialize
+
+    multi = initialize(ns.coordinator_address, ns.num_processes, ns.process_id)
+    if multi and ns.data_parallel_size > 1:
+        raise ValueError("--data-parallel-size > 1 with --num-processes > 1 is not supported")
+    if multi:
+        import jax
+
+        tp = engine_config_from_args(ns).tensor_parallel_size
+        if tp != len(jax.devices()):
+            raise ValueError(
+                f"with --num-processes {ns.num_processes} the model spans every process's "
+                f"devices: --tensor-parallel-size must be {len(jax.devices())}, got {tp}")
+    if ns.process_id == 0:
+        check_port_free(server_cfg.host, server_cfg.port)  # fail before minutes of loading
+    configure_logging(server_cfg.log_level, server_cfg.log_format)
+    cfg = engine_config_from_args(ns)
+    load = LoadConfig(ns.model or ns.model_opt, ns.load_format, ns.served_model_name)
+    t0 = time.perf_counter()
+    if ns.data_parallel_size > 1:
+        from jaxserve.engine.data_parallel import build_data_parallel
+
+        aeng = build_data_parallel(cfg, load, ns.data_parallel_size)
+        engine = aeng.replicas[0].engine
+    else:
+        engine = LLMEngine(cfg, load, metrics=EngineMetrics())
+        aeng = AsyncEngine(engine)
+    print(f"loaded {engine.model_name} in {engine.load_s:.1f} s ({engine.weights_summary()}, "
+          f"{engine.num_blocks} KV blocks of {cfg.block_size} tokens "
+          f"({engine.kv_cache_summary()}), max_model_len "
+          f"{engine.max_model_len}, {ns.data_parallel_size} replica(s) x "
+          f"{cfg.tensor_parallel_size} device(s))", flush=True)
+    if multi and ns.process_id != 0:  # a follower: same programs, steps from process 0
+        engine.warmup(progress=False)
+        steps = engine.runner.follow()
+        print(f"process {ns.process_id}: process 0 stopped after {steps} steps", flush=True)
+        return
+    aeng.start(warmup=True, progress=True)
+    st = aeng.warmup_stats
+    print(f"compiled {int(st['num_programs'])} programs in {st['compile_s']:.1f} s; ready in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    try:
+        run_server(build_app(aeng, engine.model_name, server_cfg, limits))
+    finally:
+        aeng.shutdown()
+        if multi:
+            engine.runner.stop_followers()
+
+
+def run_batch(ns: argparse.Namespace) -> None:
+    """Read the input, load and compile, run every line, write the output (stdout stays free
+    of progress output: load and compile lines, the bars and the summary go to stderr)."""
+    from jaxserve.server.app import OpenAIServer
+    from jaxserve.server.batch import read_lines, run_batch_file
+    from jaxserve.server.logs import configure_logging
+
+    limits = limits_from_args(ns)
+    cfg = engine_config_from_args(ns)
+    if ns.max_in_flight is not None and ns.max_in_flight < 1:
+        raise ValueError(f"--max-in-flight must be >= 1, got {ns.max_in_flight}")
+    lines = read_lines(ns.input_file)  # fail before minutes of loading
+    try:
+        open(ns.output_file, "ab").close()
+    except OSError as e:
+        raise ValueError(f"cannot write output file {ns.output_file}: {e.strerror or e}") from None
+    configure_logging("warning", "text")
+    aeng = start_engine(cfg, LoadConfig(ns.model, ns.load_format, ns.served_model_name),
+                         sys.stderr)
+    try:
+        api = OpenAIServer(aeng, aeng.model_name, limits)
+        run_batch_file(api, lines, ns.output_file, ns.max_in_flight or 2 * cfg.max_num_seqs)
+    finally:
+        aeng.shutdown()

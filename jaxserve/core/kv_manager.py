@@ -1,0 +1,224 @@
+"""The KV-cache manager the scheduler plans with: the device block pool, the optional host tier,
+prefix lookup across both, swapping, and the block copies each step needs.
+
+Pure Python (no jax). The scheduler calls it while it builds a step's plan; the copies it asks
+for are collected and handed to the engine with the plan (``take_transfers``), and the engine
+runs them before the step's forward pass, offloads first, then loads::
+
+    offloads  (device block -> host block): K/V leaving the device. (a) A cached-free device
+              block evicted to make room is copied to the host tier (if that hash is not there
+              already) and stays findable there. (b) A preempted request's blocks when it is
+              swapped out instead of recomputed.
+    loads     (host block -> device block): K/V coming back. (a) A prefix hit on the host tier.
+              (b) A swapped-out request resuming.
+
+Ordering within a step: offloads read device blocks before anything in the step can overwrite
+them (an evicted block may be reallocated in the same plan), and loads run after offloads, so a
+host block written by this step's offload can also be loaded by it. Host blocks that a load
+reads are pinned (an extra reference) until ``take_transfers``, so no offload of the same plan
+can reuse them. The host tier is a second ``BlockPool``: blocks held by swapped-out requests,
+cached-free blocks findable by hash (evicted least recently used first, then simply dropped),
+and empty ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxserve.core.block_pool import BlockHash, BlockPool, hash_block_tokens
+from jaxserve.core.sequence import SeqState
+
+DEVICE, HOST = "device", "host"
+
+
+@dataclass
+class KVStats:
+    """Cumulative counters (tokens where the name says so, else blocks or events)."""
+
+    prefix_cache_queries: int = 0  # prompt tokens looked up at admission
+    prefix_cache_hits: int = 0  # of those, found cached (either tier)
+    host_cache_hits: int = 0  # of those, found on the host tier (loaded instead of recomputed)
+    num_evicted_blocks: int = 0  # cached device blocks evicted to make room
+    num_offloaded_blocks: int = 0  # of those, copied to the host tier
+    num_host_evicted_blocks: int = 0  # cached host blocks dropped to make room
+    num_swaps: int = 0  # preemptions resolved by swapping to the host tier
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+
+
+@dataclass
+class KVManager:
+    """Device pool, optional host pool, and this step's pending copies.
+
+    Args:
+      num_blocks: device blocks including reserved block 0.
+      block_size: tokens per block.
+      enable_caching: prefix caching on (both tiers).
+      num_host_blocks: host-tier blocks including its reserved block 0 (the padding target of
+        batched copies); 0: no host tier.
+    """
+
+    num_blocks: int
+    block_size: int
+    enable_caching: bool = True
+    num_host_blocks: int = 0
+    device: BlockPool = field(init=False)
+    host: BlockPool | None = field(init=False)
+    stats: KVStats = field(default_factory=KVStats)
+    _offloads: list[tuple[int, int]] = field(default_factory=list)
+    _loads: list[tuple[int, int]] = field(default_factory=list)
+    _pinned: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.num_host_blocks == 1 or self.num_host_blocks < 0:
+            raise ValueError(f"{self.num_host_blocks=} must be 0 (no host tier) or >= 2")
+        self.device = BlockPool(self.num_blocks, self.enable_caching)
+        self.host = BlockPool(self.num_host_blocks, self.enable_caching) \
+            if self.num_host_blocks else None
+
+    # -- hashing and lookup --------------------------------------------------------------------
+    def block_hashes(self, seq: SeqState, num_full: int) -> list[BlockHash]:
+        """The hashes of ``seq``'s first ``num_full`` full blocks (computed once, kept on seq)."""
+        bs, hashes = self.block_size, seq.block_hashes
+        for i in range(len(hashes), num_full):
+            extra = seq.cache_salt.encode() if i == 0 and seq.cache_salt else b""
+            hashes.append(hash_block_tokens(hashes[i - 1] if i else None,
+                                            seq.token_ids[i * bs:(i + 1) * bs], extra))
+        return hashes[:num_full]
+
+    def find_prefix(self, seq: SeqState) -> list[tuple[str, int]]:
+        """The longest chain of cached blocks at the start of ``seq.token_ids`` (none when
+        caching is off or ``seq.skip_prefix_cache``): one ``(DEVICE | HOST, block_id)`` per block. At most ``(len(token_ids) - 1) // block_size``
+        blocks, so that at least the last token is computed and yields logits (a prompt cached
+        whole recomputes its last block). Changes nothing."""
+        if not self.enable_caching or seq.skip_prefix_cache:
+            return []
+        hits: list[tuple[str, int]] = []
+        for h in self.block_hashes(seq, (len(seq.token_ids) - 1) // self.block_size):
+            b = self.device.lookup(h)
+            if b is not None:
+                hits.append((DEVICE, b))
+                continue
+            b = self.host.lookup(h) if self.host is not None else None
+            if b is None:
+                break
+            hits.append((HOST, b))
+        return hits
+
+    def num_free_needed(self, hits: list[tuple[str, int]], num_blocks_total: int) -> int:
+        """Free device blocks that admitting with ``hits`` and ``num_blocks_total`` blocks in
+        all takes: new blocks plus device hits now cached-free (taking one back uses a free
+        block)."""
+        dev = [b for tier, b in hits if tier == DEVICE]
+        return num_blocks_total - len(dev) + sum(self.device.refcount(b) == 0 for b in dev)
+
+    def admit(self, seq: SeqState, hits: list[tuple[str, int]], num_blocks_total: int) -> None:
+        """Give a waiting request (not swapped) its block table: the device hits shared,
+        host hits loaded into new blocks, the rest new. Sets ``num_computed_tokens`` to the
+        cached length. The caller checked ``num_free_needed`` against the free blocks."""
+        # take the hits first, so that allocating the new blocks cannot evict them
+        self.device.incref(b for tier, b in hits if tier == DEVICE)
+        host_hits = [b for tier, b in hits if tier == HOST]
+        if host_hits:
+            self.host.incref(host_hits)  # pinned until take_transfers
+            self._pinned.extend(host_hits)
+        new = self.allocate(num_blocks_total - len(hits) + len(host_hits))
+        table = []
+        for i, (tier, b) in enumerate(hits):
+            if tier == DEVICE:
+                table.append(b)
+                continue
+            d = new.pop(0)
+            self._loads.append((b, d))
+            self.device.cache_block(d, seq.block_hashes[i])  # its K/V arrives before the step
+            table.append(d)
+        seq.block_ids = table + new
+        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_registered_blocks = len(hits)
+        st = self.stats
+        if not self.enable_caching or seq.skip_prefix_cache:  # it did not look
+            return
+        st.prefix_cache_queries += len(seq.token_ids)
+        st.prefix_cache_hits += len(hits) * self.block_size
+        st.host_cache_hits += len(host_hits) * self.block_size
+
+    # -- allocation and freeing ----------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """``n`` new device blocks; cached blocks evicted on the way go to the host tier."""
+        evicted: list[tuple[int, BlockHash]] = []
+        block_ids = self.device.allocate(n, evicted)
+        self.stats.num_evicted_blocks += len(evicted)
+        host = self.host
+        for b, h in evicted:
+            if host is None or host.lookup(h) is not None or host.num_free_blocks == 0:
+                continue
+            (hb,) = self._host_allocate(1)
+            host.cache_block(hb, h)
+            host.free([hb])  # cached-free on the host from now on
+            self._offloads.append((b, hb))
+            self.stats.num_offloaded_blocks += 1
+        return block_ids
+
+    def _host_allocate(self, n: int) -> list[int]:
+        evicted: list[tuple[int, BlockHash]] = []
+        got = self.host.allocate(n, evicted)
+        self.stats.num_host_evicted_blocks += len(evicted)
+        if evicted:  # a host block written earlier in this plan and reused now: one copy only
+            gone = {b for b, _ in evicted}
+            self._offloads = [(d, h) for d, h in self._offloads if h not in gone]
+        return got
+
+    def free_seq(self, seq: SeqState) -> None:
+        """Return a request's device and host blocks (device blocks last-first)."""
+        self.device.free(reversed(seq.block_ids))
+        seq.block_ids = []
+        if seq.host_block_ids:
+            self.host.free(seq.host_block_ids)
+            seq.host_block_ids = []
+
+    def cache_computed_blocks(self, seq: SeqState) -> None:
+        """Register the request's full, computed blocks in the prefix cache."""
+        num_full = seq.num_computed_tokens // self.block_size
+        if not self.enable_caching or num_full <= seq.num_registered_blocks:
+            return
+        hashes = self.block_hashes(seq, num_full)
+        for i in range(seq.num_registered_blocks, num_full):
+            self.device.cache_block(seq.block_ids[i], hashes[i])
+        seq.num_registered_blocks = num_full
+
+    # -- swapping ------------------------------------------------------------------------------
+    def swap_out(self, seq: SeqState) -> bool:
+        """Copy a preempted request's blocks to the host tier and free them on the device;
+        False (nothing changed) when there is no host tier or it lacks the room, or for a
+        request that must compute all its tokens (``skip_prefix_cache``: the engine's
+        per-request sampling state, e.g. penalty counts, restarts with it at position 0)."""
+        n = len(seq.block_ids)
+        if self.host is None or n == 0 or n > self.host.num_free_blocks or seq.skip_prefix_cache:
+            return False
+        seq.host_block_ids = self._host_allocate(n)
+        self._offloads.extend(zip(seq.block_ids, seq.host_block_ids, strict=True))
+        self.device.free(reversed(seq.block_ids))
+        seq.block_ids = []
+        self.stats.num_swaps += 1
+        self.stats.num_swapped_out_blocks += n
+        return True
+
+    def swap_in(self, seq: SeqState, num_blocks_total: int) -> None:
+        """Give a swapped-out request ``num_blocks_total`` device blocks and load its K/V back
+        into the first ones; its host blocks stay pinned until ``take_transfers``."""
+        new = self.allocate(num_blocks_total)
+        self._loads.extend(zip(seq.host_block_ids, new, strict=False))
+        self._pinned.extend(seq.host_block_ids)  # their reference moves to the pin list
+        self.stats.num_swapped_in_blocks += len(seq.host_block_ids)
+        seq.host_block_ids = []
+        seq.block_ids = new
+        seq.num_registered_blocks = 0  # re-registered (or found registered) by update
+
+    def take_transfers(self) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+        """The copies planned since the last call, ``(offloads, loads)``, and unpin the host
+        blocks the loads read (the engine runs these copies before the next plan is made)."""
+        out = (tuple(self._offloads), tuple(self._loads))
+        if self._pinned:
+            self.host.free(self._pinned)
+        self._offloads, self._loads, self._pinned = [], [], []
+        return out

@@ -1,0 +1,51 @@
+"""A request as the scheduler and the KV manager see it: its tokens, its progress and its blocks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxserve.core.block_pool import BlockHash
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative integers."""
+    return -(-a // b)
+
+
+@dataclass
+class SeqState:
+    """One request as the scheduler sees it. ``token_ids[:num_prompt_tokens]`` is the prompt;
+    ``max_tokens`` (>= 1) is clamped by the caller so that prompt + max_tokens <= max_model_len;
+    ``stop_token_ids`` is empty when the request ignores EOS. ``block_ids`` is the block table:
+    block ``block_ids[p // block_size]`` holds the K/V of position ``p``. A swapped-out request
+    (waiting) has no device blocks and its K/V in ``host_block_ids`` instead. ``cache_salt``
+    (None: none) enters the prefix-cache hash, so only requests with the same salt share
+    blocks. ``block_hashes`` caches the chained hashes of full blocks; the first
+    ``num_registered_blocks`` blocks have been offered to the prefix cache.
+    ``skip_prefix_cache``: every token of this request must go through the model (the engine
+    needs logits at prompt positions for prompt logprobs, or counts the fed tokens for
+    penalties), so cached blocks must not stand in for any of its tokens."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    max_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    arrival_index: int = -1  # set by add_request
+    num_preemptions: int = 0
+    skip_prefix_cache: bool = False
+    cache_salt: str | None = None
+    host_block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]

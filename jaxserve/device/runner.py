@@ -1,0 +1,426 @@
+"""The model runner: turns a scheduler plan into one padded step and runs the compiled program.
+
+Per step:
+  ``SchedulerOutput`` -> ``pack_step`` (numpy, into a preallocated ``i32`` buffer of the bucket's
+  layout, floats bit-cast) -> one host-to-device transfer -> the bucket's compiled program
+  ``step(params, kv_cache, penalty_state, packed) -> (kv_cache, penalty_state, sampled i32[S],
+  sample logprobs, prompt logprobs)`` with ``kv_cache`` and ``penalty_state`` donated -> sampled
+  ids back to the host. Logprobs stay on the device unless the engine asks for them.
+Every bucket's program is compiled once by ``warmup``, plus one small program that writes a
+logit_bias row into the penalty state; ``execute`` only looks programs up, so serving never
+compiles (``num_compiles`` counts, and a test checks the jax compile events too).
+
+Logprobs cost nothing in a step where no request asks for them: a flag in the packed buffer
+selects a ``lax.cond`` branch that returns zeros. Prompt logprobs (``echo`` / ``prompt_logprobs``)
+need logits at every prompt position, ``[T, vocab]`` instead of ``[S, vocab]``; they are computed
+under a second flag, so ordinary steps keep computing logits for the sampled rows only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.device.buckets import Bucket, make_buckets, pick_bucket
+from jaxserve.device.sampler import (
+    Logprobs,
+    PenaltyState,
+    RowInputs,
+    feed_tokens,
+    logprobs_of,
+    new_penalty_state,
+    sample,
+    set_bias_row,
+    zero_logprobs,
+)
+from jaxserve.sampling_params import MAX_LOGPROBS
+from models.interface import AttentionMetadata
+from models.llama import LlamaForCausalLM
+from pallas_kernels import KVCache
+from pallas_kernels.kv_cache import PADDING_SLOT
+
+
+@dataclass(frozen=True)
+class RowParams:
+    """Host-side sampling inputs of one scheduled sequence.
+
+    temperature (0 = greedy), top_k (<= 0 off), top_p, seed (u64: the full 64 bits key the
+    stream), sample_pos (output index of the token this step samples), min_p (0 off).
+    Penalties: slot (the request's penalty-state slot, -1 = none; see jaxserve.device.sampler),
+    repetition / presence / frequency penalty, reset (restart the slot's history: the chunk
+    starts at position 0), num_prompt_tokens (tokens of the request at positions below it are
+    prompt tokens). prompt_targets: for prompt logprobs, per token of this step's chunk the
+    prompt token id that follows it (-1: none); None when the request does not ask.
+    """
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    sample_pos: int
+    min_p: float = 0.0
+    slot: int = -1
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    reset: bool = False
+    num_prompt_tokens: int = 0
+    prompt_targets: Sequence[int] | None = None
+
+
+class StepOutput:
+    """One step's results, on the device until fetched.
+
+    ``ids`` (``i32[S_bucket]``, on the host) are the sampled tokens. ``logprobs()`` (rows of
+    the batch) and ``prompt_logprobs()`` (tokens of the batch) fetch the ``Logprobs`` as numpy
+    arrays; they hold data only when the step was packed with the matching flag.
+    """
+
+    def __init__(self, ids: np.ndarray, logprobs: Logprobs, prompt_logprobs: Logprobs) -> None:
+        self.ids = ids
+        self._lp = logprobs
+        self._plp = prompt_logprobs
+
+    def logprobs(self) -> Logprobs:
+        """Per row: top ids / logprobs ``[S, MAX_LOGPROBS]``, the sampled id's logprob, rank."""
+        return Logprobs(*(np.asarray(x) for x in self._lp))
+
+    def prompt_logprobs(self) -> Logprobs:
+        """Per token: top ids / logprobs ``[T, MAX_LOGPROBS]``, the target's logprob, rank."""
+        return Logprobs(*(np.asarray(x) for x in self._plp))
+
+
+class _Layout:
+    """Offsets of each field in the packed ``i32`` step buffer of one bucket."""
+
+    def __init__(self, bucket: Bucket, max_blocks: int) -> None:
+        t, s = bucket.num_tokens, bucket.num_seqs
+        sizes = [("token_ids", t), ("positions", t), ("slot_mapping", t),
+                 ("block_tables", s * max_blocks), ("seq_lens", s), ("query_start_loc", s + 1),
+                 ("num_seqs", 1), ("logits_indices", s), ("temperature", s), ("top_k", s),
+                 ("top_p", s), ("seed_hi", s), ("seed_lo", s), ("sample_pos", s),
+                 ("min_p", s), ("slot", s), ("repetition_penalty", s),
+                 ("presence_penalty", s), ("frequency_penalty", s), ("reset_slot", s),
+                 ("tok_slot", t), ("tok_is_output", t), ("tok_target", t), ("flags", 1)]
+        self.slices: dict[str, slice] = {}
+        off = 0
+        for name, n in sizes:
+            self.slices[name] = slice(off, off + n)
+            off += n
+        self.size = off
+        self.bucket = bucket
+        self.max_blocks = max_blocks
+
+
+class ModelRunner:
+    """Owns params, the KV cache and the compiled step programs.
+
+    Args:
+      model: the model (``forward`` / ``compute_logits`` protocol).
+      params: its params pytree, on the device.
+      kv_cache: the paged cache; donated to every step and replaced by the result.
+      max_num_batched_tokens, max_num_seqs: bucket limits.
+      max_blocks_per_seq: block-table width (``cdiv(max_model_len, block_size)``).
+      vocab_limit: ids at or above it are never sampled (tokenizer smaller than the embedding).
+      num_penalty_slots: rows of the penalty state (default ``max_num_seqs``: every running
+        request may use penalties).
+      mesh: the tensor-parallel mesh when params and cache are sharded (jaxserve.sharding);
+        the step's host inputs, the penalty state and the outputs are then replicated over it,
+        and the logits are gathered once before sampling so the sampler runs without
+        collectives.
+    """
+
+    FLAG_LOGPROBS = 1
+    FLAG_PROMPT_LOGPROBS = 2
+
+    def __init__(self, model: LlamaForCausalLM, params, kv_cache: KVCache, *,
+                 max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
+                 vocab_limit: int | None = None, num_penalty_slots: int | None = None,
+                 mesh: jax.sharding.Mesh | None = None) -> None:
+        self.model = model
+        self.params = params
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.max_blocks = max_blocks_per_seq
+        self.buckets = make_buckets(max_num_batched_tokens, max_num_seqs)
+        self.layouts = {b: _Layout(b, max_blocks_per_seq) for b in self.buckets}
+        self.buffers = {b: np.zeros(lay.size, np.int32) for b, lay in self.layouts.items()}
+        self.vocab_limit = vocab_limit
+        self.mesh = mesh
+        self._replicated = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+                            if mesh is not None else None)
+        self._multiprocess = mesh is not None and jax.process_count() > 1
+        self.num_penalty_slots = num_penalty_slots or max_num_seqs
+        self.penalty_state: PenaltyState = jax.jit(
+            lambda: new_penalty_state(self.num_penalty_slots, model.cfg.vocab_size),
+            out_shardings=self._replicated)()
+        self.compiled: dict[Bucket, jax.stages.Compiled] = {}
+        self._set_bias: jax.stages.Compiled | None = None
+        self.num_compiles = 0
+
+    # -- the device program ------------------------------------------------------------------
+    def _gathered(self, logits: jax.Array) -> jax.Array:
+        """Under tensor parallelism, one all-gather of the vocabulary-split logits, so what
+        follows (sampling, logprobs) runs without collectives."""
+        if self._replicated is None:
+            return logits
+        return jax.lax.with_sharding_constraint(logits, self._replicated)
+
+    def _step_fn(self, layout: _Layout):
+        model, sl, b = self.model, layout.slices, layout.bucket
+
+        limit, k = self.vocab_limit, MAX_LOGPROBS
+
+        def step(params, kv_cache: KVCache, pen: PenaltyState, packed: jax.Array):
+            f = lambda name: packed[sl[name]]
+            as_f32 = lambda name: jax.lax.bitcast_convert_type(f(name), jnp.float32)
+            md = AttentionMetadata(
+                slot_mapping=f("slot_mapping"),
+                block_tables=f("block_tables").reshape(b.num_seqs, layout.max_blocks),
+                seq_lens=f("seq_lens"), query_start_loc=f("query_start_loc"),
+                num_seqs=f("num_seqs"))
+            token_ids, flags = f("token_ids"), f("flags")[0]
+            num_slots = pen.tokens.shape[0]
+            pen = jax.lax.cond(
+                jnp.any(f("tok_slot") < num_slots) | jnp.any(f("reset_slot") < num_slots),
+                feed_tokens, lambda st, *_: st, pen, f("reset_slot"), f("tok_slot"), token_ids,
+                f("tok_is_output"))
+            hidden, kv_cache = model.forward(params, token_ids, f("positions"), kv_cache, md)
+            logits = model.compute_logits(params, hidden[f("logits_indices")])
+            logits = self._gathered(logits)
+            seeds = jax.lax.bitcast_convert_type(
+                jnp.stack([f("seed_hi"), f("seed_lo")], axis=-1), jnp.uint32)  # [S, 2]
+            rows = RowInputs(as_f32("temperature"), f("top_k"), as_f32("top_p"),
+                             as_f32("min_p"), seeds, f("sample_pos"), f("slot"),
+                             as_f32("repetition_penalty"), as_f32("presence_penalty"),
+                             as_f32("frequency_penalty"))
+            ids = sample(logits, rows, pen, limit)
+            lp = jax.lax.cond(
+                (flags & self.FLAG_LOGPROBS) != 0,
+                lambda lg, ch: logprobs_of(lg, ch, k, limit),
+                lambda lg, ch: zero_logprobs(b.num_seqs, k), logits, ids)
+            plp = jax.lax.cond(
+                (flags & self.FLAG_PROMPT_LOGPROBS) != 0,
+                lambda h, tg: logprobs_of(self._gathered(model.compute_logits(params, h)), tg,
+                                          k, limit),
+                lambda h, tg: zero_logprobs(b.num_tokens, k), hidden, f("tok_target"))
+            return kv_cache, pen, ids, lp, plp
+
+        return step
+
+    def warmup(self, progress: bool = True) -> dict[str, float]:
+        """Compile every bucket's program (once; the persistent cache makes reruns cheap).
+
+        Returns {"num_programs", "compile_s"}; the programs are one per bucket plus the
+        logit_bias row writer.
+        """
+        t0 = time.perf_counter()
+        if self._set_bias is None:
+            st = self.penalty_state
+            self._set_bias = jax.jit(set_bias_row, donate_argnums=(0,)).lower(
+                st, jax.ShapeDtypeStruct((), jnp.int32),
+                jax.ShapeDtypeStruct(st.bias.shape[1:], jnp.float32)).compile()
+            self.num_compiles += 1
+        todo = [b for b in self.buckets if b not in self.compiled]
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(todo), desc="compiling step programs", unit="program")
+        for b in todo:
+            lay = self.layouts[b]
+            jitted = jax.jit(self._step_fn(lay), donate_argnums=(1, 2))
+            packed = jax.ShapeDtypeStruct((lay.size,), jnp.int32, sharding=self._replicated)
+            self.compiled[b] = jitted.lower(self.params, self.kv_cache, self.penalty_state,
+                                            packed).compile()
+            self.num_compiles += 1
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        return {"num_programs": float(len(self.buckets) + 1),
+                "compile_s": time.perf_counter() - t0}
+
+    def set_logit_bias(self, slot: int, bias: dict[int, float]) -> None:
+        """Write a penalty slot's logit_bias row (zeros but for ``bias``; ids must be in range).
+
+        Raises RuntimeError before warmup (serving never compiles).
+        """
+        if self._set_bias is None:
+            raise RuntimeError("set_logit_bias before warmup()")
+        if self._multiprocess:  # a program on process 0 alone would leave the followers behind
+            raise ValueError("logit_bias is not supported when one model spans several "
+                             "processes")
+        row = np.zeros(self.penalty_state.bias.shape[1], np.float32)
+        for t, v in bias.items():
+            row[t] = v
+        self.penalty_state = self._set_bias(self.penalty_state, np.int32(slot), row)
+
+    # -- host side -----------------------------------------------------------------------------
+    def pack_step(self, token_ids: Sequence[Sequence[int]], start_pos: Sequence[int],
+                  block_ids: Sequence[Sequence[int]], rows: Sequence[RowParams],
+                  sample_index: Sequence[int] | None = None, want_logprobs: bool = False
+                  ) -> tuple[Bucket, np.ndarray]:
+        """Fill the bucket's buffer for a ragged batch.
+
+        Args (one entry per scheduled sequence, in batch order): token_ids (this step's tokens),
+        start_pos (position of the first of them), block_ids (the whole block table), rows
+        (sampling inputs), sample_index (which of this step's tokens each sequence samples
+        from, in ``[0, len(token_ids[i]))``; default: its last token; the static-batching
+        baseline samples a right-padded prompt at its last real token); want_logprobs: compute
+        the sampled rows' logprobs (any row asks). Prompt logprobs are computed when any row
+        has ``prompt_targets``.
+        Returns the bucket and its packed ``i32`` buffer (reused across steps).
+        Raises ValueError if no bucket fits, or a block table is wider than max_blocks_per_seq.
+        """
+        q_lens = [len(t) for t in token_ids]
+        num_tokens, num_seqs = sum(q_lens), len(q_lens)
+        b = pick_bucket(self.buckets, num_tokens, num_seqs)
+        lay, buf = self.layouts[b], self.buffers[b]
+        sl = lay.slices
+        buf[:] = 0
+        tok = np.fromiter((x for t in token_ids for x in t), np.int32, num_tokens)
+        buf[sl["token_ids"]][:num_tokens] = tok
+        qsl = np.zeros(b.num_seqs + 1, np.int32)
+        np.cumsum(q_lens, out=qsl[1:num_seqs + 1])
+        qsl[num_seqs + 1:] = num_tokens
+        buf[sl["query_start_loc"]] = qsl
+        pos = np.arange(num_tokens, dtype=np.int32) - np.repeat(qsl[:num_seqs], q_lens) + \
+            np.repeat(np.asarray(start_pos, np.int32), q_lens)
+        buf[sl["positions"]][:num_tokens] = pos
+        tables = buf[sl["block_tables"]].reshape(b.num_seqs, lay.max_blocks)
+        for i, blocks in enumerate(block_ids):
+            if len(blocks) > lay.max_blocks:
+                raise ValueError(f"block table of {len(blocks)} blocks exceeds "
+                                 f"max_blocks_per_seq={lay.max_blocks}")
+            tables[i, :len(blocks)] = blocks
+        seq_of_tok = np.repeat(np.arange(num_seqs), q_lens)
+        blk = tables[seq_of_tok, pos // self.block_size]
+        slots = buf[sl["slot_mapping"]]
+        slots[:] = PADDING_SLOT
+        slots[:num_tokens] = blk * self.block_size + pos % self.block_size
+        buf[sl["seq_lens"]][:num_seqs] = np.asarray(start_pos, np.int32) + np.asarray(q_lens)
+        buf[sl["num_seqs"]] = num_seqs
+        if sample_index is None:
+            buf[sl["logits_indices"]][:num_seqs] = qsl[1:num_seqs + 1] - 1
+        else:
+            buf[sl["logits_indices"]][:num_seqs] = qsl[:num_seqs] + np.asarray(sample_index)
+        temp = np.zeros(b.num_seqs, np.float32)
+        top_p = np.ones(b.num_seqs, np.float32)
+        temp[:num_seqs] = [r.temperature for r in rows]
+        top_p[:num_seqs] = [r.top_p for r in rows]
+        buf[sl["temperature"]] = temp.view(np.int32)
+        buf[sl["top_p"]] = top_p.view(np.int32)
+        buf[sl["top_k"]][:num_seqs] = [r.top_k for r in rows]
+        seeds = np.array([r.seed for r in rows], np.uint64)
+        buf[sl["seed_hi"]][:num_seqs] = (seeds >> np.uint64(32)).astype(np.uint32).view(np.int32)
+        buf[sl["seed_lo"]][:num_seqs] = (seeds & np.uint64(0xFFFFFFFF)).astype(np.uint32) \
+            .view(np.int32)
+        buf[sl["sample_pos"]][:num_seqs] = [r.sample_pos for r in rows]
+        self._pack_extras(lay, buf, rows, q_lens, qsl, pos, num_tokens, want_logprobs)
+        return b, buf
+
+    def _pack_extras(self, lay: _Layout, buf: np.ndarray, rows: Sequence[RowParams],
+                     q_lens: list[int], qsl: np.ndarray, pos: np.ndarray, num_tokens: int,
+                     want_logprobs: bool) -> None:
+        """min-p, penalties and logprob fields (the cheap defaults when no row uses them)."""
+        sl, s = lay.slices, lay.bucket.num_seqs
+        r = self.num_penalty_slots
+        f32 = lambda name, vals, fill: _put_f32(buf, sl[name], s, vals, fill)
+        f32("min_p", [x.min_p for x in rows], 0.0)
+        buf[sl["slot"]] = r
+        buf[sl["reset_slot"]] = r
+        buf[sl["tok_slot"]] = r
+        buf[sl["tok_target"]] = -1
+        flags = self.FLAG_LOGPROBS if want_logprobs else 0
+        pen = [i for i, x in enumerate(rows) if x.slot >= 0]
+        if pen:
+            f32("repetition_penalty", [x.repetition_penalty for x in rows], 1.0)
+            f32("presence_penalty", [x.presence_penalty for x in rows], 0.0)
+            f32("frequency_penalty", [x.frequency_penalty for x in rows], 0.0)
+            slots, resets = buf[sl["slot"]], buf[sl["reset_slot"]]
+            tok_slot, tok_out = buf[sl["tok_slot"]], buf[sl["tok_is_output"]]
+            for i in pen:
+                x = rows[i]
+                slots[i] = x.slot
+                if x.reset:
+                    resets[i] = x.slot
+                a, e = qsl[i], qsl[i] + q_lens[i]
+                tok_slot[a:e] = x.slot
+                tok_out[a:e] = pos[a:e] >= x.num_prompt_tokens
+        else:
+            f32("repetition_penalty", [], 1.0)
+        plp = [i for i, x in enumerate(rows) if x.prompt_targets is not None]
+        if plp:
+            flags |= self.FLAG_PROMPT_LOGPROBS
+            tgt = buf[sl["tok_target"]]
+            for i in plp:
+                tgt[qsl[i]:qsl[i] + q_lens[i]] = rows[i].prompt_targets
+        buf[sl["flags"]] = flags
+
+    def execute(self, bucket: Bucket, packed: np.ndarray) -> StepOutput:
+        """Run one step; the sampled ids ``i32[num_seqs_bucket]`` come back to the host.
+
+        Raises:
+          RuntimeError: if the bucket was not compiled by warmup (serving never compiles).
+        """
+        prog = self.compiled.get(bucket)
+        if prog is None:
+            raise RuntimeError(f"bucket {bucket} was not compiled; call warmup() first")
+        if self._multiprocess:  # process 0 drives; the followers run the same program
+            from jax.experimental import multihost_utils
+
+            multihost_utils.broadcast_one_to_all(
+                np.array([self.buckets.index(bucket)], np.int32))
+            packed = multihost_utils.broadcast_one_to_all(packed)
+            return self._run_global(prog, packed)
+        self.kv_cache, self.penalty_state, ids, lp, plp = prog(
+            self.params, self.kv_cache, self.penalty_state, packed)
+        return StepOutput(np.asarray(ids), lp, plp)
+
+    # -- several processes (jax.distributed): process 0 schedules, the others follow ----------
+    @property
+    def multiprocess(self) -> bool:
+        """True when the mesh spans several processes (see jaxserve.cli.multihost)."""
+        return self._multiprocess
+
+    def _run_global(self, prog, packed: np.ndarray) -> StepOutput:
+        host = np.asarray(packed)
+        arr = jax.make_array_from_callback(host.shape, self._replicated, lambda idx: host[idx])
+        self.kv_cache, self.penalty_state, ids, lp, plp = prog(
+            self.params, self.kv_cache, self.penalty_state, arr)
+        local = lambda tree: jax.tree_util.tree_map(lambda x: x.addressable_data(0), tree)
+        return StepOutput(np.asarray(ids.addressable_data(0)), local(lp), local(plp))
+
+    def follow(self) -> int:
+        """On processes other than 0: run every step process 0 broadcasts, until it calls
+        ``stop_followers``. Returns the number of steps run. Programs must be warm."""
+        from jax.experimental import multihost_utils
+
+        steps = 0
+        while True:
+            idx = int(multihost_utils.broadcast_one_to_all(np.zeros(1, np.int32))[0])
+            if idx < 0:
+                return steps
+            bucket = self.buckets[idx]
+            buf = multihost_utils.broadcast_one_to_all(
+                np.zeros(self.layouts[bucket].size, np.int32))
+            self._run_global(self.compiled[bucket], buf)
+            steps += 1
+
+    def stop_followers(self) -> None:
+        """On process 0: release the processes blocked in ``follow``."""
+        if self._multiprocess:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.broadcast_one_to_all(np.array([-1], np.int32))
+
+
+def _put_f32(buf: np.ndarray, where: slice, size: int, vals: list[float], fill: float) -> None:
+    out = np.full(size, fill, np.float32)
+    out[:len(vals)] = vals
+    buf[where] = out.view(np.int32)

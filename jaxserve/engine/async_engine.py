@@ -1,0 +1,184 @@
+"""``AsyncEngine``: the ``LLMEngine`` on a background thread, fed by asyncio callers.
+
+Data flow: ``generate()`` validates the request on the caller's thread (so a bad request fails at
+once, with a ValueError, and nothing reaches the engine), then sends an "add" command through a
+thread-safe queue and awaits its own ``asyncio.Queue``. The engine thread drains commands (adds,
+aborts) between steps, runs ``step()``, and hands each ``RequestOutput`` to the owning event loop
+with ``call_soon_threadsafe``. Closing or cancelling the generator sends an "abort", which frees
+the request's blocks before the next step. The engine state is touched by the engine thread only;
+``num_waiting()`` (the server's queue bound) reads counts the engine thread publishes under a lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+log = logging.getLogger("jaxserve.engine.llm_engine")
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    """Async front of an ``LLMEngine``; what the HTTP server talks to.
+
+    Attributes: ``tokenizer``, ``max_model_len``, ``metrics``, ``model_name``, ``ready`` (True
+    once warm-up has compiled every program).
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.metrics = engine.metrics
+        self.model_name = engine.model_name
+        self.ready = False
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._num_queued = 0  # "add" commands not yet applied (under _lock)
+        self._num_engine_waiting = 0  # the scheduler's waiting list, published by the engine thread
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.warmup_stats: dict[str, float] = {}
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self, warmup: bool = True, progress: bool = True) -> None:
+        """Compile every program (blocking), then start the engine thread."""
+        if warmup:
+            self.warmup_stats = self.engine.warmup(progress)
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+        self.ready = True
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine thread (in-flight requests are left unfinished)."""
+        self._stop.set()
+        self._cmds.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def num_unfinished(self) -> int:
+        """Requests not yet finished (queued, waiting or running)."""
+        with self._lock:
+            return len(self._streams)
+
+    def num_waiting(self) -> int:
+        """Requests accepted but not yet running: queued for the engine thread, or waiting in
+        the scheduler (preempted ones included). Cheap and thread-safe; the scheduler's part is
+        as of the engine thread's last step."""
+        with self._lock:
+            return self._num_queued + self._num_engine_waiting
+
+    # -- requests ------------------------------------------------------------------------------
+    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                       request_id: str, prompt: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; the last has ``finished=True``.
+
+        Raises:
+          ValueError: before anything is queued, for an invalid request (empty or too long
+            prompt, ids out of range, bad sampling values).
+        A request_id already running gets a ``#N`` suffix inside the engine.
+          RuntimeError: if the engine failed while running this request.
+        If the consumer stops early (``aclose()``, cancellation), the request is aborted.
+        """
+        self.engine.validate(prompt_token_ids, sampling_params)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            base, n = request_id, 0
+            while request_id in self._streams:  # two clients sent the same X-Request-Id
+                n += 1
+                request_id = f"{base}#{n}"
+            self._streams[request_id] = stream
+            self._num_queued += 1
+        self._cmds.put(("add", (request_id, list(prompt_token_ids), sampling_params, prompt)))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self._cmds.put(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; unknown or finished ids are ignored."""
+        self._cmds.put(("abort", request_id))
+
+    # -- the engine thread ---------------------------------------------------------------------
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _apply(self, cmd: str, arg) -> None:
+        eng = self.engine
+        if cmd == "add":
+            rid, ids, params, prompt = arg
+            with self._lock:
+                live = rid in self._streams
+            try:
+                if live:  # else the caller went away before the engine saw the request
+                    eng.add_request(rid, ids, params, prompt)
+            except ValueError as e:
+                self._deliver(rid, e)
+            finally:
+                with self._lock:  # one update: the request moves from queued to waiting
+                    self._num_queued -= 1
+                    self._num_engine_waiting = eng.num_waiting
+        elif cmd == "abort":
+            eng.abort_request(arg)
+            self._publish_waiting()
+
+    def _publish_waiting(self) -> None:
+        with self._lock:
+            self._num_engine_waiting = self.engine.num_waiting
+
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stop.is_set():
+            block = not eng.has_unfinished_requests()
+            try:
+                while True:
+                    cmd, arg = self._cmds.get(block=block)
+                    block = False
+                    self._apply(cmd, arg)
+            except queue.Empty:
+                pass
+            if self._stop.is_set() or not eng.has_unfinished_requests():
+                continue
+            try:
+                outputs = eng.step()
+            except Exception as e:  # keep serving: fail the requests in flight, not the engine
+                log.exception("engine step failed; aborting the requests in flight")
+                ids = list(eng.groups)
+                eng.abort_request(ids)
+                for rid in ids:
+                    self._deliver(rid, RuntimeError(f"engine step failed: {e}"))
+                self._publish_waiting()
+                continue
+            self._publish_waiting()
+            for out in outputs:
+                self._deliver(out.request_id, out)

@@ -1,0 +1,424 @@
+"""Tensor-parallel loading: each device reads only its own slice of every weight.
+
+``load_sharded(load, dtype, seed, mesh)`` is the tensor-parallel twin of
+``jaxserve.loading.load.load_model``: the params come back already placed on ``mesh`` in the layout of
+``jaxserve.sharding`` (``param_partition_specs`` of the ``sharded_config``), and with a
+``LoadReport`` of what each device read and how long that took. Per format:
+
+- orbax (``jaxserve convert``): one ``StandardCheckpointer.restore`` into
+  ``jax.ShapeDtypeStruct(..., sharding=NamedSharding)`` targets; orbax/tensorstore read
+  ``array[index]`` for each device's index, so no replicated host copy is made.
+- HF safetensors: for every leaf and every addressable device, ``HFLeaf.read(index)`` reads the
+  device's region with ``safe_open(...).get_slice(name)[...]`` (the transpose to ``[in, out]`` and
+  the layer stacking are applied per region: a transposed region is the transposed slice of the
+  stored tensor, a stacked region reads only its layers), then ``device_put`` on that device;
+  ``jax.make_array_from_single_device_arrays`` assembles the global array. No leaf of the Llama
+  family needs a full read. An architecture without ``Architecture.hf_sources`` falls back to a
+  full read, then ``shard_params``.
+- dummy weights: drawn under ``jit(out_shardings=...)``, so each device draws only its slice
+  (values equal the single-device ones).
+- GGUF: read whole, dequantised, then ``shard_params``. A quantised GGUF tensor ``[out, in]`` is
+  stored as blocks of 32 or 256 weights along ``in`` that dequantise only as units: a
+  column-parallel slice (whole rows) would be a byte range, but a row-parallel one (o, down:
+  ``in / tp`` columns) cuts blocks unless ``in / tp`` is a multiple of the block (SmolLM2 at
+  TP 3: 192 columns against Q4_K's 256), so GGUF keeps the whole read. Convert once
+  (``jaxserve convert``) to load sharded.
+
+Replicated kv heads (``num_kv_heads < tp``, ``sharding.replicate_kv_heads``): the stored
+``[..., kv * head_dim]`` leaf is read with a sharding on a ``(kv, tp // kv)`` view of the same
+devices, split over kv heads only, so device ``d`` reads original head ``d // r`` -- exactly its
+shard of the replicated ``[..., tp * head_dim]`` leaf; the per-device buffers are then rewrapped
+as that leaf, with no copy and no communication.
+
+Multi-process meshes (``jaxserve.cli.multihost``): every index map used here is
+``addressable_devices_indices_map``, so each process reads only its own devices' slices.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxserve import sharding
+from jaxserve.config import LoadConfig
+from jaxserve.tokenizer import Tokenizer
+from models.config import ModelConfig
+
+log = logging.getLogger("jaxserve.engine.llm_engine")
+
+
+@dataclass
+class DeviceLoad:
+    """What one device (one shard) of a load cost.
+
+    Fields:
+      device_id / process_index: the device (``jax.Device.id``) and the process that owns it.
+      bytes_read: bytes read from the checkpoint for this device's slices, in the stored dtype
+        (orbax: the slices' logical size; storage is read in chunks, see
+        ``LoadReport.storage_bytes_read``); None when the host read everything once
+        (``method == "full-then-shard"``).
+      bytes_placed: bytes of this device's shards on the device (serving dtype).
+      seconds: HF: this device's read + transfer time, summed over leaves; orbax, dummy and
+        full-then-shard: from the start of the load until all of this device's shards were ready
+        (blocking on each device in turn, see ``LoadReport.timing``).
+    """
+
+    device_id: int
+    process_index: int
+    bytes_read: int | None
+    bytes_placed: int
+    seconds: float
+
+
+@dataclass
+class LoadReport:
+    """Per-device figures of one load (this process's devices).
+
+    Fields:
+      source: ``"orbax"``, ``"hf"``, ``"dummy"`` or ``"gguf"``.
+      method: ``"sharded"`` (each device read its slice) or ``"full-then-shard"``.
+      timing: ``"per-device"`` (each device's own read time) or ``"ready"`` (time until its
+        shards were ready; the reads of all devices overlap, so these are not additive).
+      total_s: wall time of the whole load (config, weights, placement; not the tokenizer).
+      devices: one row per addressable device of the mesh, in mesh order.
+      storage_bytes_read: orbax only: bytes tensorstore read from files during the restore
+        (this process, compressed, whole chunks).
+      full_read_leaves: params paths that were read whole before sharding.
+    """
+
+    source: str
+    method: str
+    timing: str
+    total_s: float
+    devices: list[DeviceLoad]
+    storage_bytes_read: int | None = None
+    full_read_leaves: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        """JSON-able form (``devices`` as a list of dicts)."""
+        return asdict(self)
+
+    def table(self) -> str:
+        """A text table, one row per device, and a totals row."""
+        def mib(n: int | None) -> str:
+            return "-" if n is None else f"{n / 2**20:.2f}"
+
+        rows = [f"{'device':>6} {'process':>7} {'read MiB':>9} {'placed MiB':>10} {'s':>7}"]
+        for d in self.devices:
+            rows.append(f"{d.device_id:>6} {d.process_index:>7} {mib(d.bytes_read):>9} "
+                        f"{mib(d.bytes_placed):>10} {d.seconds:>7.3f}")
+        read = [d.bytes_read for d in self.devices]
+        total_read = None if None in read else sum(read)
+        rows.append(f"{'all':>6} {'':>7} {mib(total_read):>9} "
+                    f"{mib(sum(d.bytes_placed for d in self.devices)):>10} {self.total_s:>7.3f}")
+        return "\n".join(rows)
+
+
+@dataclass
+class ShardedLoad:
+    """What ``load_sharded`` returns: ``cfg`` is the model's own config (unreplicated; the
+    engine runs ``sharding.sharded_config(cfg, tp)``), ``params`` placed on the mesh."""
+
+    cfg: ModelConfig
+    params: object
+    tokenizer: Tokenizer
+    name: str
+    report: LoadReport
+
+
+def check_shardable(cfg: ModelConfig, tp: int) -> None:
+    """Refuse a model the TP layout cannot split, before any weight is read.
+
+    Raises:
+      ValueError: tensor parallelism (``tp > 1``) of an architecture other than llama, or the
+        shapes of ``sharding.check_tensor_parallel`` (naming the numbers).
+    """
+    if tp > 1 and getattr(cfg, "architecture", "llama") != "llama":
+        raise ValueError(
+            f"tensor_parallel_size={tp}: tensor parallelism is built for the llama "
+            f"architecture (Llama, Mistral, Qwen2 layouts), not {cfg.architecture!r}; use "
+            f"tensor_parallel_size=1")
+    sharding.check_tensor_parallel(cfg, tp)
+
+
+def target_shardings(cfg: ModelConfig, dtype: jnp.dtype, mesh: Mesh, stored=None):
+    """(targets, read_shardings) for the params of ``cfg`` on ``mesh``; ``stored``: the model's
+    ``param_shapes()`` if already at hand.
+
+    ``targets``: the served params tree (``sharded_config``'s shapes) as
+    ``jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))``.
+    ``read_shardings``: a sharding per leaf in the *stored* shape (``cfg``'s) under which every
+    device's slice is its target shard: the target sharding itself, or for a kv leaf with
+    replicated heads the kv-head split on the ``(kv, tp // kv)`` view of the mesh (module doc).
+
+    Raises:
+      ValueError: as ``check_shardable``; a leaf whose stored and served shapes differ other
+        than by kv-head replication on the last axis.
+    """
+    from models.registry import get_architecture
+
+    tp = mesh.shape[sharding.TP_AXIS]
+    check_shardable(cfg, tp)
+    arch = get_architecture(cfg.architecture)
+    stored = stored if stored is not None else arch.model(cfg, dtype).param_shapes()
+    served_cfg = sharding.sharded_config(cfg, tp)
+    served = stored if served_cfg == cfg else arch.model(served_cfg, dtype).param_shapes()
+    specs = sharding.param_partition_specs(served, cfg)
+    r = sharding.kv_replication(cfg, tp)
+    kv_mesh = Mesh(mesh.devices.reshape(-1, r), ("kv_heads", "kv_copies")) if r > 1 else None
+
+    def one(path, src: jax.ShapeDtypeStruct, dst: jax.ShapeDtypeStruct, spec: P):
+        target = NamedSharding(mesh, spec)
+        if src.shape == dst.shape:
+            return jax.ShapeDtypeStruct(dst.shape, dtype, sharding=target), target
+        if (kv_mesh is None or src.shape[:-1] != dst.shape[:-1]
+                or dst.shape[-1] != src.shape[-1] * r or spec[-1] != sharding.TP_AXIS):
+            raise ValueError(f"param {jax.tree_util.keystr(path)}: stored shape {src.shape} "
+                             f"and served shape {dst.shape} differ other than by kv-head "
+                             f"replication")
+        read = NamedSharding(kv_mesh, P(*spec[:-1], "kv_heads"))
+        return jax.ShapeDtypeStruct(dst.shape, dtype, sharding=target), read
+
+    pairs = jax.tree_util.tree_map_with_path(one, stored, served, specs)
+    is_pair = lambda x: isinstance(x, tuple)
+    targets = jax.tree_util.tree_map(lambda p: p[0], pairs, is_leaf=is_pair)
+    reads = jax.tree_util.tree_map(lambda p: p[1], pairs, is_leaf=is_pair)
+    return targets, reads
+
+
+def _as_target(arr: jax.Array, target: jax.ShapeDtypeStruct) -> jax.Array:
+    """``arr`` (read under its read sharding) as the target leaf: the same per-device buffers
+    under the target's shape and sharding (a no-op when they agree)."""
+    if arr.shape == target.shape and arr.sharding == target.sharding:
+        return arr
+    return jax.make_array_from_single_device_arrays(
+        target.shape, target.sharding, [s.data for s in arr.addressable_shards])
+
+
+def _local_devices(mesh: Mesh) -> list[jax.Device]:
+    return [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+
+
+def _placed_bytes(params, devices: list[jax.Device]) -> dict[int, int]:
+    out = {d.id: 0 for d in devices}
+    for leaf in jax.tree_util.tree_leaves(params):
+        for s in leaf.addressable_shards:
+            out[s.device.id] += s.data.nbytes
+    return out
+
+
+def _ready_report(params, mesh: Mesh, t0: float, **kw) -> LoadReport:
+    """A report whose per-device seconds are "start until this device's shards were ready"
+    (blocking on each device's shards in mesh order)."""
+    devices = _local_devices(mesh)
+    by_dev: dict[int, list[jax.Array]] = {d.id: [] for d in devices}
+    for leaf in jax.tree_util.tree_leaves(params):
+        for s in leaf.addressable_shards:
+            by_dev[s.device.id].append(s.data)
+    ready = {}
+    for d in devices:
+        jax.block_until_ready(by_dev[d.id])
+        ready[d.id] = time.perf_counter() - t0
+    placed = _placed_bytes(params, devices)
+    read = kw.pop("bytes_read", {})
+    rows = [DeviceLoad(d.id, d.process_index, read.get(d.id), placed[d.id], ready[d.id])
+            for d in devices]
+    return LoadReport(timing="ready", total_s=time.perf_counter() - t0, devices=rows, **kw)
+
+
+def tensorstore_bytes_read() -> int:
+    """tensorstore's process-wide count of bytes read from files."""
+    import tensorstore as ts
+
+    metrics = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
+    return sum(v.get("value", 0) for m in metrics for v in m.get("values", []))
+
+
+def load_orbax_sharded(path: str, dtype: jnp.dtype, mesh: Mesh) -> tuple[ModelConfig, object,
+                                                                          LoadReport]:
+    """(config, params on ``mesh``, report) of an orbax checkpoint, each device restoring only
+    its slice (``models.checkpoint.load_checkpoint`` with the read shardings).
+
+    Raises:
+      ValueError: as ``target_shardings`` and ``load_checkpoint``.
+    """
+    from models import checkpoint
+
+    t0 = time.perf_counter()
+    cfg = checkpoint.read_config(path)
+    targets, reads = target_shardings(cfg, dtype, mesh)
+    stored = checkpoint.stored_params(path)
+    before = tensorstore_bytes_read()
+    _, restored = checkpoint.load_checkpoint(path, dtype, shardings=reads)
+    storage = tensorstore_bytes_read() - before
+    params = jax.tree_util.tree_map(_as_target, restored, targets)
+    devices = _local_devices(mesh)
+    read = {d.id: 0 for d in devices}
+    for leaf, st in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(stored),
+                        strict=True):
+        for s in leaf.addressable_shards:
+            read[s.device.id] += s.data.size * np.dtype(st.dtype).itemsize
+    report = _ready_report(params, mesh, t0, source="orbax", method="sharded", bytes_read=read,
+                           storage_bytes_read=storage)
+    return cfg, params, report
+
+
+def _read_leaf(leaf, target: jax.ShapeDtypeStruct, read: NamedSharding, dtype: jnp.dtype,
+               rows: dict[int, DeviceLoad]) -> jax.Array:
+    """One HF leaf: each addressable device reads its region and puts it on itself."""
+    bufs = []
+    for dev, index in read.addressable_devices_indices_map(tuple(leaf.shape)).items():
+        t = time.perf_counter()
+        host = leaf.read(index)
+        buf = jax.device_put(np.asarray(host, dtype), dev)
+        buf.block_until_ready()
+        row = rows[dev.id]
+        row.bytes_read += host.nbytes
+        row.bytes_placed += buf.nbytes
+        row.seconds += time.perf_counter() - t
+        bufs.append(buf)
+    return jax.make_array_from_single_device_arrays(target.shape, target.sharding, bufs)
+
+
+def load_hf_sharded(path: str, dtype: jnp.dtype, mesh: Mesh, progress: bool = True
+                    ) -> tuple[ModelConfig, object, LoadReport]:
+    """(config, params on ``mesh``, report) of an HF safetensors directory, each device reading
+    only its regions of the files (module doc); an architecture without ``hf_sources`` is read
+    whole, then sharded.
+
+    Raises:
+      ValueError: as ``models.hf.load_hf_params`` and ``target_shardings``; a tensor whose shape
+        differs from the model's (naming the param).
+    """
+    from models import hf
+    from models.registry import get_architecture
+
+    t0 = time.perf_counter()
+    data = hf.read_hf_config(path)
+    arch = get_architecture(str(data["architectures"][0]))
+    if arch.hf_config is None or arch.hf_params is None:
+        raise ValueError(f"{path}: architecture {data['architectures'][0]!r} has no HF "
+                         f"safetensors loader")
+    cfg = arch.hf_config(data)
+    check_shardable(cfg, mesh.shape[sharding.TP_AXIS])
+    if arch.hf_sources is None:
+        _, params = hf.load_hf_params(path, dtype, progress)
+        return cfg, *shard_loaded(params, cfg, mesh, t0, "hf")
+    stored = arch.model(cfg, dtype).param_shapes()
+    targets, reads = target_shardings(cfg, dtype, mesh, stored)
+    tensors = hf.SafetensorsDir(path, progress=False)
+    sources = arch.hf_sources(tensors, cfg)
+    for (p, src), want in zip(jax.tree_util.tree_flatten_with_path(sources)[0],
+                              jax.tree_util.tree_leaves(stored), strict=True):
+        if tuple(src.shape) != tuple(want.shape):
+            raise ValueError(f"{path}: param {jax.tree_util.keystr(p)} reads tensors of shape "
+                             f"{src.shape}; the model expects {want.shape}")
+    rows = {d.id: DeviceLoad(d.id, d.process_index, 0, 0, 0.0) for d in _local_devices(mesh)}
+    flat, treedef = jax.tree_util.tree_flatten(sources)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(flat), desc="loading shards", unit="param", leave=False)
+    out = []
+    for src, target, read in zip(flat, treedef.flatten_up_to(targets),
+                                 treedef.flatten_up_to(reads), strict=True):
+        out.append(_read_leaf(src, target, read, dtype, rows))
+        if bar is not None:
+            bar.update()
+    if bar is not None:
+        bar.close()
+    report = LoadReport(source="hf", method="sharded", timing="per-device",
+                        total_s=time.perf_counter() - t0, devices=list(rows.values()))
+    return cfg, jax.tree_util.tree_unflatten(treedef, out), report
+
+
+def shard_loaded(params, cfg: ModelConfig, mesh: Mesh, t0: float, source: str
+                 ) -> tuple[object, LoadReport]:
+    """The load-then-shard path: place a whole params tree (``cfg``'s shapes, read before)
+    with ``sharding.shard_params``; returns (placed params, report) with every leaf listed as
+    read whole and per-device seconds counted from ``t0`` (``time.perf_counter()`` at the start
+    of the load). ``source`` names the format in the report."""
+    placed = sharding.shard_params(params, cfg, mesh)
+    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(placed)[0]]
+    return placed, _ready_report(placed, mesh, t0, source=source, method="full-then-shard",
+                                 full_read_leaves=names)
+
+
+def load_sharded(load: LoadConfig, dtype: jnp.dtype, seed: int, mesh: Mesh) -> ShardedLoad:
+    """Config, params placed on ``mesh`` (the TP layout of ``jaxserve.sharding``), tokenizer,
+    served name and per-device report for a LoadConfig -- ``load_model``'s formats,
+    each device reading only its slice where the format allows (module doc). Logs the report
+    at INFO.
+
+    Raises:
+      ValueError / FileNotFoundError: as ``load_model``; a model the mesh cannot split
+        (before any weight is read).
+    """
+    from jaxserve.loading.load import load_model
+    from jaxserve.loading.model_files import default_gguf_path
+    from models import checkpoint, hf
+    from models.config import builtin_config
+    from models.loader import dummy_params, gguf_name
+
+    t0 = time.perf_counter()
+    path = load.model or ("" if load.load_format == "dummy" else default_gguf_path())
+    if load.load_format == "dummy":
+        from models.registry import get_architecture
+
+        cfg = builtin_config(load.model or "smollm2-135m")
+        targets, reads = target_shardings(cfg, dtype, mesh)
+        model = get_architecture(cfg.architecture).model(cfg, dtype)
+        params = jax.tree_util.tree_map(_as_target, dummy_params(model, seed, reads), targets)
+        report = _ready_report(params, mesh, t0, source="dummy", method="sharded")
+        tok, name = Tokenizer.from_gguf(default_gguf_path()), cfg.name
+    elif (os.path.isdir(path) and checkpoint.is_checkpoint(path)
+          and checkpoint.read_quantization(path).method != "none"):
+        # quantised leaves ({q, scale}) have no per-device read plan yet: restore whole, split
+        cfg = checkpoint.read_config(path)
+        check_shardable(cfg, mesh.shape[sharding.TP_AXIS])
+        cfg, params = checkpoint.load_checkpoint(path, dtype)
+        params, report = shard_loaded(params, cfg, mesh, t0, "orbax-quantized")
+        tok, name = Tokenizer.from_pretrained_dir(path), os.path.basename(os.path.normpath(path))
+    elif os.path.isdir(path) and (checkpoint.is_checkpoint(path) or hf.is_hf_dir(path)):
+        load_fn: Callable = (load_orbax_sharded if checkpoint.is_checkpoint(path)
+                             else load_hf_sharded)
+        cfg, params, report = load_fn(path, dtype, mesh)
+        tok, name = Tokenizer.from_pretrained_dir(path), os.path.basename(os.path.normpath(path))
+    elif os.path.isfile(path) and path.lower().endswith(".gguf"):
+        cfg, params, report, tok = _load_gguf(path, dtype, mesh, t0)
+        name = gguf_name(path)
+    else:  # anything else: load_model raises the reason
+        cfg, params, tok, name = load_model(load, dtype, seed)
+        check_shardable(cfg, mesh.shape[sharding.TP_AXIS])
+        params, report = shard_loaded(params, cfg, mesh, t0, "other")
+    log.info("loaded %s weights (%s, %s) over %d devices in %.2f s:\n%s", report.source,
+             report.method, report.timing, len(report.devices), report.total_s, report.table())
+    return ShardedLoad(cfg, params, tok, name, report)
+
+
+def _load_gguf(path: str, dtype: jnp.dtype, mesh: Mesh, t0: float):
+    """GGUF: config checked first, then the whole file dequantised and sharded (module doc)."""
+    from models.gguf_reader import GGUFFile
+    from models.loader import _field
+    from models.registry import get_architecture
+
+    reader = GGUFFile(path)
+    name = _field(reader, "general.architecture")
+    arch = get_architecture(str(name))
+    if arch.gguf_config is None or arch.gguf_params is None:
+        raise ValueError(f"{path}: architecture {name!r} has no GGUF loader")
+    cfg = arch.gguf_config(reader)
+    check_shardable(cfg, mesh.shape[sharding.TP_AXIS])
+    params = arch.gguf_params(reader, cfg, dtype)
+    params, report = shard_loaded(params, cfg, mesh, t0, "gguf")
+    return cfg, params, report, Tokenizer.from_gguf(path, reader)

@@ -1,0 +1,574 @@
+"""The OpenAI-compatible HTTP front end (Starlette): one request's path through it.
+
+  POST body (at most ``RequestLimits.max_request_body_bytes``, else 413)
+    ─``OpenAIServer.prepare``: msgspec decode and checks (protocol.py), model check,
+    SamplingParams, token ids (completions: the prompt's ids or ``tokenizer.encode(prompt)``;
+    chat: the chat template, encoded without special tokens)─> ``GenerationJob``
+    ─> ``engine.generate(ids, params, request_id)``.
+  The first output is awaited before any response byte is sent, so engine validation errors
+  (empty prompt, prompt >= max_model_len, token id out of range: ValueError) become 400s, for
+  streaming requests too. Then either
+    - stream=false: ``OpenAIServer.respond`` (GenerationJob -> response body, the path that
+      ``jaxserve run-batch`` shares) runs in a task raced against the client's
+      ``http.disconnect``; a disconnect cancels the task (closing the engine's generator aborts
+      the request) and calls ``engine.abort``;
+    - stream=true: SSE events ``data: <json>\\n\\n``, ending with ``data: [DONE]\\n\\n``.
+      Completions: one chunk per text delta; the last content chunk carries finish_reason.
+      Chat: a role chunk ``{"role": "assistant", "content": ""}``, content deltas, then a chunk
+      with an empty delta and the finish_reason. With ``stream_options.include_usage``, every
+      chunk has ``usage: null`` and one extra chunk with ``choices: []`` and the usage follows
+      the finish chunk; without it no chunk has a ``usage`` key. An engine fault mid-stream sends
+      ``data: {"error": {...}}`` then ``data: [DONE]``. On disconnect Starlette cancels the
+      stream; the body iterator is always closed, which closes the engine's generator (abort).
+
+Before any endpoint, ``server_ops.GateMiddleware`` picks the request id (``X-Request-Id`` or a
+random hex id; echoed in the response header and carried by every log line of the request),
+checks the API key, refuses requests while draining or while the waiting queue is full (503),
+and gives generation requests a ``RequestBudget``: every engine output is awaited under it, and a
+request past its deadline is aborted and answered 504 (an error event then ``[DONE]`` once a
+stream has started). The engine request id and the response ``id`` are ``cmpl-<id>`` /
+``chatcmpl-<id>``. Every error is an OpenAI-style JSON body (protocol.ErrorResponse); bad input
+never gives a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from jaxserve.config import RequestLimits, ServerConfig
+from jaxserve.engine.metrics import EngineMetrics
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.server import protocol as p
+from jaxserve.server.gate import Gate, GateMiddleware, RequestBudget
+from jaxserve.server.gate import error_response as _error
+from jaxserve.server.logs import install_request_id
+from jaxserve.server.openapi import openapi_document
+
+logger = logging.getLogger(__name__)
+
+_DONE = b"data: [DONE]\n\n"
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+    def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes: ...
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str: ...
+
+
+class EngineClient(Protocol):
+    """What the server needs of ``jaxserve.engine.async_engine.AsyncEngine``."""
+
+    tokenizer: Tokenizer
+    max_model_len: int
+    metrics: EngineMetrics
+    ready: bool
+
+    def generate(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        prompt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def num_waiting(self) -> int:
+        """Requests accepted but not yet running (cheap, thread-safe, approximate)."""
+        ...
+
+
+_ENGINE_FIELDS = ("logit_bias", "stop_token_ids")
+
+
+def _param_of(message: str, chat: bool) -> str | None:
+    """The request field an engine validation message is about (a chat prompt is built from
+    ``messages``)."""
+    head = message.split(" ", 1)[0]
+    if head in _ENGINE_FIELDS:
+        return head
+    if "prompt" in message:
+        return "messages" if chat else "prompt"
+    return None
+
+
+class _StreamState:
+    """Whether a streamed request has finished in the engine (else closing the stream aborts it)."""
+
+    finished: bool = False
+
+
+class _ClientGone(Exception):
+    """The client disconnected before the response was sent."""
+
+
+def _json(obj: msgspec.Struct, headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(obj), media_type="application/json", headers=headers)
+
+
+def _endpoint(
+    fn: Callable[[Request], Awaitable[Response]],
+) -> Callable[[Request], Awaitable[Response]]:
+    """Turn RequestError into its 4xx JSON body and any other exception into a 500 JSON body."""
+
+    @functools.wraps(fn)
+    async def wrapper(request: Request) -> Response:
+        try:
+            return await fn(request)
+        except p.RequestError as exc:
+            return _error(exc.status, exc.message, exc.type, exc.param)
+        except Exception as exc:
+            logger.exception("internal error serving %s", request.url.path)
+            return _error(
+                500, f"internal server error: {type(exc).__name__}: {exc}", "server_error"
+            )
+
+    return wrapper
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always runs ``on_close`` once sending ends, however it ends:
+    the client may leave while the body iterator is suspended at a ``yield``, or before it was
+    ever started, and the engine request must then be aborted now, not at garbage collection."""
+
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        on_close: Callable[[], Awaitable[None]],
+        **kwargs: object,
+    ) -> None:
+        super().__init__(content, **kwargs)  # type: ignore[arg-type]
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await self.on_close()
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected[T](request: Request, aw: Awaitable[T]) -> T:
+    """Await ``aw``; if the client disconnects first, cancel it and raise _ClientGone."""
+    task = asyncio.ensure_future(aw)
+    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait((task,))  # let the cancellation reach the engine's generator
+    if task.cancelled():
+        raise _ClientGone()
+    return task.result()
+
+
+@dataclass
+class GenerationJob:
+    """A generation request decoded, checked and tokenised: what the engine is given.
+
+    Fields:
+      chat: a chat completion (else a text completion).
+      ids: the prompt's token ids (completions: the request's ids or the encoded text; chat: the
+        rendered template, encoded without special tokens).
+      text: the prompt text the ids came from (None for a token-id prompt).
+      params: the request's sampling parameters.
+      stream: the request asked for server-sent events.
+      include_usage: ``stream_options.include_usage``.
+      fmt: how logprobs (and a completions ``echo``) are rendered into the response.
+    """
+
+    chat: bool
+    ids: list[int]
+    text: str | None
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    fmt: p.LogprobFormat
+
+    @property
+    def kind(self) -> str:
+        """The prefix of the request and response ids: ``chatcmpl`` or ``cmpl``."""
+        return "chatcmpl" if self.chat else "cmpl"
+
+
+class OpenAIServer:
+    """The endpoints, bound to one engine and one served model name.
+
+    ``prepare`` (body bytes -> GenerationJob) and ``respond`` (GenerationJob -> response body)
+    are the request-handling path shared by the HTTP endpoints and ``jaxserve run-batch``
+    (``jaxserve.server.batch``); both raise ``protocol.RequestError`` for a client error.
+    """
+
+    def __init__(
+        self, engine: EngineClient, served_model_name: str, limits: RequestLimits | None = None
+    ) -> None:
+        self.engine = engine
+        self.model = served_model_name
+        self.limits = limits or RequestLimits()
+        self.created = int(time.time())
+
+    def _check_chat_template(self) -> None:
+        """A base model (its tokenizer has no chat template) cannot take chat messages: 400
+        rather than a guessed template the model never saw."""
+        if not getattr(self.engine.tokenizer, "has_chat_template", True):
+            raise p.RequestError(
+                f"the model `{self.model}` has no chat template (a base model), so it cannot "
+                "take chat messages; send the text as `prompt` to /v1/completions",
+                param="messages")
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model:
+            raise p.RequestError(
+                f"The model `{model}` does not exist.",
+                status=404,
+                type="not_found_error",
+                param="model",
+            )
+
+    async def _body(self, request: Request) -> bytes:
+        """The JSON body, read up to ``limits.max_request_body_bytes`` (else 413)."""
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != "application/json" and not ctype.endswith("+json"):
+            raise p.RequestError(f"Content-Type must be application/json, got {ctype or 'none'!r}")
+        cap = self.limits.max_request_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > cap:
+            raise _too_large(int(declared), cap)
+        parts, size = [], 0
+        try:
+            async for part in request.stream():
+                size += len(part)
+                if size > cap:
+                    raise _too_large(size, cap)
+                parts.append(part)
+        except ClientDisconnect:
+            raise p.RequestError("the client disconnected while sending the body") from None
+        return b"".join(parts)
+
+    async def prepare(self, chat: bool, body: bytes) -> GenerationJob:
+        """Decode and check a completions (``chat=False``) or chat-completions body, then
+        tokenise its prompt (off the event loop: a long prompt must not stall other streams).
+
+        Raises:
+          protocol.RequestError: invalid body or field values (400, naming the field), caps
+            exceeded (400), unknown model (404).
+        """
+        if not chat:
+            req = p.decode_completion_request(body, self.limits)
+            self._check_model(req.model)
+            params = p.to_sampling_params(req)
+            prompt = p.completion_prompt(req)
+            if isinstance(prompt, str):
+                ids = await asyncio.to_thread(self.engine.tokenizer.encode, prompt)
+                text: str | None = prompt
+            else:
+                ids, text = prompt, None
+            fmt = self._logprob_format(params, echo=bool(req.echo), echo_text=text, ids=ids)
+        else:
+            req = p.decode_chat_request(body, self.limits)
+            self._check_model(req.model)
+            self._check_chat_template()
+            params = p.to_sampling_params(req)
+            tok = self.engine.tokenizer
+            try:
+                text = await asyncio.to_thread(
+                    tok.apply_chat_template, p.chat_messages(req), req.add_generation_prompt
+                )
+            except ValueError as exc:
+                raise p.RequestError(f"invalid messages: {exc}", param="messages") from exc
+            ids = await asyncio.to_thread(tok.encode, text, False)
+            fmt = self._logprob_format(params)
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return GenerationJob(chat, ids, text, params, bool(req.stream), include_usage, fmt)
+
+    def _logprob_format(self, params: SamplingParams, echo: bool = False,
+                        echo_text: str | None = None, ids: list[int] | None = None
+                        ) -> p.LogprobFormat:
+        tok = self.engine.tokenizer
+        skip = params.skip_special_tokens
+        if echo and echo_text is None:  # a token-id prompt is echoed as its text
+            echo_text = tok.decode(ids or [], skip_special_tokens=skip)
+        return p.LogprobFormat(params.logprobs, lambda t: tok.token_bytes(t, skip), echo=echo,
+                               echo_text=echo_text or "")
+
+    async def _first(self, gen: AsyncIterator[RequestOutput], job: GenerationJob
+                     ) -> RequestOutput:
+        """The first engine output; the engine's ValueError (checked before anything is queued)
+        becomes a 400 naming the field."""
+        try:
+            return await anext(gen)
+        except ValueError as exc:
+            raise p.RequestError(str(exc), param=_param_of(str(exc), job.chat)) from None
+        except StopAsyncIteration:
+            raise RuntimeError("the engine produced no output") from None
+
+    async def respond(
+        self, job: GenerationJob, request_id: str
+    ) -> p.CompletionResponse | p.ChatCompletionResponse:
+        """Run a non-streamed request through the engine and return its response body.
+
+        If this coroutine is cancelled (client gone, timeout), the engine request is aborted.
+
+        Raises:
+          protocol.RequestError: the engine refused the request (empty or too long prompt,
+            token ids or stop_token_ids outside the vocabulary).
+          RuntimeError: the engine failed while running it.
+        """
+        created = int(time.time())
+        gen = self.engine.generate(job.ids, job.params, request_id, prompt=job.text)
+        finished = False
+        try:
+            out = await self._first(gen, job)
+            if not out.finished:
+                out = await _collect(gen)
+            finished = True
+        finally:
+            if not finished:
+                await gen.aclose()  # type: ignore[attr-defined]
+                self.engine.abort(request_id)
+        return p.final_response(job.chat, request_id, created, self.model, out, job.fmt)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, await self.prepare(False, await self._body(request)))
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, await self.prepare(True, await self._body(request)))
+
+    async def _serve(self, request: Request, job: GenerationJob) -> Response:
+        rid = f"{job.kind}-{request.state.request_id}"
+        budget: RequestBudget = request.state.budget
+        budget.queued = True  # from here the engine's waiting count covers it (see Gate)
+        try:
+            if not job.stream:
+                body = await _unless_disconnected(request, budget.bound(self.respond(job, rid)))
+                return _json(body)
+            return await self._start_stream(request, job, rid, budget)
+        except _ClientGone:
+            return Response(status_code=499)
+        except TimeoutError:
+            status, message, err_type = budget.error()
+            logger.warning("aborted: %s", message)
+            return _error(status, message, err_type)
+
+    async def _start_stream(
+        self, request: Request, job: GenerationJob, rid: str, budget: RequestBudget
+    ) -> Response:
+        """Await the first output (so engine validation errors are still 400s), then hand the
+        generator to a streaming response that aborts the request if it ends early."""
+        gen = self.engine.generate(job.ids, job.params, rid, prompt=job.text)
+        handed_over = False
+        try:
+            first = await _unless_disconnected(request, budget.bound(self._first(gen, job)))
+            fmt = p.StreamFormatter(job.chat, rid, int(time.time()), self.model,
+                                    job.include_usage, n=job.params.n, fmt=job.fmt)
+            state = _StreamState()
+
+            async def on_close() -> None:
+                if not state.finished:
+                    await gen.aclose()  # type: ignore[attr-defined]
+                    self.engine.abort(rid)
+
+            handed_over = True  # the response owns the generator from here
+            return _ClosingStreamingResponse(
+                self._events(gen, first, fmt, state, budget),
+                on_close,
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        finally:
+            if not handed_over:
+                await gen.aclose()  # type: ignore[attr-defined]
+                self.engine.abort(rid)
+
+    @staticmethod
+    async def _events(
+        gen: AsyncIterator[RequestOutput],
+        first: RequestOutput,
+        fmt: p.StreamFormatter,
+        state: _StreamState,
+        budget: RequestBudget,
+    ) -> AsyncIterator[bytes]:
+        """The SSE body; sets ``state.finished`` once the engine request has finished."""
+        try:
+            for event in fmt.start():
+                yield event
+            out = first
+            while True:
+                for event in fmt.on_output(out):
+                    yield event
+                if out.finished:
+                    state.finished = True
+                    break
+                try:
+                    out = await budget.bound(anext(gen))
+                except StopAsyncIteration:
+                    raise RuntimeError("the engine stream ended before the request finished")
+            for event in fmt.end(out):
+                yield event
+        except TimeoutError:
+            status, message, err_type = budget.error()
+            logger.warning("aborted mid-stream: %s", message)
+            yield b"data: " + p.error_body(message, err_type, status) + b"\n\n"
+        except Exception as exc:
+            logger.exception("error in stream %s", fmt.id)
+            bad = isinstance(exc, ValueError)
+            yield (
+                b"data: "
+                + p.error_body(
+                    str(exc) if bad else f"internal server error: {type(exc).__name__}: {exc}",
+                    "invalid_request_error" if bad else "server_error",
+                    400 if bad else 500,
+                )
+                + b"\n\n"
+            )
+        yield _DONE
+
+    async def models(self, request: Request) -> Response:
+        card = p.ModelCard(
+            id=self.model, created=self.created, max_model_len=self.engine.max_model_len
+        )
+        return _json(p.ModelList(data=[card]))
+
+    async def tokenize(self, request: Request) -> Response:
+        req = p.decode_tokenize_request(await self._body(request), self.limits)
+        self._check_model(req.model)
+        tok = self.engine.tokenizer
+        try:
+            if req.messages is not None:
+                self._check_chat_template()
+                text = tok.apply_chat_template(
+                    p.chat_messages(req), add_generation_prompt=req.add_generation_prompt
+                )
+                special = bool(req.add_special_tokens)
+            else:
+                assert req.prompt is not None
+                text = req.prompt
+                special = req.add_special_tokens is not False
+            ids = tok.encode(text, add_special_tokens=special)
+        except ValueError as exc:
+            raise p.RequestError(f"cannot tokenize: {exc}",
+                                 param="messages" if req.messages else "prompt") from exc
+        return _json(p.TokenizeResponse(tokens=ids, count=len(ids),
+                                        max_model_len=self.engine.max_model_len))
+
+    async def detokenize(self, request: Request) -> Response:
+        req = p.decode_detokenize_request(await self._body(request))
+        self._check_model(req.model)
+        vocab = self.engine.tokenizer.vocab_size
+        for i, t in enumerate(req.tokens):
+            if not 0 <= t < vocab:
+                raise p.RequestError(f"tokens[{i}] = {t} is out of range [0, {vocab})",
+                                     param="tokens")
+        return _json(p.DetokenizeResponse(prompt=self.engine.tokenizer.decode(req.tokens)))
+
+    async def health(self, request: Request) -> Response:
+        if not self.engine.ready:
+            return _error(503, "the engine is still warming up", "server_error")
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(self, request: Request) -> Response:
+        m = self.engine.metrics
+        return Response(m.render(), headers={"Content-Type": m.content_type})
+
+
+def _too_large(size: int, cap: int) -> p.RequestError:
+    return p.RequestError(
+        f"the request body holds at least {size} bytes; the limit is {cap} "
+        "(--max-request-body-bytes)",
+        status=413,
+    )
+
+
+async def _collect(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+    async for out in gen:
+        if out.finished:
+            return out
+    raise RuntimeError("the engine stream ended before the request finished")
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        msg, type = f"Not found: {request.method} {request.url.path}", "not_found_error"
+    elif exc.status_code == 405:
+        msg = f"Method {request.method} is not allowed for {request.url.path}"
+        type = "invalid_request_error"
+    else:
+        msg, type = str(exc.detail), "invalid_request_error"
+    return _error(exc.status_code, msg, type, headers=exc.headers)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error serving %s", request.url.path, exc_info=exc)
+    return _error(500, f"internal server error: {type(exc).__name__}", "server_error")
+
+
+def build_app(
+    engine: EngineClient,
+    served_model_name: str,
+    config: ServerConfig | None = None,
+    limits: RequestLimits | None = None,
+) -> Starlette:
+    """The OpenAI-compatible Starlette app serving ``engine`` as ``served_model_name``.
+
+    Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
+    POST /detokenize, GET /health (503 until ``engine.ready`` and while draining), GET /metrics
+    (Prometheus text), GET /openapi.json. ``config`` supplies the API key, queue bound and
+    timeouts (default: ``ServerConfig()``), ``limits`` the per-request caps (default:
+    ``RequestLimits()``); ``app.state.gate`` is the admission state that
+    ``server_ops.run_server`` drains.
+    """
+    config = config or ServerConfig()
+    install_request_id()
+    api = OpenAIServer(engine, served_model_name, limits)
+    doc = msgspec.json.encode(openapi_document(api_key=config.api_key is not None))
+
+    async def openapi(request: Request) -> Response:
+        return Response(doc, media_type="application/json")
+
+    routes = [
+        Route("/v1/completions", _endpoint(api.completions), methods=["POST"]),
+        Route("/v1/chat/completions", _endpoint(api.chat_completions), methods=["POST"]),
+        Route("/v1/models", _endpoint(api.models), methods=["GET"]),
+        Route("/tokenize", _endpoint(api.tokenize), methods=["POST"]),
+        Route("/detokenize", _endpoint(api.detokenize), methods=["POST"]),
+        Route("/health", _endpoint(api.health), methods=["GET"]),
+        Route("/metrics", _endpoint(api.metrics), methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+    ]
+    gate = Gate(engine, config)
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(GateMiddleware, gate=gate)],
+        exception_handlers={HTTPException: _http_error, Exception: _internal_error},
+    )
+    app.state.gate = gate
+    return app

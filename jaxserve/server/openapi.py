@@ -1,0 +1,97 @@
+"""The OpenAPI 3.1 document served at ``GET /openapi.json``.
+
+Request and response schemas are generated from the msgspec Structs of ``protocol.py``
+(``msgspec.json.schema_components``), so the document cannot drift from what the decoder accepts.
+Streams are described as ``text/event-stream`` whose events carry the chunk schemas.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from jaxserve import __version__
+from jaxserve.server import protocol as p
+from jaxserve.server.gate import is_protected
+
+_REF = "#/components/schemas/{name}"
+_STRUCTS = (
+    p.CompletionRequest, p.ChatCompletionRequest, p.TokenizeRequest, p.DetokenizeRequest,
+    p.CompletionResponse, p.ChatCompletionResponse, p.CompletionChunk, p.ChatCompletionChunk,
+    p.ModelList, p.TokenizeResponse, p.DetokenizeResponse, p.ErrorResponse,
+)  # fmt: skip
+_ERRORS = {
+    "400": "invalid request",
+    "401": "missing or wrong API key (only with --api-key)",
+    "404": "unknown model",
+    "413": "request body larger than --max-request-body-bytes",
+    "503": "overloaded (queue full; Retry-After) or shutting down",
+    "504": "the request timed out (--request-timeout-s)",
+}
+
+
+def _ref(struct: type) -> dict:
+    return {"$ref": _REF.format(name=struct.__name__)}
+
+
+def _json(struct: type, description: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": _ref(struct)}}}
+
+
+def _op(summary: str, ok: dict, body: type | None = None, errors: tuple[str, ...] = ()) -> dict:
+    op: dict = {"summary": summary, "responses": {"200": ok}}
+    if body is not None:
+        op["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": _ref(body)}},
+        }
+    for code in errors:
+        op["responses"][code] = _json(p.ErrorResponse, _ERRORS[code])
+    return op
+
+
+def _generation(summary: str, body: type, response: type, chunk: type) -> dict:
+    name = chunk.__name__
+    ok = _json(response, f"the completion; with stream=true, server-sent events "
+                         f"`data: <{name}>` ending with `data: [DONE]`")
+    ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+    return _op(summary, ok, body, ("400", "404", "413", "503", "504"))
+
+
+def openapi_document(api_key: bool) -> dict:
+    """The OpenAPI document; with ``api_key`` the protected operations declare bearer auth."""
+    _, schemas = msgspec.json.schema_components(_STRUCTS, ref_template=_REF)
+    text = {"description": "text", "content": {"text/plain": {"schema": {"type": "string"}}}}
+    status = {"description": "ready", "content": {"application/json": {"schema": {
+        "type": "object", "properties": {"status": {"type": "string"}}}}}}  # fmt: skip
+    paths = {
+        "/v1/completions": {"post": _generation(
+            "Text completion", p.CompletionRequest, p.CompletionResponse, p.CompletionChunk)},
+        "/v1/chat/completions": {"post": _generation(
+            "Chat completion", p.ChatCompletionRequest, p.ChatCompletionResponse,
+            p.ChatCompletionChunk)},
+        "/v1/models": {"get": _op("The served model", _json(p.ModelList, "the model list"))},
+        "/tokenize": {"post": _op("Token ids of a prompt or chat messages",
+                                  _json(p.TokenizeResponse, "the token ids"),
+                                  p.TokenizeRequest, ("400", "404", "413"))},
+        "/detokenize": {"post": _op("Text of token ids", _json(p.DetokenizeResponse, "the text"),
+                                    p.DetokenizeRequest, ("400", "404", "413"))},
+        "/health": {"get": _op("200 once warmed up; 503 while warming up or shutting down",
+                               status, errors=("503",))},
+        "/metrics": {"get": _op("Prometheus metrics", text)},
+        "/openapi.json": {"get": _op("This document", {"description": "the OpenAPI document"})},
+    }  # fmt: skip
+    components: dict = {"schemas": schemas}
+    if api_key:
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        for path, ops in paths.items():
+            if is_protected(path):
+                for op in ops.values():
+                    op["security"] = [{"bearer": []}]
+                    op["responses"]["401"] = _json(p.ErrorResponse, _ERRORS["401"])
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "jaxserve", "version": __version__,
+                 "description": "OpenAI-compatible LLM serving API"},
+        "paths": paths,
+        "components": components,
+    }  # fmt: skip

@@ -1,0 +1,71 @@
+"""The command line: flags, config files and start-up checks that must fail before loading."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from jaxserve.cli.args import engine_config_from_args
+from jaxserve.cli.main import build_parser, main
+from jaxserve.cli.serve import check_port_free
+
+
+def _cfg(tmp_path, text: str, *flags: str):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return engine_config_from_args(build_parser().parse_args(["serve", "--config", str(path),
+                                                              *flags]))
+
+
+def test_flags_map_onto_engine_fields_and_override_the_file(tmp_path) -> None:
+    cfg = _cfg(tmp_path, "max-num-seqs: 8\nblock_size: 32\n", "--block-size", "64")
+    assert (cfg.max_num_seqs, cfg.block_size) == (8, 64)
+    assert engine_config_from_args(build_parser().parse_args(["serve"])).block_size == 16
+
+
+def test_prefix_caching_and_host_tier_flags(tmp_path) -> None:
+    def parse(*flags: str):
+        return engine_config_from_args(build_parser().parse_args(["serve", *flags]))
+
+    assert parse().enable_prefix_caching and parse().kv_offloading_size is None
+    assert not parse("--no-enable-prefix-caching").enable_prefix_caching
+    assert parse("--kv-offloading-size", "1.5").kv_offloading_size == 1.5
+    cfg = _cfg(tmp_path, "enable_prefix_caching: false\nkv-offloading-size: 2\n",
+               "--enable-prefix-caching")
+    assert cfg.enable_prefix_caching and cfg.kv_offloading_size == 2
+
+
+@pytest.mark.parametrize("text,match", [
+    ("enable_prefix_caching: 1\n", "enable_prefix_caching must be bool"),
+    ("kv_offloading_size: 0\n", "kv_offloading_size=0 must be > 0"),
+    ("block_size: [1,2\n", "not valid YAML"),
+    ("- 1\n- 2\n", "mapping"),
+    ("port: 80\n", "unknown key 'port'"),
+    ("max_model_len: 512.7\n", "max_model_len must be int"),
+    ("max_num_seqs: true\n", "max_num_seqs must be int"),
+    ("block_size: 3\n", "power of two"),
+])
+def test_bad_config_files_name_the_problem(tmp_path, text: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _cfg(tmp_path, text)
+
+
+def test_errors_exit_2_with_one_line(tmp_path, capsys) -> None:
+    assert main(["serve", "--config", str(tmp_path)]) == 2  # a directory
+    err = capsys.readouterr().err
+    assert err.startswith("jaxserve: error: cannot read config file") and err.count("\n") == 1
+    assert main(["serve", "--port", "99999"]) == 2
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--no-such-flag"])
+    assert e.value.code == 2
+
+
+def test_busy_port_is_refused_before_loading() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port}"):
+            check_port_free("127.0.0.1", port)
+    check_port_free("127.0.0.1", 0)

@@ -1,0 +1,170 @@
+"""The on-device sampler: per-row parameters, filtering, seeds."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.device.sampler import RowInputs, sample
+
+V = 50
+sample_jit = jax.jit(sample, static_argnames=("vocab_limit",))
+
+
+def _rows(n: int, **kw):
+    base = {"temperature": np.ones(n, np.float32), "top_k": np.zeros(n, np.int32),
+            "top_p": np.ones(n, np.float32),
+            "seeds": np.stack([np.zeros(n), np.arange(n)], 1).astype(np.uint32),
+            "sample_pos": np.zeros(n, np.int32), "min_p": np.zeros(n, np.float32),
+            "slot": np.full(n, 1 << 20, np.int32),
+            "repetition_penalty": np.ones(n, np.float32),
+            "presence_penalty": np.zeros(n, np.float32),
+            "frequency_penalty": np.zeros(n, np.float32)}
+    base.update({k: v for k, v in kw.items() if k in base})
+    return base
+
+
+def _draw(logits: np.ndarray, state=None, **kw) -> np.ndarray:
+    rows = RowInputs(**_rows(len(logits), **kw))
+    return np.asarray(sample_jit(jnp.asarray(logits), rows, state, kw.get("vocab_limit")))
+
+
+def test_greedy_rows_take_the_argmax_beside_random_rows() -> None:
+    rng = np.random.default_rng()
+    logits = rng.standard_normal((8, V)).astype(np.float32)
+    temp = np.array([0, 1, 0, 1, 0, 1, 0, 1], np.float32)
+    got = _draw(logits, temperature=temp)
+    np.testing.assert_array_equal(got[temp == 0], logits.argmax(-1)[temp == 0])
+
+
+def test_top_k_and_top_p_keep_only_the_allowed_tokens() -> None:
+    n = 512
+    logits = np.tile(np.linspace(0.0, 3.0, V, dtype=np.float32), (n, 1))  # best token: V-1
+    seeds = np.stack([np.arange(n), np.arange(n)], 1).astype(np.uint32)
+    got = _draw(logits, top_k=np.full(n, 3, np.int32), seeds=seeds)
+    assert set(got.tolist()) <= {V - 1, V - 2, V - 3} and len(set(got.tolist())) == 3
+    probs = np.exp(logits[0] - logits[0].max())
+    probs /= probs.sum()
+    order = np.argsort(-probs)
+    keep = order[: int(np.searchsorted(np.cumsum(probs[order]), 0.5)) + 1]  # smallest set >= 0.5
+    got = _draw(logits, top_p=np.full(n, 0.5, np.float32), seeds=seeds)
+    assert set(got.tolist()) <= set(keep.tolist())
+    assert len(set(got.tolist())) > 1
+    # top_k at or above the vocabulary, and top_k 0/-1, mean off
+    off = [_draw(logits, top_k=np.full(n, k, np.int32), seeds=seeds) for k in (0, -1, V, V + 7)]
+    for o in off[1:]:
+        np.testing.assert_array_equal(o, off[0])
+
+
+def test_temperature_follows_the_distribution() -> None:
+    n = 4000
+    logits = np.tile(np.array([0.0, np.log(3.0)] + [-1e9] * (V - 2), np.float32), (n, 1))
+    seeds = np.stack([np.arange(n) // 7, np.arange(n)], 1).astype(np.uint32)
+    frac = (_draw(logits, seeds=seeds) == 1).mean()
+    assert abs(frac - 0.75) < 0.03, frac  # p(1) = 3/4 at temperature 1
+    frac_hot = (_draw(logits, seeds=seeds, temperature=np.full(n, 1e6, np.float32)) == 1).mean()
+    assert abs(frac_hot - 0.5) < 0.03, frac_hot  # a very high temperature flattens it
+
+
+def test_streams_depend_on_seed_and_position_only() -> None:
+    rng = np.random.default_rng(0)
+    logits = np.tile(rng.standard_normal(V).astype(np.float32), (4, 1))
+    seeds = np.array([[0, 5], [0, 5], [1, 5], [0, 6]], np.uint32)
+    pos = np.array([3, 3, 3, 3], np.int32)
+    a = _draw(logits, seeds=seeds, sample_pos=pos)
+    b = _draw(logits[[1, 0, 2, 3]], seeds=seeds[[1, 0, 2, 3]], sample_pos=pos)  # reordered batch
+    assert a[0] == a[1] == b[0] == b[1]
+    many = [_draw(logits[:1], seeds=seeds[:1], sample_pos=np.array([p], np.int32))[0]
+            for p in range(30)]
+    assert len(set(many)) > 1  # the position moves the stream
+
+
+def test_vocab_limit_is_never_sampled() -> None:
+    logits = np.zeros((256, V), np.float32)
+    logits[:, 40:] = 5.0  # the most likely ids lie past the limit
+    seeds = np.stack([np.arange(256), np.zeros(256)], 1).astype(np.uint32)
+    got = _draw(logits, seeds=seeds, vocab_limit=40)
+    assert got.max() < 40
+    assert _draw(logits, temperature=np.zeros(256, np.float32), vocab_limit=40).max() < 40
+
+
+def test_min_p_keeps_tokens_within_the_fraction_of_the_top() -> None:
+    n = 512
+    logits = np.tile(np.log(np.array([0.5, 0.3, 0.15, 0.05] + [1e-9] * (V - 4), np.float32)),
+                     (n, 1))
+    seeds = np.stack([np.arange(n), np.arange(n)], 1).astype(np.uint32)
+    # p >= 0.5 * 0.5 = 0.25 keeps ids 0 and 1 only
+    got = _draw(logits, min_p=np.full(n, 0.5, np.float32), seeds=seeds)
+    assert set(got.tolist()) == {0, 1}
+    # min_p = 1 keeps only the most likely token: the same as greedy
+    assert set(_draw(logits, min_p=np.ones(n, np.float32), seeds=seeds).tolist()) == {0}
+    assert len(set(_draw(logits, seeds=seeds).tolist())) >= 3  # control: min_p 0 is off
+
+
+def _ref_penalties(logits, prompt, output, rep, pres, freq, bias):
+    out = logits.astype(np.float64).copy()
+    seen = set(prompt) | set(output)
+    for t in seen:
+        out[t] = out[t] / rep if out[t] > 0 else out[t] * rep
+    for t in set(output):
+        out[t] -= freq * output.count(t) + pres
+    for t, b in bias.items():
+        out[t] += b
+    return out
+
+
+def test_penalties_and_bias_match_the_reference() -> None:
+    from jaxserve.device.sampler import (
+        apply_penalties,
+        feed_tokens,
+        new_penalty_state,
+        set_bias_row,
+    )
+
+    rng = np.random.default_rng()
+    r = 4
+    state = new_penalty_state(r, V)
+    logits = rng.standard_normal((3, V)).astype(np.float32) * 3
+    # row 0: slot 2 (prompt + output), row 1: no slot, row 2: slot 0 (bias only)
+    prompt, output = [3, 4, 4, 9], [9, 7, 7, 7, 11]
+    bias = {5: 4.0, 6: -100.0}
+    state = set_bias_row(state, jnp.int32(0), jnp.asarray(
+        np.array([bias.get(i, 0.0) for i in range(V)], np.float32)))
+    toks = np.array(prompt + output + [1, 2], np.int32)  # the last two belong to no slot
+    tok_slot = np.array([2] * 9 + [r, r], np.int32)
+    is_out = np.array([0] * 4 + [1] * 5 + [1, 0], np.int32)
+    reset = np.array([2, r, r], np.int32)
+    state = jax.jit(feed_tokens)(state, reset, tok_slot, toks, is_out)
+    rows = RowInputs(**_rows(3, slot=np.array([2, r, 0], np.int32),
+                             repetition_penalty=np.array([1.3, 1.0, 1.0], np.float32),
+                             presence_penalty=np.array([0.5, 0.0, 0.0], np.float32),
+                             frequency_penalty=np.array([0.25, 0.0, 0.0], np.float32)))
+    got = np.asarray(jax.jit(apply_penalties)(jnp.asarray(logits), rows, state))
+    np.testing.assert_allclose(got[0], _ref_penalties(logits[0], prompt, output, 1.3, 0.5,
+                                                      0.25, {}), rtol=1e-6, atol=1e-5)
+    np.testing.assert_array_equal(got[1], logits[1])
+    np.testing.assert_allclose(got[2], _ref_penalties(logits[2], [], [], 1.0, 0, 0, bias),
+                               rtol=1e-6, atol=1e-5)
+    # a reset forgets the history; feeding it again rebuilds the same row (preemption)
+    again = jax.jit(feed_tokens)(state, reset, tok_slot, toks, is_out)
+    np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(state.tokens))
+
+
+def test_logprobs_are_the_raw_log_softmax() -> None:
+    from jaxserve.device.sampler import logprobs_of
+
+    rng = np.random.default_rng()
+    logits = (rng.standard_normal((5, V)) * 4).astype(np.float32)
+    chosen = rng.integers(0, V, 5).astype(np.int32)
+    lp = jax.jit(logprobs_of, static_argnames=("k",))(jnp.asarray(logits), chosen, k=4)
+    ref = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    order = np.argsort(-ref, axis=-1)[:, :4]
+    np.testing.assert_array_equal(np.asarray(lp.top_ids), order)
+    np.testing.assert_allclose(np.asarray(lp.top_logprobs), np.take_along_axis(ref, order, -1),
+                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lp.chosen_logprob), ref[np.arange(5), chosen],
+                               atol=1e-5)
+    ranks = (ref > ref[np.arange(5), chosen][:, None]).sum(-1) + 1
+    np.testing.assert_array_equal(np.asarray(lp.chosen_rank), ranks)

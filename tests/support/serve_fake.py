@@ -1,0 +1,33 @@
+"""Serve the fake engine through the code path ``jaxserve serve`` uses after loading the model
+(``logs.configure_logging``, ``server.build_app``, ``server_ops.run_server``), for the drain tests:
+
+    python tests/support/serve_fake.py PORT [--step-s S] [--drain-timeout-s S]
+
+Logs are JSON lines on stderr; exits 0 after a SIGTERM drain.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from fake_engine import FakeEngine
+
+from jaxserve.config import ServerConfig
+from jaxserve.server.app import build_app
+from jaxserve.server.gate import run_server
+from jaxserve.server.logs import configure_logging
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("port", type=int)
+    ap.add_argument("--step-s", type=float, default=0.05)
+    ap.add_argument("--drain-timeout-s", type=float, default=30.0)
+    ns = ap.parse_args()
+    cfg = ServerConfig(port=ns.port, drain_timeout_s=ns.drain_timeout_s, log_format="json")
+    configure_logging(cfg.log_level, cfg.log_format)
+    run_server(build_app(FakeEngine(max_model_len=100_000, step_s=ns.step_s), "fake", cfg))
+
+
+if __name__ == "__main__":
+    main()
