@@ -1,0 +1,160 @@
+"""The package layering: imports run one way along the request path.
+
+``cli -> server -> engine -> {core, device, loading} -> {models, pallas_kernels}``, with the shared
+vocabulary (the modules at the top of ``jaxserve/``) depending on none of the stages. Every
+import counts, including those inside functions and under ``TYPE_CHECKING``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("jaxserve", "models", "pallas_kernels")
+
+# what each layer may import (besides itself); a layer is a subpackage of jaxserve, a top-level
+# module of jaxserve ("vocabulary" unless named here), or one of the other two packages
+ALLOWED: dict[str, set[str]] = {
+    "pallas_kernels": set(),
+    "models": {"pallas_kernels"},
+    "vocabulary": {"models", "pallas_kernels"},
+    "core": {"vocabulary"},
+    "device": {"vocabulary", "models", "pallas_kernels"},
+    "loading": {"vocabulary", "models", "pallas_kernels"},
+    "engine": {"vocabulary", "core", "device", "loading", "models", "pallas_kernels"},
+    "server": {"vocabulary", "engine"},
+    "llm": {"vocabulary", "engine"},
+    "cli": {"vocabulary", "core", "device", "loading", "engine", "server", "llm", "models",
+            "pallas_kernels"},
+    "init": set(),  # jaxserve/__init__.py names its exports as strings, imports none
+}
+ENTRY_MODULES = {"jaxserve.llm": "llm", "jaxserve": "init"}
+NO_JAX_LAYERS = ("core",)
+JAX_MODULES = ("jax", "jaxlib", "flax", "orbax")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> str:
+    if module in ENTRY_MODULES:
+        return ENTRY_MODULES[module]
+    top, *rest = module.split(".")
+    if top != "jaxserve":
+        return top
+    if len(rest) >= 2 or (rest and (REPO_ROOT / "jaxserve" / rest[0]).is_dir()):
+        return rest[0]
+    return "vocabulary"
+
+
+def imports_of(path: Path, module: str) -> set[str]:
+    """Absolute names of every module ``path`` imports (from-imports resolved to submodules)."""
+    out: set[str] = set()
+    is_pkg = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = module.split(".") if is_pkg else module.split(".")[:-1]
+                pkg = pkg[: len(pkg) - (node.level - 1)]
+                base = ".".join(pkg + ([base] if base else []))
+            out.add(base)
+            for a in node.names:  # `from jaxserve.core import scheduler` imports a module
+                sub = f"{base}.{a.name}"
+                if sub.replace(".", "/") and _exists(sub):
+                    out.add(sub)
+    return out
+
+
+def _exists(module: str) -> bool:
+    p = REPO_ROOT.joinpath(*module.split("."))
+    return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
+
+
+def import_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for pkg in PACKAGES:
+        for path in sorted((REPO_ROOT / pkg).rglob("*.py")):
+            mod = module_name(path)
+            graph[mod] = imports_of(path, mod)
+    return graph
+
+
+def internal(graph: dict[str, set[str]], name: str) -> str | None:
+    """The module of ours that an imported name refers to (a package or a module), else None."""
+    while name:
+        if name in graph:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def test_import_graph_has_no_cycle() -> None:
+    graph = import_graph()
+    edges = {m: {t for n in names if (t := internal(graph, n)) and t != m}
+             for m, names in graph.items()}
+    # a package's __init__ is not an edge target that runs its siblings, so drop p -> p.x
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(edges[m]):
+            if state.get(t) == 1:
+                cycle = stack[stack.index(t):] + [t]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m)
+
+
+def test_each_layer_imports_only_layers_below() -> None:
+    graph = import_graph()
+    bad = []
+    for mod, names in sorted(graph.items()):
+        src = layer_of(mod)
+        for name in sorted(names):
+            target = internal(graph, name)
+            if target is None or target == "jaxserve" and name == "jaxserve":
+                continue
+            dst = layer_of(target)
+            if dst != src and dst not in ALLOWED[src]:
+                bad.append(f"{mod} ({src}) imports {target} ({dst})")
+    assert not bad, "\n".join(bad)
+
+
+def test_core_imports_no_jax() -> None:
+    graph = import_graph()
+    bad = [f"{mod} imports {name}" for mod, names in sorted(graph.items())
+           if layer_of(mod) in NO_JAX_LAYERS
+           for name in sorted(names) if name.split(".")[0] in JAX_MODULES]
+    assert not bad, "\n".join(bad)
+
+
+def test_layering_check_catches_a_bad_import(tmp_path: Path) -> None:
+    """The checker itself: a core module importing the engine is reported."""
+    mod = "jaxserve.core.example"
+    names = imports_of(_write(tmp_path, "from jaxserve.engine import llm_engine\nimport jax\n"), mod)
+    assert "jaxserve.engine.llm_engine" in names and "jax" in names
+    assert layer_of(mod) == "core" and layer_of("jaxserve.engine.llm_engine") == "engine"
+    assert "engine" not in ALLOWED["core"]
+    assert layer_of("jaxserve.config") == "vocabulary" and layer_of("jaxserve.llm") == "llm"
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "example.py"
+    p.write_text(text)
+    return p
