@@ -1,0 +1,16 @@
+"""Errors that carry the offending field, so that callers never parse message text."""
+
+from __future__ import annotations
+
+
+class InvalidRequest(ValueError):
+    """A request (prompt or sampling parameters) the engine refuses, before anything is queued.
+
+    Args:
+      message: the cause, naming the value where there is one.
+      param: the request field it is about (``"prompt"``, ``"logit_bias"``, ...), or None.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
