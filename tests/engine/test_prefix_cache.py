@@ -12,12 +12,12 @@ import contextlib
 from collections.abc import Iterator
 
 import pytest
-from tests.engine.test_engine import _drive, _greedy, llm  # noqa: F401  (llm: the shared-engine fixture)
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_manager import KVManager, KVStats
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.metrics import EngineMetrics
+from tests.engine.test_engine import _drive, _greedy, llm  # noqa: F401  (llm: the shared-engine fixture)
 
 BLOCK = 16  # the engines' block size (EngineConfig default)
 
