@@ -26,11 +26,11 @@ def kv_manager(engine: LLMEngine, *, caching: bool, num_host_blocks: int | None 
       num_host_blocks: host-tier blocks of the fresh manager; None: the engine's own.
     """
     assert not engine.has_unfinished_requests()
-    old = engine.state.kv
+    old = engine.scheduler.kv
     hosts = old.num_host_blocks if num_host_blocks is None else num_host_blocks
-    engine.state.kv = KVManager(old.num_blocks, old.block_size, caching, hosts)
+    engine.scheduler.kv = KVManager(old.num_blocks, old.block_size, caching, hosts)
     try:
-        yield engine.state.kv
+        yield engine.scheduler.kv
     finally:
-        engine.state.kv = old
+        engine.scheduler.kv = old
         engine.reset_prefix_cache()
