@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from jaxserve.cli.args import engine_config_from_args
 from jaxserve.cli.main import build_parser, main
 from jaxserve.cli.serve import check_port_free
+from jaxserve.config import EngineConfig, RequestLimits, ServerConfig
 
 
 def _cfg(tmp_path, text: str, *flags: str):
@@ -69,3 +71,10 @@ def test_busy_port_is_refused_before_loading() -> None:
         with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port}"):
             check_port_free("127.0.0.1", port)
     check_port_free("127.0.0.1", 0)
+
+
+@pytest.mark.parametrize("cls", [EngineConfig, ServerConfig, RequestLimits])
+def test_every_config_field_has_its_flag_help(cls: type) -> None:
+    """A field's ``help`` metadata is its flag's only help text."""
+    missing = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("help")]
+    assert not missing, f"{cls.__name__} fields without help: {missing}"
