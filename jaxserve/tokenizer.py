@@ -139,7 +139,7 @@ class Tokenizer:
           ValueError: the file has no tokenizer, or a tokenizer model other than ``gpt2``
             (byte-level BPE) or, for Gemma architectures, ``llama`` (SentencePiece).
         """
-        from models.gguf_reader import GGUFFile  # a file-format layer, not the engine core
+        from models.gguf_reader import GGUFFile  # lazy: models/ imports jax; this module does not
 
         fields = (reader if reader is not None else GGUFFile(path)).fields
 
