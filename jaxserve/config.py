@@ -11,11 +11,10 @@ import typing
 from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "fp8", "int8")  # pallas_kernels.kv_cache.KV_QUANT_DTYPES + auto
+# copies of names in pallas_kernels and models.quant, which import jax (tests/test_config.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 KV_SCALE_MODES = ("calibrated", "unit")
-# the same names as pallas_kernels.ATTENTION_BACKENDS (not imported here: no jax for the CLI parser)
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas-interpret")
-# the same names as models.quant.METHODS (not imported here: no jax for the CLI parser)
 QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8")
 
 
