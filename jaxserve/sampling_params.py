@@ -31,7 +31,8 @@ class SamplingParams:
       top_k: keep the k most likely tokens; 0 or -1 disables it, and so does any k at or above
         the vocabulary size.
       seed: per-request RNG seed, any 64-bit integer (negative ones are taken modulo 2**64);
-        the random stream depends only on (seed, output position), never on batch-mates. ``None`` draws a fresh seed for the request.
+        the random stream depends only on (seed, output position), never on batch-mates.
+        ``None`` draws a fresh seed for the request.
       stop: strings that end generation when they appear in the output text; the stop string
         is cut off unless ``include_stop_str_in_output``.
       stop_token_ids: token ids that end generation, in addition to EOS.

@@ -152,7 +152,7 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM:
-    """The model protocol of design.md over a ``Gemma3Model`` (as ``LlamaForCausalLM``)."""
+    """``models/interface.py:CausalLM`` over a ``Gemma3Model`` (as ``LlamaForCausalLM``)."""
 
     def __init__(self, cfg: Gemma3Config, dtype: jnp.dtype = jnp.float32,
                  attention_fn: AttentionFn = ragged_paged_attention) -> None:

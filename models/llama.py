@@ -163,7 +163,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM:
-    """The model protocol of design.md over a ``LlamaModel``.
+    """``models/interface.py:CausalLM`` over a ``LlamaModel``.
 
     ``forward(params, token_ids i32[T], positions i32[T], kv_cache, md) -> (hidden [T, hidden],
     kv_cache)`` and ``compute_logits(params, hidden [L, hidden]) -> f32[L, vocab]``. Any Flax

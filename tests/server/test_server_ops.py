@@ -1,4 +1,4 @@
-"""Operating the server (issue 3, item 4) against the fake engine: API key, the bounded waiting
+"""Operating the server against the fake engine: API key, the bounded waiting
 queue, per-request timeouts, the SIGTERM drain (a subprocess serving the fake engine through
 ``server_ops.run_server``, as ``jaxserve serve`` does), request ids in log records and JSON logs,
 /tokenize and /detokenize, and /openapi.json.
