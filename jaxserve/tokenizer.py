@@ -350,7 +350,8 @@ class Tokenizer:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str | None:
-        """The vocabulary string of one id (byte-level form, e.g. ``'Ġworld'``), None if unknown."""
+        """The vocabulary string of one id (byte-level form, e.g. ``'Ġworld'``); None if
+        unknown."""
         return self.backend.id_to_token(int(token_id))
 
     def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes:

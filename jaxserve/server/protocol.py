@@ -9,8 +9,8 @@ any other check and before anything is tokenised. Every client mistake becomes a
 ``RequestError``, which the server turns into an OpenAI-style error body with a 4xx status.
 
 Responses are Structs encoded with ``msgspec.json.encode``; fields left ``UNSET`` are omitted
-(a chat finish chunk's ``delta`` encodes as ``{}``, and ``usage`` is absent from stream chunks unless
-``stream_options.include_usage`` asked for it).
+(a chat finish chunk's ``delta`` encodes as ``{}``, and ``usage`` is absent from stream chunks
+unless ``stream_options.include_usage`` asked for it).
 """
 
 from __future__ import annotations
