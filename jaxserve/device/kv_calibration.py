@@ -23,11 +23,13 @@ difference.
 from __future__ import annotations
 
 import importlib.resources
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import checkpoint
 from models.interface import AttentionMetadata
 from pallas_kernels.kv_cache import KV_QUANT_DTYPES, QUANT_MAX, allocate_kv_cache
 
@@ -140,10 +142,6 @@ def checkpoint_kv_scales(path: str, num_layers: int, num_kv_heads: int,
       ValueError: an unreadable file, an unknown stored format, or a shape that does not fit
         ``[num_layers, a divisor of num_kv_heads]``.
     """
-    import os
-
-    from models import checkpoint
-
     if not os.path.isdir(path) or not checkpoint.is_checkpoint(path):
         return None
     data = checkpoint.read_kv_scales(path)

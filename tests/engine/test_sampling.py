@@ -1,6 +1,8 @@
 """Sampling features through the offline API on the real model (the shared session engine):
-serving cases 9, 10, 11, 12, 17 and 22 of the project's list, logit_bias, and prompt logprobs
-(echo) checked against the logprobs of generated tokens. Semantics as README "Sampling".
+greedy four ways, a seeded request independent of its batch-mates, n choices distinct and
+reproducible, the penalties' semantics, logprob entries that agree with the tokens, many choices
+finishing, logit_bias, and prompt logprobs (echo) checked against the logprobs of generated
+tokens. Semantics as README "Sampling".
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""Sampling and logprobs over HTTP on the real model: serving cases 10, 11, 13, 14, 15, 16, 17
-and 23 of the project's list, against a real uvicorn on 127.0.0.1 serving the shared session
-engine (``AsyncEngine`` over it), driven with httpx and the official ``openai`` client.
+"""Sampling and logprobs over HTTP on the real model: seeded requests independent of concurrent
+ones, n choices, peaked top logprobs as strict JSON, zero alternatives, echo with logprobs, the
+count and raw values of top logprobs, entries that are the output, top_k and invalid numbers;
+against a real uvicorn on 127.0.0.1 serving the shared session engine (``AsyncEngine`` over it),
+driven with httpx and the official ``openai`` client.
 
 Semantics asserted (README "Sampling" and "Logprobs"):
 - Logprobs are of the raw model distribution (log-softmax of the logits before logit_bias,

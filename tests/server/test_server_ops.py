@@ -1,7 +1,7 @@
-"""Operating the server (issue 3, item 4) against the fake engine: API key, the bounded waiting
-queue, per-request timeouts, the SIGTERM drain (a subprocess serving the fake engine through
-``server_ops.run_server``, as ``jaxserve serve`` does), request ids in log records and JSON logs,
-/tokenize and /detokenize, and /openapi.json.
+"""Operating the server against the fake engine: API key, the bounded waiting queue, per-request
+timeouts, the SIGTERM drain (a subprocess serving the fake engine through
+``jaxserve.server.gate.run_server``, as ``jaxserve serve`` does), request ids in log records and
+JSON logs, /tokenize and /detokenize, and /openapi.json.
 
 Semantics chosen (README "Behaviour"): a wrong or missing key is 401; a full queue or a draining
 server is 503 with ``Retry-After``; a timed-out request is 504 (``timeout_error``) or, once a
