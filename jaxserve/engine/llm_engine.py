@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
+from jaxserve import sharding
 from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.core import scheduler as sched
 from jaxserve.device.host_tier import HostKVTier
@@ -27,6 +28,7 @@ from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.loading.load import load_model, resolve_dtype, setup_compilation_cache
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from jaxserve.sampling_params import SamplingParams
+from models.quant import QuantConfig
 from pallas_kernels import allocate_kv_cache, attention_fn_for_backend, kv_cache_bytes_per_block
 from pallas_kernels.kv_cache import KV_FORMAT_NAMES, KV_QUANT_DTYPES
 
@@ -83,9 +85,8 @@ class LLMEngine:
       metrics: an ``EngineMetrics`` (or None) updated every step.
       devices: the ``tensor_parallel_size`` devices this engine runs on (a data-parallel
         replica's group); None: the first ones. With a mesh (``tensor_parallel_size > 1`` or
-        ``devices`` given) the weights are loaded by ``jaxserve.loading.sharded`` (each device reads
-        its own slice where the format allows) and ``load_report`` holds its per-device
-        ``LoadReport``; otherwise ``load_report`` is None.
+        ``devices`` given) each device reads its own slice of the weights where the format
+        allows, and ``load_report`` holds the per-device ``LoadReport``; otherwise it is None.
     The KV cache may hold fewer tokens than ``max_model_len``; a request that can never fit
     in it is refused by ``validate`` (see there).
 
@@ -113,32 +114,17 @@ class LLMEngine:
         setup_compilation_cache(config.compilation_cache_dir)
         t0 = time.perf_counter()
         self.dtype = resolve_dtype(config.dtype)
-        self.mesh = None
-        self.load_report = None  # a sharded_load.LoadReport when loaded onto a mesh
         attention_fn = attention_fn_for_backend(config.attention_backend)
-        if config.tensor_parallel_size > 1 or devices is not None:
-            from jaxserve import sharding
-            from jaxserve.loading import sharded as sharded_load
-
-            tp = config.tensor_parallel_size
-            self.mesh = sharding.make_mesh(tp, devices)
-            # each device reads only its slice where the format allows; refuses a model the
-            # mesh cannot split (naming the numbers) before reading weights
-            loaded = sharded_load.load_sharded(load, self.dtype, config.seed, self.mesh)
-            params, self.tokenizer, name = loaded.params, loaded.tokenizer, loaded.name
-            self.load_report = loaded.report
-            self.model_config = sharding.sharded_config(loaded.cfg, tp)
+        tp = config.tensor_parallel_size
+        self.mesh = sharding.make_mesh(tp, devices) if tp > 1 or devices is not None else None
+        loaded = load_model(load, self.dtype, config.seed, self.mesh, quantization=QuantConfig(
+            config.quantization, config.quantization_group_size, config.quantize_embeddings))
+        params, self.tokenizer, self.load_report = loaded.params, loaded.tokenizer, loaded.report
+        self.model_name = load.served_model_name or loaded.name
+        self.model_config = mc = loaded.model_config
+        if self.mesh is not None:
+            self.model_config = mc = sharding.sharded_config(mc, tp)
             attention_fn = sharding.shard_attention(attention_fn, self.mesh)
-        else:
-            self.model_config, params, self.tokenizer, name = load_model(load, self.dtype,
-                                                                         config.seed)
-        self.model_name = load.served_model_name or name
-        mc = self.model_config
-        params = self._quantize(params)
-        if self.mesh is not None and config.quantization != "none":
-            from jaxserve.sharding import place_params
-
-            params = place_params(params, mc, self.mesh)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context "
@@ -155,10 +141,8 @@ class LLMEngine:
                                       (self.num_blocks - 1) * config.block_size)
         kv_sharding = scale_sharding = None
         if self.mesh is not None:
-            from jaxserve.sharding import kv_cache_spec, kv_scale_spec
-
-            kv_sharding = jax.sharding.NamedSharding(self.mesh, kv_cache_spec())
-            scale_sharding = jax.sharding.NamedSharding(self.mesh, kv_scale_spec())
+            kv_sharding = jax.sharding.NamedSharding(self.mesh, sharding.kv_cache_spec())
+            scale_sharding = jax.sharding.NamedSharding(self.mesh, sharding.kv_scale_spec())
         self.model = get_architecture(mc.architecture).model(mc, self.dtype,
                                                              attention_fn=attention_fn)
         self.kv_scales = self._kv_scales(params, kv_sharding)
@@ -202,18 +186,6 @@ class LLMEngine:
         self._rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self.load_s = time.perf_counter() - t0
-
-    def _quantize(self, params):
-        """Load-time weight quantisation (``config.quantization``), or the check that a
-        quantised checkpoint matches it; the float leaves are freed as they are replaced."""
-        from models.quant import QuantConfig, apply_quantization
-        from models.registry import get_architecture
-
-        c = self.config
-        arch = get_architecture(self.model_config.architecture)
-        qcfg = QuantConfig(c.quantization, c.quantization_group_size, c.quantize_embeddings)
-        return apply_quantization(params, arch.quant_targets, qcfg, arch.name,
-                                  delete_source=True)
 
     def _kv_scales(self, params, kv_sharding) -> tuple[np.ndarray, np.ndarray] | None:
         """The 8-bit cache's ``(k_scale, v_scale)``, ``f32[num_layers, num_kv_heads]`` (None

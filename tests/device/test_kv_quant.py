@@ -28,6 +28,7 @@ from jaxserve.device.kv_calibration import (
     scales_from_amax,
 )
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.loading.load import LoadedModel
 from jaxserve.sampling_params import SamplingParams
 from models.config import builtin_config
 from models.interface import AttentionMetadata
@@ -292,22 +293,24 @@ def _drive(engine: LLMEngine) -> dict:
 
 
 def _engine_with(loaded, config: EngineConfig) -> LLMEngine:
-    """An engine on already-loaded ``(config, params, tokenizer, name)`` (building the
-    tokenizer from the GGUF or loading SmolLM2 again costs seconds each time)."""
+    """An engine on an already-loaded ``LoadedModel`` (or a loader of one per dtype): building
+    the tokenizer from the GGUF or loading SmolLM2 again costs seconds each time."""
     import jaxserve.engine.llm_engine as engine_module
     from jaxserve.loading import sharded as sharded_load
 
     load = loaded if callable(loaded) else (lambda *a: loaded)
 
-    def load_onto_mesh(load_config, dtype, seed, mesh):  # the tensor-parallel load path
-        cfg, params, tok, name = load(load_config, dtype, seed)
-        sharded_load.check_shardable(cfg, mesh.shape["tp"])
-        placed, report = sharded_load.shard_loaded(params, cfg, mesh, 0.0, "test")
-        return sharded_load.ShardedLoad(cfg, placed, tok, name, report)
+    def load_model(load_config, dtype, seed, mesh=None, *, quantization=None) -> LoadedModel:
+        assert quantization is None or quantization.method == "none"  # float weights as given
+        m = load(load_config, dtype, seed)
+        if mesh is None:
+            return m
+        sharded_load.check_shardable(m.model_config, mesh.shape["tp"])  # the mesh load path
+        placed, report = sharded_load.shard_loaded(m.params, m.model_config, mesh, 0.0, "test")
+        return dataclasses.replace(m, params=placed, report=report)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(engine_module, "load_model", load)
-        mp.setattr(sharded_load, "load_sharded", load_onto_mesh)
+        mp.setattr(engine_module, "load_model", load_model)
         return LLMEngine(config)
 
 
@@ -321,7 +324,7 @@ def _tiny_loader(tokenizer):
         if "f32" not in _TINY_PARAMS:
             _TINY_PARAMS["f32"] = dummy_params(LlamaForCausalLM(TINY), 0)
         params = jax.tree_util.tree_map(lambda a: a.astype(dtype), _TINY_PARAMS["f32"])
-        return TINY, params, tokenizer, "tiny"
+        return LoadedModel(TINY, params, tokenizer, "tiny")
     return load
 
 
@@ -342,7 +345,8 @@ def test_smollm2_serves_with_8bit_cache(engine: LLMEngine, goldens: dict,
     sp = SamplingParams(prompt_logprobs=1, max_tokens=4, temperature=0.0, ignore_eos=True)
     engine.add_request("base", prompt, sp)  # the shared float32 engine
     base = _drive(engine)["base"]
-    loaded = (engine.model_config, engine.runner.params, engine.tokenizer, engine.model_name)
+    loaded = LoadedModel(engine.model_config, engine.runner.params, engine.tokenizer,
+                         engine.model_name)
     eng = _engine_with(loaded, EngineConfig(
         kv_cache_dtype=kv_dtype, max_model_len=256, num_kv_blocks=20, max_num_seqs=1,
         max_num_batched_tokens=8, compilation_cache_dir=engine.config.compilation_cache_dir))
@@ -473,7 +477,7 @@ def test_convert_stores_kv_scales_and_serving_uses_them(tokenizer, tiny_fp8: LLM
     from models import checkpoint
 
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
-    checkpoint.save_checkpoint(src, TINY, _tiny_loader(tokenizer)(None, jnp.float32, 0)[1])
+    checkpoint.save_checkpoint(src, TINY, _tiny_loader(tokenizer)(None, jnp.float32, 0).params)
     tokenizer.save_pretrained(src)
     times = convert(src, dst, "float32", kv_cache_dtype="fp8")
     assert times["calibrate_s"] > 0
