@@ -351,7 +351,7 @@ def test_smollm2_serves_with_8bit_cache(engine: LLMEngine, goldens: dict,
         kv_cache_dtype=kv_dtype, max_model_len=256, num_kv_blocks=20, max_num_seqs=1,
         max_num_batched_tokens=8, compilation_cache_dir=engine.config.compilation_cache_dir))
     assert eng.runner.kv_cache.k.dtype == KV_QUANT_DTYPES[kv_dtype]
-    assert eng.kv_calibration_tokens > 500
+    assert eng.kv_layout.calibration_tokens > 500
     eng.warmup(progress=False)
     eng.add_request("q", prompt, sp)
     got = _drive(eng)["q"]
@@ -381,8 +381,8 @@ def test_block_capacity_grows_under_the_same_memory(tokenizer, dtype: str, facto
     assert base.num_blocks == int(0.01 * 2 ** 30 // per_block)
     for kv in FORMATS:
         eng = make(kv)
-        assert eng.kv_bytes_per_token * factor == base.kv_bytes_per_token
-        assert eng.kv_bytes_per_token == 2 * TINY.num_layers * TINY.num_kv_heads * TINY.head_dim
+        assert eng.kv_layout.bytes_per_token * factor == base.kv_layout.bytes_per_token
+        assert eng.kv_layout.bytes_per_token == 2 * TINY.num_layers * TINY.num_kv_heads * TINY.head_dim
         assert factor * base.num_blocks <= eng.num_blocks < factor * (base.num_blocks + 1)
         cache = eng.runner.kv_cache
         assert cache.k.nbytes + cache.v.nbytes <= 0.01 * 2 ** 30
@@ -423,7 +423,7 @@ def test_tensor_parallel_splits_scales_with_the_cache(tiny_fp8: LLMEngine, token
     assert cache.k.sharding.spec == sharding.kv_cache_spec()
     assert cache.k_scale.sharding.spec == sharding.kv_scale_spec()
     assert isinstance(cache.k_scale.sharding, NamedSharding)
-    for a, b in zip(eng.kv_scales, tiny_fp8.kv_scales):
+    for a, b in zip(eng.kv_layout.scales, tiny_fp8.kv_layout.scales):
         np.testing.assert_allclose(a, b, rtol=1e-5)
     assert _greedy(eng, prompts, 5) == want
 
@@ -459,7 +459,7 @@ def test_preemption_swaps_8bit_blocks_without_changing_tokens(tiny_fp8: LLMEngin
     prompts = [rng.integers(100, 40000, 20).tolist() for _ in range(4)]
     want = _greedy(tiny_fp8, prompts, 24)
     small = _tiny_fp8_engine(tokenizer, num_kv_blocks=10, kv_offloading_size=0.001)
-    for a, b in zip(small.kv_scales, tiny_fp8.kv_scales):
+    for a, b in zip(small.kv_layout.scales, tiny_fp8.kv_layout.scales):
         np.testing.assert_array_equal(a, b)
     assert _greedy(small, prompts, 24) == want
     stats = small.state.kv_stats
@@ -483,11 +483,12 @@ def test_convert_stores_kv_scales_and_serving_uses_them(tokenizer, tiny_fp8: LLM
     assert times["calibrate_s"] > 0
     data = checkpoint.read_kv_scales(dst)
     assert data["kv_cache_dtype"] == "fp8" and data["num_tokens"] > 500
-    for key, calibrated in zip(("k_scale", "v_scale"), tiny_fp8.kv_scales):
+    for key, calibrated in zip(("k_scale", "v_scale"), tiny_fp8.kv_layout.scales):
         np.testing.assert_allclose(data[key], calibrated, rtol=1e-5)
     stored = LLMEngine(EngineConfig(kv_cache_dtype="int8", max_model_len=64, num_kv_blocks=8,
                                     compilation_cache_dir=""), LoadConfig(dst))
-    assert stored.kv_scales_source == "checkpoint" and stored.kv_calibration_tokens == 0
+    assert stored.kv_layout.scales_source == "checkpoint"
+    assert stored.kv_layout.calibration_tokens == 0
     assert stored.runner.kv_cache.k.dtype == jnp.int8
-    np.testing.assert_allclose(stored.kv_scales[0], data["k_scale"] * 448 / 127, rtol=1e-6)
-    np.testing.assert_allclose(stored.kv_scales[1], data["v_scale"] * 448 / 127, rtol=1e-6)
+    np.testing.assert_allclose(stored.kv_layout.scales[0], data["k_scale"] * 448 / 127, rtol=1e-6)
+    np.testing.assert_allclose(stored.kv_layout.scales[1], data["v_scale"] * 448 / 127, rtol=1e-6)
