@@ -15,10 +15,13 @@ from __future__ import annotations
 import threading
 from collections.abc import AsyncIterator, Sequence
 
+import jax
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 
 from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.metrics import EngineMetrics
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -161,11 +164,6 @@ def build_data_parallel(config, load, data_parallel_size: int, *, with_metrics: 
     Raises:
       ValueError: if ``data_parallel_size < 1`` or there are fewer than ``dp * tp`` devices.
     """
-    import jax
-
-    from jaxserve.engine.llm_engine import LLMEngine
-    from jaxserve.engine.metrics import EngineMetrics
-
     dp, tp = data_parallel_size, config.tensor_parallel_size
     if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
         raise ValueError(f"data_parallel_size must be a positive integer, got {dp!r}")
