@@ -6,9 +6,9 @@ asked) -> ``plan_kv_cache`` (storage dtype, block count from the memory budget, 
 
 ``add_request`` checks a request (``validate_request``) and queues one scheduler sequence per
 choice. ``step()`` then runs:
-  ``sched.schedule`` (host Python plan) -> ``runner.pack_step`` (numpy, padded to a bucket) ->
-  ``runner.execute`` (one compiled XLA program, KV cache donated, sampling on device) ->
-  ``sched.update`` (token-id stop checks, block frees) -> incremental detokenisation and stop
+  ``scheduler.schedule()`` (host Python plan) -> ``runner.pack_step`` (numpy, padded to a
+  bucket) -> ``runner.execute`` (one compiled XLA program, KV cache donated, sampling on
+  device) -> ``scheduler.update`` (token-id stop checks, block frees) -> incremental detokenisation and stop
   strings -> one ``RequestOutput`` per request that changed (``request_state``).
 The async server (``AsyncEngine``) and the offline ``LLM`` both drive this object.
 """
@@ -24,7 +24,8 @@ import numpy as np
 
 from jaxserve import sharding
 from jaxserve.config import EngineConfig, LoadConfig
-from jaxserve.core import scheduler as sched
+from jaxserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from jaxserve.core.sequence import SeqState
 from jaxserve.device.host_tier import HostKVTier
 from jaxserve.device.runner import ModelRunner, RowParams
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
@@ -135,7 +136,7 @@ class LLMEngine:
         self.bounds = RequestBounds(self.tokenizer.vocab_size, self.max_model_len,
                                     self.num_blocks, config.block_size, self.max_request_tokens,
                                     self.runner.multiprocess)
-        self.state = sched.new_state(sched.SchedulerConfig.from_engine_config(
+        self.scheduler = Scheduler(SchedulerConfig.from_engine_config(
             config, self.num_blocks, self.max_model_len,
             self.host_kv.num_blocks if self.host_kv is not None else 0))
         if metrics is not None:
@@ -196,13 +197,13 @@ class LLMEngine:
             group.prompt_logprobs = [None] * len(prompt_token_ids)
         base_seed = params.seed % 2**64 if params.seed is not None else None
         for i, sid in enumerate(seq_ids):
-            seq = sched.SeqState(
+            seq = SeqState(
                 request_id=sid, token_ids=list(prompt_token_ids),
                 num_prompt_tokens=len(prompt_token_ids), max_tokens=max_tokens,
                 stop_token_ids=frozenset(stop_ids),
                 skip_prefix_cache=params.uses_penalty_state or (
                     i == 0 and params.prompt_logprobs is not None))
-            self.state = sched.add_request(self.state, seq)
+            self.scheduler.add(seq)
             if base_seed is None:
                 seed = int(self._rng.integers(2**63))
             else:  # choice 0 keeps the seed; the others get distinct streams derived from it
@@ -224,7 +225,7 @@ class LLMEngine:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         groups = [g for rid in dict.fromkeys(ids) if (g := self.groups.pop(rid, None))]
         seq_ids = [c.request_id for g in groups for c in g.choices if not c.finished]
-        self.state, aborted = sched.abort_requests(self.state, seq_ids)
+        aborted = self.scheduler.abort(seq_ids)
         for sid in seq_ids:
             self.slots.release(self.requests.pop(sid))
         if self.metrics is not None:
@@ -237,45 +238,45 @@ class LLMEngine:
     def _release_idle_slots(self) -> None:
         """Free the slots of requests no longer running (preempted; ``PenaltySlots``)."""
         if self.slots.holders:
-            running = {s.request_id for s in self.state.running}
+            running = {s.request_id for s in self.scheduler.running}
             self.slots.release_all_but(running)
 
     def _record_step(self, num_prompt_tokens: int = 0, num_generation_tokens: int = 0,
-                     num_preemptions: int = 0, plan: sched.SchedulerOutput | None = None) -> None:
+                     num_preemptions: int = 0, plan: SchedulerOutput | None = None) -> None:
         if self.metrics is not None:
-            self.metrics.record_step(len(self.state.running), len(self.state.waiting),
-                                     self.state.block_pool.usage, num_prompt_tokens,
+            self.metrics.record_step(len(self.scheduler.running), len(self.scheduler.waiting),
+                                     self.scheduler.block_pool.usage, num_prompt_tokens,
                                      num_generation_tokens, num_preemptions)
             if plan is not None:  # batch occupancy of the step that ran (0, 0 when idle)
                 self.metrics.record_batch(len(plan.scheduled), plan.num_scheduled_tokens)
-            host = self.state.host_pool
-            self.metrics.record_kv_stats(self.state.kv_stats,
+            host = self.scheduler.host_pool
+            self.metrics.record_kv_stats(self.scheduler.kv_stats,
                                          None if host is None else 1 - host.num_free_blocks /
                                          host.num_usable_blocks)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached-free block in both tiers (blocks of running requests are kept),
         e.g. between benchmark runs. Returns how many blocks were dropped."""
-        kv = self.state.kv
+        kv = self.scheduler.kv
         return kv.device.reset_prefix_cache() + (kv.host.reset_prefix_cache() if kv.host else 0)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
-        return sched.has_unfinished(self.state)
+        return self.scheduler.has_unfinished()
 
     @property
     def num_running(self) -> int:
-        return len(self.state.running)
+        return len(self.scheduler.running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.state.waiting)
+        return len(self.scheduler.waiting)
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns outputs of requests with new text or a finish."""
-        preempted_before = self.state.num_preemptions_total
-        self.state, plan = sched.schedule(self.state)
+        preempted_before = self.scheduler.num_preemptions_total
+        plan = self.scheduler.schedule()
         self._copy_blocks(plan)
         if plan.is_empty:
             self._record_step(plan=plan)
@@ -316,7 +317,7 @@ class LLMEngine:
         lp = out.logprobs() if want_lp else None
         row_of = {s.request_id: i for i, s in enumerate(plan.scheduled)}
         sampled = [int(out.ids[i]) if s.sample else None for i, s in enumerate(plan.scheduled)]
-        self.state, result = sched.update(self.state, plan, sampled)
+        result = self.scheduler.update(plan, sampled)
         now = time.monotonic()
         touched: dict[str, RequestGroup] = {}
         for rid, tok in result.new_token_ids.items():
@@ -327,10 +328,10 @@ class LLMEngine:
                 touched[req.group.request_id] = req.group
         outputs = [self._group_output(g, now) for g in touched.values()]
         self._record_step(num_prompt_tokens, len(result.new_token_ids),
-                          self.state.num_preemptions_total - preempted_before, plan)
+                          self.scheduler.num_preemptions_total - preempted_before, plan)
         return outputs
 
-    def _copy_blocks(self, plan: sched.SchedulerOutput) -> None:
+    def _copy_blocks(self, plan: SchedulerOutput) -> None:
         """Run the plan's host-tier copies, offloads then loads, before its forward pass."""
         if plan.offloads:
             self.host_kv.offload(self.runner.kv_cache, plan.offloads)
@@ -359,7 +360,7 @@ class LLMEngine:
             delta = req.detok.add_tokens([token])
             if req.detok.stopped:
                 finish, stop_reason = "stop", req.detok.stop_reason
-                self.state = sched.finish_requests(self.state, [rid], "stop")
+                self.scheduler.finish([rid])
         if finish is not None and not req.detok.stopped:
             delta += req.detok.finish()
         if not delta and finish is None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxserve.core import scheduler as sched
+from jaxserve.core.scheduler import ScheduledSeq
 from jaxserve.core.sequence import SeqState
 from jaxserve.device.runner import RowParams
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
@@ -82,7 +82,7 @@ def record_logprobs(tokenizer: Tokenizer, choice: Choice, token: int, lp, row: i
     choice.cumulative_logprob += entry[token].logprob
 
 
-def record_prompt_logprobs(tokenizer: Tokenizer, scheduled: Sequence[sched.ScheduledSeq],
+def record_prompt_logprobs(tokenizer: Tokenizer, scheduled: Sequence[ScheduledSeq],
                            choices: Mapping[str, Choice], rows: list[RowParams],
                            which: list[int], plp) -> None:
     """Fill the groups' prompt logprobs from one step's per-token logprobs ``plp``.

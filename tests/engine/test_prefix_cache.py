@@ -30,13 +30,13 @@ def kv_manager(engine: LLMEngine, *, caching: bool, num_host_blocks: int | None 
     engine's host tier used or not (``num_host_blocks=0``). The scheduler is the only reader
     of these settings, so this is the engine that ``--[no-]enable-prefix-caching`` builds."""
     assert not engine.has_unfinished_requests()
-    old = engine.state.kv
+    old = engine.scheduler.kv
     hosts = old.num_host_blocks if num_host_blocks is None else num_host_blocks
-    engine.state.kv = KVManager(old.num_blocks, old.block_size, caching, hosts)
+    engine.scheduler.kv = KVManager(old.num_blocks, old.block_size, caching, hosts)
     try:
-        yield engine.state.kv
+        yield engine.scheduler.kv
     finally:
-        engine.state.kv = old
+        engine.scheduler.kv = old
 
 
 def expected_hits(prompts: list[list[int]]) -> list[int]:
@@ -173,22 +173,22 @@ def test_small_pool_swaps_and_offloads_without_changing_tokens(
     reqs = _pressure_workload(goldens)
     with kv_manager(llm, caching=True):
         reference = _run(llm, reqs)
-    preempted = small.state.num_preemptions_total
+    preempted = small.scheduler.num_preemptions_total
     with kv_manager(small, caching=True) as kv:
         with_host = _run(small, reqs)
         host_stats = kv.stats
         assert kv.host.num_free_blocks == kv.host.num_usable_blocks  # no host block leaked
     assert with_host == reference
-    assert small.state.num_preemptions_total > preempted
+    assert small.scheduler.num_preemptions_total > preempted
     assert host_stats.num_swaps >= 1 and host_stats.num_swapped_in_blocks > 0
     assert host_stats.num_offloaded_blocks > 0 and host_stats.host_cache_hits > 0
-    preempted = small.state.num_preemptions_total
+    preempted = small.scheduler.num_preemptions_total
     with kv_manager(small, caching=True, num_host_blocks=0) as kv:
         without_host = _run(small, reqs)
         assert kv.stats.num_swaps == 0 and kv.stats.host_cache_hits == 0
     assert without_host == reference
-    assert small.state.num_preemptions_total > preempted
-    pool = small.state.block_pool
+    assert small.scheduler.num_preemptions_total > preempted
+    pool = small.scheduler.block_pool
     assert pool.num_free_blocks == pool.num_usable_blocks and pool.usage == 0.0
     text = small.metrics.render().decode()
     for name in ("num_swaps_total", "host_prefix_cache_hits_total", "kv_offloaded_blocks_total",

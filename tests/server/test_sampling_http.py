@@ -42,8 +42,8 @@ def base_url(engine: LLMEngine):
     # reuses the first's K/V blocks and computes only the rest, which may change the last
     # float32 bits; these tests are about sampling, so the engine runs with the cache off.
     assert not engine.has_unfinished_requests()
-    kv = engine.state.kv
-    engine.state.kv = KVManager(kv.num_blocks, kv.block_size, False, kv.num_host_blocks)
+    kv = engine.scheduler.kv
+    engine.scheduler.kv = KVManager(kv.num_blocks, kv.block_size, False, kv.num_host_blocks)
     aeng = AsyncEngine(engine)
     aeng.start(warmup=False)
     try:
@@ -51,7 +51,7 @@ def base_url(engine: LLMEngine):
             yield url
     finally:
         aeng.shutdown()
-        engine.state.kv = kv
+        engine.scheduler.kv = kv
     assert not engine.has_unfinished_requests()
 
 
