@@ -79,7 +79,7 @@ def prompt_logprobs(cfg_fields: dict, ids: list[int], model: str | None,
                 out = o
     lp = np.array([d[t].logprob for t, d in zip(ids[1:], out.prompt_logprobs[1:])])
     top1 = np.array([next(iter(d)) for d in out.prompt_logprobs[1:]])
-    res = {"logprobs": lp, "top1": top1, "kv_bytes_per_token": eng.kv_bytes_per_token,
+    res = {"logprobs": lp, "top1": top1, "kv_bytes_per_token": eng.kv_layout.bytes_per_token,
            "setup_s": setup_s, "summary": eng.kv_cache_summary()}
     del eng
     gc.collect()

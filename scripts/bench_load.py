@@ -29,7 +29,8 @@ from jaxserve.config import LoadConfig
 from jaxserve.loading.load import load_model
 model, fmt, dtype = sys.argv[1:4]
 t0 = time.perf_counter()
-cfg, params, tok, name = load_model(LoadConfig(model, fmt), jnp.dtype(dtype), seed=0)
+loaded = load_model(LoadConfig(model, fmt), jnp.dtype(dtype), seed=0)
+params, name = loaded.params, loaded.name
 jax.block_until_ready(params)
 t1 = time.perf_counter()
 print(json.dumps({"load_s": t1 - t0, "num_params": sum(x.size for x in jax.tree.leaves(params)),

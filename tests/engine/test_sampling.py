@@ -30,7 +30,7 @@ def _engine_left_idle(engine: LLMEngine):
     assert not engine.has_unfinished_requests() and not engine.requests and not engine.groups
     pool = engine.scheduler.block_pool
     assert pool.num_free_blocks == pool.num_usable_blocks
-    assert not engine._slot_owner and len(engine._free_slots) == engine.runner.num_penalty_slots
+    assert not engine.slots.holders and len(engine.slots.free) == engine.runner.num_penalty_slots
 
 
 def _ids(llm: LLM, prompt, sp: SP) -> list[int]:
