@@ -106,18 +106,6 @@ def _request_param(param: str | None, chat: bool) -> str | None:
     return "messages" if chat and param == "prompt" else param
 
 
-# TODO(merge): drop with the engine's plain ValueErrors (LLMEngine.validate -> InvalidRequest)
-_ENGINE_FIELDS = ("logit_bias", "stop_token_ids")
-
-
-def _param_of(message: str, chat: bool) -> str | None:
-    """Fallback for an engine ValueError without a param: the field its message is about."""
-    head = message.split(" ", 1)[0]
-    if head in _ENGINE_FIELDS:
-        return head
-    return _request_param("prompt", chat) if "prompt" in message else None
-
-
 class _StreamState:
     """Whether a streamed request has finished in the engine (else closing the stream aborts it)."""
 
@@ -332,8 +320,6 @@ class OpenAIServer:
             return await anext(gen)
         except InvalidRequest as exc:
             raise p.RequestError(str(exc), param=_request_param(exc.param, job.chat)) from None
-        except ValueError as exc:  # TODO(merge): drop with _param_of
-            raise p.RequestError(str(exc), param=_param_of(str(exc), job.chat)) from None
         except StopAsyncIteration:
             raise RuntimeError("the engine produced no output") from None
 
