@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_convert_args(sub.add_parser(
         "convert", help="write a model (GGUF, HF safetensors) as an orbax checkpoint directory",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter))
-    b = sub.add_parser("bench", help="benchmark an OpenAI-compatible server")
+    b = sub.add_parser("bench", help="benchmarks: a server under load, the engine offline "
+                                     "(throughput, step, prefix cache), start-up")
     bsub = b.add_subparsers(dest="bench_command", required=True)
     from jaxserve.cli.bench.serve import add_cli_args as add_bench_serve_args
 
@@ -100,6 +101,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_throughput_args(bsub.add_parser(
         "throughput", help="offline engine throughput: continuous against static batching",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    from jaxserve.cli.bench import prefix_cache, startup, step
+
+    for name, module, text in (
+            ("step", step, ("one engine step's time per batch size and sampling mode, split "
+                           "into device and host")),
+            ("startup", startup, ("seconds from launching 'jaxserve serve' to /health 200, cold "
+                                 "and warm compilation cache")),
+            ("prefix-cache", prefix_cache, ("requests sharing a long system prompt with prefix "
+                                           "caching off and on: prefill tokens and TTFT"))):
+        module.add_cli_args(bsub.add_parser(
+            name, help=text, formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     from jaxserve.cli.bench.sweep import add_cli_args as add_sweep_args
 
     add_sweep_args(sub.add_parser(
@@ -139,10 +151,15 @@ def main(argv: list[str] | None = None) -> int:
             from jaxserve.cli.bench.serve import run as bench_serve
 
             return bench_serve(ns)
-        elif ns.command == "bench":
+        elif ns.command == "bench" and ns.bench_command == "throughput":
             from jaxserve.cli.bench.throughput import run as bench_throughput
 
             return bench_throughput(ns)
+        elif ns.command == "bench":
+            from jaxserve.cli.bench import prefix_cache, startup, step
+
+            runs = {"step": step.run, "startup": startup.run, "prefix-cache": prefix_cache.run}
+            return runs[ns.bench_command](ns)
         elif ns.command == "sweep":
             from jaxserve.cli.bench.sweep import run as sweep
 
