@@ -51,7 +51,7 @@ class SchedulerConfig:
     num_host_blocks: int = 0  # host-tier blocks including its reserved block 0; 0: no host tier
     # which running request loses its blocks when the pool is short: "newest" (latest admitted)
     # or "least_progress" (fewest computed tokens: the least work lost, the smallest swap).
-    # scripts/bench_preemption_policy.py measured least_progress recomputing 28-34% fewer
+    # experiments/2026-12-01-preemption-policy measured least_progress recomputing 28-34% fewer
     # tokens without a host tier, swapping 3-15% fewer blocks with one, and finishing in as
     # many or fewer steps, so it is the default.
     preemption_policy: str = "least_progress"
