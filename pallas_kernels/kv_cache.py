@@ -8,8 +8,8 @@ Block 0 is reserved: padding tokens write to slot 0.. of block 0 and padded bloc
 point at it, so kernels need no branch for padding.
 
 The cache is a pytree carried through the layer scan and donated across steps: it is updated in
-place and never copied (the benchmark ``scripts/bench_kv_size.py`` checks that decode step time
-does not depend on ``num_blocks``).
+place and never copied (``jaxserve bench step`` with ``--num-kv-blocks 256`` and 4096 shows the
+decode step time does not depend on ``num_blocks``).
 
 Quantised cache (``kv_cache_dtype`` "fp8" / "int8"): K and V are stored at 8 bits, float8 e4m3
 (its bit patterns in a ``uint8`` array, see below) or ``int8``, with static symmetric scales per

@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert_cmd.add_cli_args(sub.add_parser(
         "convert", help="write a model (GGUF, HF safetensors) as an orbax checkpoint directory",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter))
-    b = sub.add_parser("bench", help="benchmark an OpenAI-compatible server")
+    b = sub.add_parser("bench", help="benchmarks: a server under load, the engine offline "
+                                     "(throughput, step, prefix cache), start-up")
     bsub = b.add_subparsers(dest="bench_command", required=True)
     bench_serve_cmd.add_cli_args(bsub.add_parser(
         "serve", help="load generator with vllm bench serve's flags and JSON keys",
@@ -100,6 +101,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_throughput_args(bsub.add_parser(
         "throughput", help="offline engine throughput: continuous against static batching",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    from jaxserve.cli.bench import prefix_cache, startup, step  # jax
+
+    for name, module, text in (
+            ("step", step, ("one engine step's time per batch size and sampling mode, split "
+                           "into device and host")),
+            ("startup", startup, ("seconds from launching 'jaxserve serve' to /health 200, cold "
+                                 "and warm compilation cache")),
+            ("prefix-cache", prefix_cache, ("requests sharing a long system prompt with prefix "
+                                           "caching off and on: prefill tokens and TTFT"))):
+        module.add_cli_args(bsub.add_parser(
+            name, help=text, formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     sweep_cmd.add_cli_args(sub.add_parser(
         "sweep", help="raise concurrency (and optionally vary engine settings) to find the knee, "
                       "the SLO limit and recommended configurations",
@@ -131,10 +143,15 @@ def main(argv: list[str] | None = None) -> int:
             return convert_cmd.run(ns)
         elif ns.command == "bench" and ns.bench_command == "serve":
             return bench_serve_cmd.run(ns)
-        elif ns.command == "bench":
+        elif ns.command == "bench" and ns.bench_command == "throughput":
             from jaxserve.cli.bench.throughput import run as bench_throughput  # jax
 
             return bench_throughput(ns)
+        elif ns.command == "bench":
+            from jaxserve.cli.bench import prefix_cache, startup, step  # jax
+
+            runs = {"step": step.run, "startup": startup.run, "prefix-cache": prefix_cache.run}
+            return runs[ns.bench_command](ns)
         elif ns.command == "sweep":
             return sweep_cmd.run(ns)
     except (ValueError, FileNotFoundError) as e:

@@ -471,8 +471,9 @@ def test_openapi_document(api_key: str | None) -> None:
 def test_gate_counts_admitted_requests_not_yet_queued() -> None:
     """A simultaneous burst: requests the gate let in that are still reading their body or
     tokenising (not yet handed to the engine) count against --max-waiting-requests, so the
-    burst cannot all pass before any of it reaches the engine (found by scripts/bench_overload.py:
-    200 simultaneous requests against a cap of 8 were all admitted)."""
+    burst cannot all pass before any of it reaches the engine (found by
+    experiments/2026-12-01-overload: 200 simultaneous requests against a cap of 8 were all
+    admitted)."""
     from jaxserve.server.gate import Gate, RequestBudget
 
     class Idle:

@@ -21,7 +21,7 @@ host memory too, so the placed weights (513 MiB) are part of every figure; what 
 full host copy and the one-device copy of the load-then-shard path. Prints one per-device table
 per run, a summary table, and writes JSON.
 
-Usage: .venv/bin/python scripts/bench_sharded_load.py [--tp 1 3] [--out results/...json]
+Usage: .venv/bin/python experiments/2026-12-01-sharded-load/sharded_load.py [--tp 1 3] [--out results/...json]
            [--workdir DIR]
 """
 
@@ -237,5 +237,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     main()

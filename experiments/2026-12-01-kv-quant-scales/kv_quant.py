@@ -14,7 +14,7 @@ the decode step time at batch 64.
 
 Prints a table and writes JSON (``--output``). On a shared, loaded machine the timings are noisy;
 the perplexities are not.
-Usage: python scripts/bench_kv_quant.py [--configs auto,fp8,int8,fp8-unit,int8-unit]
+Usage: python experiments/2026-12-01-kv-quant-scales/kv_quant.py [--configs auto,fp8,int8,fp8-unit,int8-unit]
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 
 import numpy as np
 
-TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jaxserve",
-                    "bench", "data", "pride_and_prejudice_ch1-12.txt")
+TEXT = os.path.join(ROOT, "jaxserve", "cli", "bench", "data", "pride_and_prejudice_ch1-12.txt")
 
 
 def parse_config(name: str) -> tuple[dict, float | None]:
@@ -139,7 +139,7 @@ def main() -> int:
     p.add_argument("--decode-steps", type=int, default=10)
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--skip-ppl", action="store_true")
-    p.add_argument("--output", default="bench_kv_quant.json")
+    p.add_argument("--output", default="results/kv_quant.json")
     a = p.parse_args()
 
     from jaxserve.loading.model_files import default_gguf_path
