@@ -239,7 +239,6 @@ LAYER_TENSORS = {
 }
 """A Llama-family decoder layer's tensors: our path under ``params["layers"]`` -> (HF name under
 ``model.layers.{i}.``, whether HF stores it transposed: ``[out, in]`` against our ``[in, out]``)."""
-_LAYER_TENSORS = LAYER_TENSORS  # TODO(merge): the old name, until scripts/ use LAYER_TENSORS
 _BIAS_TENSORS = {("bq",): "self_attn.q_proj.bias", ("bk",): "self_attn.k_proj.bias",
                  ("bv",): "self_attn.v_proj.bias"}
 

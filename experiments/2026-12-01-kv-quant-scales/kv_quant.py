@@ -89,7 +89,6 @@ def prompt_logprobs(cfg_fields: dict, ids: list[int], model: str | None,
 def decode_step_ms(kv_dtype: str, batch: int, context: int, steps: int) -> float:
     """Median wall time of one decode step of the dummy SmolLM2 (float32, reference attention)
     at ``batch`` x ``context`` through ``ModelRunner`` (host sync on the sampled ids)."""
-    import jax
     import jax.numpy as jnp
 
     from jaxserve.device.runner import ModelRunner, RowParams
@@ -114,10 +113,7 @@ def decode_step_ms(kv_dtype: str, batch: int, context: int, steps: int) -> float
     runner = ModelRunner(model, params, kv, max_num_batched_tokens=batch, max_num_seqs=batch,
                          max_blocks_per_seq=bps)
     bucket = runner.buckets[-1]
-    lay = runner.layouts[bucket]
-    runner.compiled[bucket] = jax.jit(runner._step_fn(lay), donate_argnums=(1, 2)).lower(
-        runner.params, runner.kv_cache, runner.penalty_state,
-        jax.ShapeDtypeStruct((lay.size,), jnp.int32)).compile()
+    runner.compile_bucket(bucket)
     rows = [RowParams(0.0, 0, 1.0, i, 0) for i in range(batch)]
     blocks = [list(range(1 + i * bps, 1 + (i + 1) * bps)) for i in range(batch)]
     times = []

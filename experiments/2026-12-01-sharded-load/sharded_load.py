@@ -135,7 +135,7 @@ def write_checkpoints(workdir: str) -> tuple[str, str, float]:
 
     from models import checkpoint
     from models.config import builtin_config
-    from models.hf import _LAYER_TENSORS  # our layer path -> (HF name, transposed)
+    from models.hf import LAYER_TENSORS  # our layer path -> (HF name, transposed)
     from models.llama import LlamaForCausalLM
     from models.loader import dummy_params
 
@@ -149,7 +149,7 @@ def write_checkpoints(workdir: str) -> tuple[str, str, float]:
     os.makedirs(hf_dir)
     tensors = {"model.embed_tokens.weight": np.asarray(params["embed"]),
                "model.norm.weight": np.asarray(params["final_norm"]["weight"])}
-    for path, (name, transpose) in _LAYER_TENSORS.items():
+    for path, (name, transpose) in LAYER_TENSORS.items():
         leaf = params["layers"]
         for key in path:
             leaf = leaf[key]

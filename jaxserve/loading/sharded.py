@@ -53,7 +53,7 @@ from jaxserve import sharding
 from models import checkpoint, hf
 from models.config import ModelConfig
 from models.gguf_reader import GGUFFile
-from models.loader import _field, dummy_params
+from models.loader import dummy_params, gguf_architecture
 from models.registry import get_architecture
 
 
@@ -362,10 +362,7 @@ def load_gguf_sharded(path: str, reader: GGUFFile, dtype: jnp.dtype, mesh: Mesh
       ValueError: an architecture without a GGUF loader; as ``check_shardable``.
     """
     t0 = time.perf_counter()
-    name = _field(reader, "general.architecture")
-    arch = get_architecture(str(name))
-    if arch.gguf_config is None or arch.gguf_params is None:
-        raise ValueError(f"{path}: architecture {name!r} has no GGUF loader")
+    arch = gguf_architecture(reader, path)
     cfg = arch.gguf_config(reader)
     check_shardable(cfg, mesh.shape[sharding.TP_AXIS])
     params = arch.gguf_params(reader, cfg, dtype)

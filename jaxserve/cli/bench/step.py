@@ -185,7 +185,7 @@ def run(ns: argparse.Namespace) -> int:
     result = {"model": engine.model_name, "dtype": str(engine.dtype), "context": ns.context, "num_steps": ns.num_steps,
               "seed": cfg.seed, "engine_config": {k: getattr(cfg, k)
                                                   for k in cfg.__dataclass_fields__},
-              "num_kv_blocks": engine.num_blocks, "kv_bytes_per_token": engine.kv_bytes_per_token,
+              "num_kv_blocks": engine.num_blocks, "kv_bytes_per_token": engine.kv_layout.bytes_per_token,
               "num_programs": warm["num_programs"], "compile_s": warm["compile_s"],
               "load_s": engine.load_s, "weights": engine.weights_summary(), "rows": rows}
     print(format_table(result), flush=True)
