@@ -1,57 +1,27 @@
-"""Weight quantisation at load time: quantised weights are pytree leaves that the matmul
-dequantises on the fly inside the jitted step.
+"""Weight quantisation at load time; the matmul dequantises inside the jitted step.
 
-Data flow: a checkpoint loads in the serving dtype (any format) -> ``quantize_params`` replaces
-each listed weight, one leaf at a time on its device, by a ``QuantizedWeight`` (``q``,
-``scale`` and, for int4, ``zero``) and frees the float leaf -> the model's layers call
-``qmatmul`` / ``embed_lookup``, which take plain arrays too, so a model written against them serves
-both. Stacked layer weights keep the layer axis first (``q [L, in, out]``, ``scale [L, G, out]``),
-so ``nn.scan`` slices them like any other param. A checkpoint written by
-``jaxserve convert --quantization`` holds the quantised leaves and loads without quantising again
-(``quantized_shapes`` gives orbax its restore target by shape arithmetic alone).
+Data flow: params load in the serving dtype -> ``quantize_params`` replaces each target leaf,
+one at a time on its device, by a ``QuantizedWeight`` and frees the float leaf -> layers call
+``qmatmul`` / ``embed_lookup``, which take plain arrays too. Stacked weights keep the layer axis
+first (``q [L, in, out]``, ``scale [L, G, out]``) so ``nn.scan`` slices them. A checkpoint from
+``jaxserve convert --quantization`` holds quantised leaves (``quantized_shapes`` is its restore
+target). Formats, for contraction axis ``axis`` of length ``n`` (-2 for a linear ``[in, out]``,
+-1 for an embedding ``[vocab, hidden]`` used as a tied LM head):
 
-Formats (``w`` is a weight whose *contraction axis* ``axis`` has length ``n``; a linear weight
-``[in, out]`` contracts over ``in`` (axis -2), an embedding table ``[vocab, hidden]`` used as a
-tied LM head contracts over ``hidden`` (axis -1), so its scales are per row):
+- ``int8``: symmetric per output channel, ``scale = amax / 127``, ``q`` in ``[-127, 127]``;
+  error <= amax/254. LLM.int8()'s absmax (arXiv:2208.07339) without outlier decomposition.
+- ``int4``: asymmetric, groups of ``group_size`` input rows (GPTQ/AWQ layout, arXiv:2210.17323,
+  arXiv:2306.00978). ``lo = min(min(w), 0)``, ``hi = max(max(w), 0)``; ``scale = (hi - lo) / 15``
+  as ``f16`` clipped to ``[2**-14, 65504]``; ``zero = round(-lo / scale * 16)`` as ``u8`` (in
+  sixteenths of a step); ``q = round(w / scale + zero / 16)`` in ``[0, 15]``; error <= scale/2,
+  nothing clipped. Rows ``2i`` / ``2i+1`` in the low / high nibble of a ``u8``. ``scale`` and
+  ``zero`` are ``[..., n // group_size, ...]``. A ``group_size`` not dividing ``n`` is refused
+  (ValueError). Why groups of 32: docs/quantization.md.
+- ``fp8``: ``float8_e4m3fn`` (arXiv:2209.05433) per output channel, ``scale = amax / 448``;
+  error <= ``max(|w| * 2**-4, scale * 2**-10)``.
 
-- ``int8``: symmetric, one scale per output channel, ``scale = amax / 127`` over the
-  contraction axis, ``q = round(w / scale)`` in ``[-127, 127]``; ``|w - q*scale| <= amax/254``
-  per channel. Per-channel absmax as in LLM.int8() (Dettmers et al. 2022, arXiv:2208.07339)
-  without its outlier decomposition.
-- ``int4``: asymmetric (zero point), group-wise along the contraction axis (``group_size``
-  consecutive input rows share a scale and a zero point per output channel, the GPTQ/AWQ layout:
-  Frantar et al. 2022, arXiv:2210.17323; Lin et al. 2023, arXiv:2306.00978). Per group, with
-  ``lo = min(min(w), 0)`` and ``hi = max(max(w), 0)``: ``scale = (hi - lo) / 15`` stored as
-  ``f16`` (at least ``2**-14``, f16's least normal number, so its rounding is at most ``2**-11``
-  relative and never pushes a value out of the 16 levels; at most 65504, so weights beyond
-  about ``±4.9e5`` are not representable), ``zero = round(-lo / scale * 16)`` stored as
-  ``u8`` (the zero point in sixteenths of a step, ``0..240``), ``q = round(w / scale + zero /
-  16)`` in ``[0, 15]`` and ``w ~ (q - zero / 16) * scale``; ``|w - deq| <= scale / 2`` (the
-  fractional zero point keeps every value of ``[lo, hi]`` inside the 16 levels, so nothing is
-  clipped). Two values per byte (``u8``): input rows ``2i`` (low nibble) and ``2i+1`` (high
-  nibble), so a shard of the packed axis is a contiguous range of input rows. ``scale`` and
-  ``zero`` are ``[..., n // group_size, ...]``; 4 + 24 / group_size bits per weight (0.148x
-  of float32 at the default group of 32). Why asymmetric groups of 32: a group's 16 levels
-  then span its actual range (symmetric ``amax / 7`` wastes one level and half the grid on a
-  skewed group), and llama.cpp's 4-bit files (Q4_0/Q4_1, and Q4_K's sub-blocks) quantise
-  blocks of 32 input rows, so re-quantising such a checkpoint lands on its own grid (measured
-  with ``jaxserve eval``, table in the README: SmolLM2's Q4_1 GGUF, +0.29% perplexity at group
-  32, +29.5% at group 64, +44% with the earlier symmetric format at group 64). A ``group_size`` that
-  does not divide ``n`` is refused (ValueError naming ``quantization_group_size`` and the numbers):
-  padding would need the activations padded too.
-- ``fp8``: ``float8_e4m3fn`` (Micikevicius et al. 2022, "FP8 formats for deep learning",
-  arXiv:2209.05433), one scale per output channel, ``scale = amax / 448``; round to nearest
-  even, so ``|w - deq| <= max(|w| * 2**-4, scale * 2**-10)`` (3 mantissa bits; the second term
-  covers e4m3's subnormals below ``2**-6``).
-
-Weights are quantised from the params as loaded, i.e. in the serving dtype (float32 on the CPU;
-bfloat16 on accelerators, whose rounding of the source adds at most 2**-9 relative error before
-quantisation), so no float32 copy of the whole model is ever held.
-
-Compute: int8/fp8 weights are converted to the activation dtype (exact: |q| <= 448 with at
-most 4 significant bits, or integers <= 127), multiplied, and the per-channel scale applied to
-the ``[T, out]`` result in float32; int4 weights are unpacked, shifted by the zero point and
-scaled to the activation dtype (XLA fuses these into one elementwise pass before the dot).
+Compute: int8/fp8 ``q`` converts exactly to the activation dtype, the dot runs, and the scale
+applies to the ``[T, out]`` result in float32; int4 dequantises to the activation dtype first.
 """
 
 from __future__ import annotations
@@ -76,22 +46,11 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """What to quantise at load time (the ``EngineConfig`` fields of the same meaning).
+    """What to quantise at load time; ValueError names the ``EngineConfig`` field at fault."""
 
-    Fields:
-      method: ``quantization``: "none", "int8", "int4" or "fp8".
-      group_size: ``quantization_group_size``: input rows per int4 scale (even, >= 2; must
-        divide every quantised weight's contraction dim). Ignored by int8/fp8.
-      embeddings: ``quantize_embeddings``: also the embedding table and the LM head.
-
-    Raises:
-      ValueError: naming the field, for an unknown method, a bad group size, or embeddings
-        without a method.
-    """
-
-    method: str = "none"
-    group_size: int = DEFAULT_GROUP_SIZE
-    embeddings: bool = False
+    method: str = "none"  # quantization: "none", "int8", "int4" or "fp8"
+    group_size: int = DEFAULT_GROUP_SIZE  # quantization_group_size: int4 rows per scale, even
+    embeddings: bool = False  # quantize_embeddings: also the embedding table and LM head
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -112,8 +71,7 @@ class QuantConfig:
         return f"{self.method} ({gs}quantize_embeddings={self.embeddings})"
 
     def same_layout(self, other: QuantConfig) -> bool:
-        """Whether two configs give the same quantised tree (group size matters for int4
-        only)."""
+        """Whether two configs give the same quantised tree."""
         return (self.method, self.embeddings) == (other.method, other.embeddings) and (
             self.method != "int4" or self.group_size == other.group_size)
 
@@ -121,30 +79,14 @@ class QuantConfig:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A quantised weight: a pytree with data ``q``, ``scale`` (and int4's ``zero``) and static
-    method/group/axis.
+    """A quantised weight of logical shape ``[..., n, m]`` or ``[..., m, n]`` (``n`` at ``axis``)."""
 
-    Fields (logical weight ``[..., n, m]`` or ``[..., m, n]`` with contraction dim ``n`` at
-    ``axis``; leading dims such as the layer axis come first and are kept):
-      q: ``i8`` (int8), ``u8`` with the contraction dim halved (int4, two unsigned nibbles per
-        byte) or ``float8_e4m3fn`` (fp8), otherwise the logical shape.
-      scale: ``f32`` (int8, fp8) or ``f16`` (int4), the logical shape with the contraction dim
-        replaced by ``n // group_size`` (int4) or 1 (int8, fp8).
-      method: "int8", "int4" or "fp8".
-      group_size: int4's group size; 0 for the per-channel formats.
-      axis: the contraction axis, negative (-2: a linear ``[in, out]``; -1: an embedding
-        ``[vocab, hidden]`` whose rows are gathered and which a tied LM head contracts over
-        ``hidden``), so slicing leading axes keeps it valid.
-      zero: int4's zero points, ``u8`` of ``scale``'s shape, in sixteenths of a step (module
-        docstring); None for int8 and fp8.
-    """
-
-    q: jax.Array
-    scale: jax.Array
-    method: str = field(metadata={"static": True})
-    group_size: int = field(metadata={"static": True})
-    axis: int = field(metadata={"static": True})
-    zero: jax.Array | None = None
+    q: jax.Array  # i8 | f8e4m3fn logical shape; int4: u8, n halved (two nibbles per byte)
+    scale: jax.Array  # f32 (int8, fp8) | f16 (int4); n replaced by 1 | n // group_size
+    method: str = field(metadata={"static": True})  # "int8", "int4" or "fp8"
+    group_size: int = field(metadata={"static": True})  # int4's; 0 for per-channel formats
+    axis: int = field(metadata={"static": True})  # contraction axis, negative (-2 or -1)
+    zero: jax.Array | None = None  # int4: u8 of scale's shape, sixteenths of a step; else None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -179,8 +121,7 @@ def _divisor_hint(dims) -> str:
 
 
 def _check_groups(named_dims: list[tuple[str, tuple[int, ...], int]], group_size: int) -> None:
-    """Refuse a group size that does not divide every int4 weight's contraction dim, before
-    any is quantised; the hint lists the powers of two up to 128 that divide all of them.
+    """Refuse a group size not dividing every int4 weight's contraction dim (hint: divisors).
 
     Args:
       named_dims: ``(param name, shape, contraction axis)`` of each weight to quantise.
@@ -197,8 +138,7 @@ def pack_int4(q: jax.Array, axis: int) -> jax.Array:
     """``u8`` with ``axis`` halved: rows ``2i`` in the low nibble, ``2i+1`` in the high one.
 
     Args:
-      q: integers in ``[0, 15]`` (any int dtype; ``[-8, 7]`` keeps its two's-complement
-        nibble), even length along ``axis``.
+      q: integers in ``[0, 15]`` (or ``[-8, 7]``, two's complement), even length along ``axis``.
     """
     ax = axis % q.ndim
     pairs = q.astype(jnp.uint8).reshape(*q.shape[:ax], q.shape[ax] // 2, 2, *q.shape[ax + 1:])
@@ -220,17 +160,13 @@ def unpack_int4(packed: jax.Array, axis: int) -> jax.Array:
 
 def quantize(w: jax.Array, method: str, group_size: int = DEFAULT_GROUP_SIZE, axis: int = -2
              ) -> QuantizedWeight:
-    """Quantise one weight (see the module docstring for the formats and error bounds).
+    """Quantise one weight (formats and error bounds: module docstring).
 
     Args:
       w: float weight, any leading dims (e.g. ``[L, in, out]``).
       method: "int8", "int4" or "fp8".
       group_size: int4's group length along ``axis`` (even, divides ``w.shape[axis]``).
       axis: the contraction axis (-2 for ``[in, out]`` linears, -1 for embeddings).
-
-    Returns:
-      A ``QuantizedWeight``; all-zero channels get scale 1 and all-zero int4 groups scale
-      ``2**-14``, with q (and zero) 0.
 
     Raises:
       ValueError: unknown method, or (int4) a group size that is odd or does not divide.
@@ -266,8 +202,7 @@ def quantize(w: jax.Array, method: str, group_size: int = DEFAULT_GROUP_SIZE, ax
 
 
 def dequantize(qw: QuantizedWeight, dtype: jnp.dtype = jnp.float32) -> jax.Array:
-    """The logical weight (``qw.shape``) in ``dtype``: ``q * scale`` per channel (int8, fp8),
-    ``(q - zero / 16) * scale`` per group (int4)."""
+    """The logical weight (``qw.shape``) in ``dtype``."""
     ax = qw.axis % qw.q.ndim
     if qw.method in ("int8", "fp8"):
         return (qw.q.astype(jnp.float32) * qw.scale).astype(dtype)
@@ -281,17 +216,11 @@ def dequantize(qw: QuantizedWeight, dtype: jnp.dtype = jnp.float32) -> jax.Array
 
 def qmatmul(x: jax.Array, w: jax.Array | QuantizedWeight, *, transpose: bool = False
             ) -> jax.Array:
-    """``x @ w`` (``x @ w.T`` with ``transpose``) in ``x``'s dtype, for a plain or quantised
-    2-D ``w``.
+    """``x @ w`` (``x @ w.T`` with ``transpose``) -> ``[T, m]`` in ``x.dtype``.
 
     Args:
-      x: ``[T, k]`` activations (the serving dtype).
-      w: ``[k, m]`` (or ``[m, k]`` with ``transpose``): a plain array (then exactly ``x @ w``)
-        or a ``QuantizedWeight`` whose contraction axis is the one contracted here (-2, or -1
-        with ``transpose``).
-
-    Returns:
-      ``[T, m]`` in ``x.dtype``.
+      x: ``[T, k]`` activations.
+      w: ``[k, m]`` (``[m, k]`` with ``transpose``), plain or quantised along that ``k``.
 
     Raises:
       ValueError: a quantised ``w`` quantised along the other axis.
@@ -311,8 +240,8 @@ def qmatmul(x: jax.Array, w: jax.Array | QuantizedWeight, *, transpose: bool = F
 
 def embed_lookup(w: jax.Array | QuantizedWeight, ids: jax.Array, dtype: jnp.dtype
                  ) -> jax.Array:
-    """Rows ``w[ids]`` in ``dtype``: ``ids i32[T]`` of a ``[vocab, hidden]`` table (plain, or
-    quantised with per-row scales / row groups, ``axis=-1``) -> ``[T, hidden]``."""
+    """Rows ``w[ids]`` of a ``[vocab, hidden]`` table (plain or ``axis=-1``): ``i32[T]`` ->
+    ``[T, hidden]`` in ``dtype``."""
     if not isinstance(w, QuantizedWeight):
         return w[ids].astype(dtype)
     zero = None if w.zero is None else w.zero[ids]
@@ -320,10 +249,8 @@ def embed_lookup(w: jax.Array | QuantizedWeight, ids: jax.Array, dtype: jnp.dtyp
 
 
 def weight(module, name: str, init, shape: tuple[int, ...], dtype: jnp.dtype):
-    """A Flax module's weight param ``name`` of logical ``shape``: the stored
-    ``QuantizedWeight`` when the params hold one (Flax's own shape check compares leaf by
-    leaf, which a packed int4 leaf cannot pass), else ``module.param(name, init, shape,
-    dtype)``.
+    """``module.param(name, ...)``, or the stored ``QuantizedWeight`` (which Flax's leaf-wise
+    shape check would refuse).
 
     Raises:
       ValueError: a stored quantised weight of another logical shape.
@@ -342,16 +269,11 @@ def weight(module, name: str, init, shape: tuple[int, ...], dtype: jnp.dtype):
 
 @dataclass(frozen=True)
 class QuantTargets:
-    """Which leaves of an architecture's params tree are quantisable (``Architecture``'s
-    capability; None there means no quantisation support).
+    """The quantisable leaves of an architecture's params (None there: no quantisation)."""
 
-    Fields:
-      linear: "/"-joined paths of ``[..., in, out]`` linear weights (contraction axis -2).
-      embeddings: ``(path, contraction axis)`` of the embedding table (-1) and an untied LM
-        head (-2); quantised only with ``QuantConfig.embeddings``. Absent paths are skipped.
-    """
-
-    linear: tuple[str, ...]
+    linear: tuple[str, ...]  # "/"-joined paths of [..., in, out] weights (axis -2)
+    # (path, axis) of the embedding table (-1) and an untied LM head (-2); only with
+    # QuantConfig.embeddings; absent paths are skipped
     embeddings: tuple[tuple[str, int], ...] = ()
 
     def axis_of(self, path: str, embeddings: bool) -> int | None:
@@ -385,12 +307,10 @@ _quantize_jit = jax.jit(quantize, static_argnames=("method", "group_size", "axis
 
 def quantize_params(params, targets: QuantTargets, qcfg: QuantConfig, *,
                     delete_source: bool = False):
-    """The params tree with every target leaf replaced by ``quantize(leaf)`` (on the leaf's
-    device, one leaf at a time).
+    """The params with every target leaf quantised, one at a time on its device.
 
     Args:
-      delete_source: free each float leaf once its quantised copy exists, so the peak is the
-        float model plus one quantised leaf (the caller must not use ``params`` afterwards).
+      delete_source: free each float leaf once quantised (``params`` is unusable afterwards).
 
     Raises:
       ValueError: naming the leaf, for a group size that does not divide its contraction dim.
@@ -417,8 +337,7 @@ def quantize_params(params, targets: QuantTargets, qcfg: QuantConfig, *,
 
 
 def quantized_shapes(shapes, targets: QuantTargets, qcfg: QuantConfig):
-    """``quantize_params``'s output structure as ``jax.ShapeDtypeStruct`` leaves, by shape
-    arithmetic alone (nothing traced or run): the restore target of a quantised checkpoint.
+    """``quantize_params``'s output as ``jax.ShapeDtypeStruct`` leaves, nothing traced or run.
 
     Raises:
       ValueError: as ``quantize_params``.
@@ -455,9 +374,8 @@ def quantized_shapes(shapes, targets: QuantTargets, qcfg: QuantConfig):
 
 
 def quantization_of(params, targets: QuantTargets | None = None) -> QuantConfig:
-    """The ``QuantConfig`` a params tree was quantised with ("none" when it holds no
-    ``QuantizedWeight``). ``embeddings`` is True when a leaf listed in ``targets.embeddings``
-    (default: ``embed`` or ``lm_head``) is quantised."""
+    """The ``QuantConfig`` a params tree was quantised with (embeddings default: ``embed``,
+    ``lm_head``)."""
     emb_names = {p for p, _ in targets.embeddings} if targets else {"embed", "lm_head"}
     found = [(path_name(p), x) for p, x in
              jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_qw)[0] if _is_qw(x)]
@@ -470,14 +388,11 @@ def quantization_of(params, targets: QuantTargets | None = None) -> QuantConfig:
 
 def apply_quantization(params, targets: QuantTargets | None, qcfg: QuantConfig,
                        architecture: str, *, delete_source: bool = False):
-    """Load-time quantisation as the engine and ``jaxserve convert`` run it: quantise float
-    params as ``qcfg`` asks, or accept params that a quantised checkpoint already holds when
-    they match ``qcfg``.
+    """Quantise float params as ``qcfg`` asks, or accept already quantised ones that match it.
 
     Raises:
-      ValueError: the architecture has no quantisation support (``targets`` is None) and
-        quantisation was asked for; or the params are quantised already in another layout
-        than ``qcfg`` (naming both).
+      ValueError: quantisation asked of an architecture with ``targets`` None, or params
+        quantised already in another layout than ``qcfg``.
     """
     have = quantization_of(params, targets)
     if have.method != "none":
@@ -503,10 +418,9 @@ def param_bytes(params) -> dict[str, int | float]:
     """Memory of a params tree (arrays or ``jax.ShapeDtypeStruct`` leaves), in bytes.
 
     Returns:
-      ``total_bytes`` (everything as stored), ``quantized_bytes`` (``q``, ``scale`` and
-      ``zero`` of the quantised leaves), ``quantized_float32_bytes`` (what those leaves take as
-      float32), ``quantized_ratio`` (the two before, 0 when nothing is quantised), ``other_bytes``
-      (the remaining leaves as stored) and ``total_float32_bytes`` (the whole tree as float32).
+      ``total_bytes`` and ``other_bytes`` as stored, ``quantized_bytes`` and
+      ``quantized_float32_bytes`` of the quantised leaves, their ``quantized_ratio`` (0 if
+      none), and ``total_float32_bytes``.
     """
     total = qbytes = qf32 = f32 = 0
     for leaf in jax.tree_util.tree_leaves(params, is_leaf=_is_qw):
