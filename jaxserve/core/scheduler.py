@@ -14,16 +14,10 @@ prefill and decode are the same thing. The engine loop drives one ``Scheduler``:
         scheduler.finish(stopped)                 # the sequences a stop string ended
     scheduler.abort(ids)                          # at any time: the client went away
 
-``add``, ``schedule``, ``update``, ``finish`` and ``abort`` change the scheduler in place; the plan
-and the update result are snapshots. Sequences leave ``running`` (and their blocks go back to
-the pool) as soon as they finish, are aborted, or are preempted; a preempted sequence keeps its
-tokens and moves to the front of ``waiting``. Its K/V is swapped to the host tier when there is
-one with room (it resumes where it stopped, after its blocks are loaded back), else dropped and
-recomputed later (preemption by recompute; with prefix caching its full blocks are usually still
-cached).
-
-Block bookkeeping (prefix lookup, eviction to the host tier, swapping, the block copies a step
-needs) lives in ``kv_manager.KVManager``; each plan carries the copies the engine runs first.
+The methods change the scheduler in place; the plan and the update result are snapshots. A
+finished, aborted or preempted sequence leaves ``running`` and frees its blocks; a preempted one
+keeps its tokens, goes to the front of ``waiting``, and has its K/V swapped to the host tier if
+that has room, else recomputed later. Block bookkeeping is ``kv_manager.KVManager``'s.
 """
 
 from __future__ import annotations
@@ -84,30 +78,25 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ScheduledSeq:
-    """One sequence's share of a step: ``token_ids`` sit at positions ``start_pos ..
-    start_pos + len(token_ids) - 1``; ``block_ids`` is its whole block table after allocation;
-    ``sample`` is True on the last chunk (the step that reaches the end of ``token_ids``)."""
+    """One sequence's share of a step."""
 
     request_id: str
-    token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]  # at positions start_pos .. start_pos + len - 1
     start_pos: int
-    block_ids: tuple[int, ...]
-    sample: bool
+    block_ids: tuple[int, ...]  # the whole block table after allocation
+    sample: bool  # the chunk reaches the end of the sequence's token_ids
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """The plan of one step; ``scheduled`` is in batch order (running sequences in their order,
-    then newly admitted ones); ``preempted_ids`` lost their blocks this step. Before the step's
-    forward pass the engine copies ``offloads`` (device block, host block) to the host tier, then
-    ``loads`` (host block, device block) back (kv_manager.py explains the order); both may be
-    non-empty when ``scheduled`` is empty."""
+    """The plan of one step; run ``offloads`` then ``loads`` before its forward pass, even
+    when ``scheduled`` is empty."""
 
-    scheduled: tuple[ScheduledSeq, ...]
+    scheduled: tuple[ScheduledSeq, ...]  # batch order: running ones, then newly admitted
     num_scheduled_tokens: int
-    preempted_ids: tuple[str, ...] = ()
-    offloads: tuple[tuple[int, int], ...] = ()
-    loads: tuple[tuple[int, int], ...] = ()
+    preempted_ids: tuple[str, ...] = ()  # lost their device blocks this step
+    offloads: tuple[tuple[int, int], ...] = ()  # (device block, host block) copies
+    loads: tuple[tuple[int, int], ...] = ()  # (host block, device block) copies
 
     @property
     def is_empty(self) -> bool:
@@ -116,8 +105,7 @@ class SchedulerOutput:
 
 @dataclass
 class UpdateResult:
-    """What ``Scheduler.update`` changed: the token each sequence got this step, and the
-    sequences that finished with their reason ("stop" or "length")."""
+    """What ``Scheduler.update`` changed."""
 
     new_token_ids: dict[str, int] = field(default_factory=dict)  # sequence -> token appended
     finished: dict[str, str] = field(default_factory=dict)  # sequence -> "stop" | "length"
@@ -126,10 +114,8 @@ class UpdateResult:
 class Scheduler:
     """The waiting and running sequences and the KV cache they plan with.
 
-    ``waiting`` is FIFO (preempted sequences re-enter at the front); ``running`` is in admission
-    order, oldest first; only running sequences hold device blocks (swapped-out waiting ones hold
-    host blocks). ``kv`` starts with fresh pools of ``config.num_blocks`` device and
-    ``config.num_host_blocks`` host blocks.
+    ``waiting`` is FIFO (preempted ones re-enter at the front); ``running`` is oldest first and
+    alone holds device blocks (swapped-out waiting ones hold host blocks).
 
     Args:
       config: the step's limits and the pools' sizes.
@@ -167,15 +153,11 @@ class Scheduler:
         return self.num_unfinished() > 0
 
     def add(self, seq: SeqState) -> None:
-        """Queue a fresh sequence at the back of ``waiting``; sets ``seq.arrival_index``.
-
-        Args:
-          seq: the sequence, with no computed tokens and no blocks yet.
+        """Queue a fresh sequence (no computed tokens, no blocks) at the back of ``waiting``.
 
         Raises:
-          ValueError: the prompt is empty or ``num_prompt_tokens != len(token_ids)``,
-            ``max_tokens < 1``, prompt + max_tokens > max_model_len, the sequence could never
-            fit in the block pool alone, or ``request_id`` is already waiting or running.
+          ValueError: an empty or non-fresh prompt, ``max_tokens < 1``, prompt + max_tokens >
+            max_model_len, more blocks than the pool holds, or a ``request_id`` already present.
         """
         cfg, n = self.config, len(seq.token_ids)
         rid = seq.request_id
@@ -208,33 +190,22 @@ class Scheduler:
         """Plan one step: allocate its blocks, admit and preempt sequences; returns the plan.
 
         Each scheduled sequence gets ``num_new = min(len(token_ids) - num_computed_tokens,
-        budget)`` tokens (at most ``long_prefill_token_threshold`` when that is > 0, so that one
-        long prompt leaves budget for admitting others), and blocks so that its table covers
-        every position up to the end of the chunk::
+        budget)`` tokens (capped by ``long_prefill_token_threshold`` when > 0) and blocks up to
+        the end of its chunk::
 
             |<------------------------- len(token_ids) ------------------------->|
             |<--- num_computed_tokens --->|<--- num_new --->|<--- later steps -->|
             |   K/V already in the cache  |  computed now   |                    |
             |<--- blocks after: cdiv(num_computed + num_new, block_size) --->|
 
-        1. Running sequences, oldest first. When the pool is short, a victim among the sequences
-           not yet planned this step (``preemption_policy``: the newest, or the one with the
-           fewest computed tokens) is preempted and pushed to the front of ``waiting``,
-           repeatedly; its K/V is swapped to the host tier if that has room, else dropped
-           (``num_computed_tokens = 0``, tokens kept). A sequence that is itself chosen stops
-           being scheduled this step.
-        2. Unless a preemption happened this step (the victim, now at the head of ``waiting``,
-           must not be readmitted into the same step), waiting sequences are admitted FIFO while
-           ``len(running) < max_num_seqs``, budget is left and the pool has the blocks for the
-           chunk the head sequence would get; a head that does not fit blocks the ones behind
-           it. A swapped-out head gets its blocks loaded back and continues where it stopped;
-           any other head starts after the longest prefix of full blocks found in the prefix
-           cache (device blocks shared, host-tier blocks loaded), so ``start_pos`` may be > 0
-           for a new sequence.
+        1. Running sequences, oldest first; while the pool is short, preempt a victim among
+           those not yet planned this step (``preemption_policy``), possibly the sequence itself.
+        2. Unless step 1 preempted, admit waiting ones FIFO while ``max_num_seqs``, budget and
+           blocks allow; a head that does not fit blocks those behind it. A swapped-out head
+           loads its blocks back; any other starts after its longest cached prefix of full
+           blocks, so ``start_pos`` may be > 0.
 
-        A chunk samples a token iff it reaches the end of ``token_ids``. ``num_computed_tokens``
-        is advanced by ``update``, not here. The plan's ``offloads`` and ``loads`` must run
-        before its forward pass.
+        ``num_computed_tokens`` is advanced by ``update``, not here.
         """
         cfg, kv = self.config, self.kv
         pool = kv.device
@@ -310,13 +281,8 @@ class Scheduler:
         )
 
     def update(self, plan: SchedulerOutput, sampled: Sequence[int | None]) -> UpdateResult:
-        """Apply the results of the step ``plan`` describes; returns what changed.
+        """Advance each chunk, append sampled tokens, finish ("stop", "length") and free.
 
-        Each sequence's ``num_computed_tokens`` advances by its chunk; a sampled token is
-        appended; the sequence finishes with "stop" if the token is in ``stop_token_ids``, else
-        with "length" once ``num_output_tokens >= max_tokens`` or ``len(token_ids) >=
-        max_model_len``. Finished sequences leave ``running`` at once and their blocks go back to
-        the pool (full computed blocks stay findable in the prefix cache until evicted).
         Sequences no longer running (aborted or finished since ``schedule``) are skipped.
 
         Args:
@@ -363,21 +329,11 @@ class Scheduler:
         return result
 
     def finish(self, seq_ids: Iterable[str]) -> list[str]:
-        """Drop sequences the engine found finished (a stop string) from waiting/running and
-        free their blocks; return the ids removed (unknown ids are ignored).
-
-        Args:
-          seq_ids: the sequences' ``request_id``s.
-        """
+        """Drop sequences a stop string ended, free their blocks; return the known ids removed."""
         return self._remove(set(seq_ids))
 
     def abort(self, seq_ids: Iterable[str]) -> list[str]:
-        """Drop aborted sequences from waiting/running and free their blocks; return the ids
-        removed (unknown ids are ignored).
-
-        Args:
-          seq_ids: the sequences' ``request_id``s.
-        """
+        """Drop aborted sequences, free their blocks; return the known ids removed."""
         return self._remove(set(seq_ids))
 
     def _remove(self, seq_ids: set[str]) -> list[str]:
@@ -398,18 +354,14 @@ class Scheduler:
         return cap if 0 < cap < num_new else num_new
 
     def _pick_victim(self, first: int) -> int:
-        """Index in ``running`` of the sequence to preempt, among ``running[first:]`` (the ones
-        not yet planned this step): the newest, or the one with the fewest computed tokens (the
-        newest of those on a tie)."""
+        """Index of the victim among ``running[first:]``, the ones not yet planned this step."""
         if self.config.preemption_policy == "newest":
             return len(self.running) - 1
         return min(range(first, len(self.running)),
                    key=lambda j: (self.running[j].num_computed_tokens, -j))
 
     def _preempt(self, seq: SeqState) -> None:
-        """Swap the sequence's K/V to the host tier if it has room, else free it (recompute
-        later; its full blocks stay in the prefix cache until evicted). Tokens are kept; the
-        sequence goes to the front of ``waiting``."""
+        """Swap out (or free, to recompute) the sequence's K/V; requeue it at the front."""
         if not self.kv.swap_out(seq):
             self.kv.free_seq(seq)
             seq.num_computed_tokens = 0
