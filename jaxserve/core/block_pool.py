@@ -1,25 +1,17 @@
 """A pool of KV-cache blocks: reference counts, an LRU free list, and a prefix-cache index.
 
-Block ``b`` names rows ``[b * block_size, (b + 1) * block_size)`` of every layer's K and V cache
-(of the device cache, or of the host tier's: the same class keeps both). Block 0 is the padding
-block: padded tokens and unused block-table entries point at it, so it is never handed out.
-Blocks ``1 .. num_blocks - 1`` are usable, and each is in exactly one of three states::
+Block ``b`` names rows ``[b * block_size, (b + 1) * block_size)`` of every layer's K and V (of
+the device cache or the host tier's). Block 0 is padding and never handed out; each of blocks
+``1 .. num_blocks - 1`` is in exactly one state::
 
-    held         refcount >= 1: in the block table of at least one request (shared prefix
-                 blocks have one reference per request)
-    cached-free  refcount 0 and registered under a block hash: its K/V is still valid and a
-                 later request with the same prefix can take it back (``incref``) instead of
-                 recomputing it
+    held         refcount >= 1 (one reference per request sharing it)
+    cached-free  refcount 0, registered under a hash: valid K/V that ``incref`` can take back
     empty        refcount 0, no hash
 
-so ``num_held_blocks + num_cached_blocks + num_empty_blocks == num_usable_blocks``.
-``num_free_blocks`` (cached-free + empty) is what ``allocate`` can hand out.
-
-The free list is LRU: blocks reaching refcount 0 go to its back; ``allocate`` takes from its front
-and so reuses the least recently freed block first; a cached block taken from the front loses its
-hash (it is *evicted*; the caller can copy it to the host tier first). Prefix caching as in vLLM's
-v1 ``BlockPool`` (https://docs.vllm.ai/en/latest/design/prefix_caching.html), whose chained block
-hash ``hash_block_tokens`` follows. Pure Python, no jax.
+The free list (cached-free + empty) is LRU: freed blocks go to the back, ``allocate`` takes from
+the front, and a cached block so taken loses its hash (is evicted). Prefix caching and the
+chained block hash follow vLLM v1's ``BlockPool``
+(https://docs.vllm.ai/en/latest/design/prefix_caching.html). Pure Python, no jax.
 """
 
 from __future__ import annotations
@@ -37,13 +29,15 @@ BlockHash = bytes  # 32-byte SHA-256 digest
 def hash_block_tokens(
     parent: BlockHash | None, token_ids: Sequence[int], extra_key: bytes = b""
 ) -> BlockHash:
-    """The hash of one full block: SHA-256 over the parent block's hash (None for the first
-    block), the block's token ids (as little-endian int64) and ``extra_key`` (anything else that
-    changes the block's K/V, e.g. a per-tenant cache salt; empty for none).
+    """SHA-256 of one full block, chained so that equal hashes mean equal prefixes and K/V.
 
-    Chaining makes a block's hash name its whole prefix, so equal hashes mean equal K/V. SHA-256
-    (not Python's ``hash``) so that a collision, which would serve one request another's K/V,
-    cannot be provoked (vLLM made the same change, CVE-2025-25183).
+    SHA-256, not ``hash``, so no one can provoke a collision that serves another's K/V
+    (CVE-2025-25183).
+
+    Args:
+      parent: the previous block's hash; None for the first block.
+      token_ids: the block's tokens (hashed as little-endian int64).
+      extra_key: anything else that changes the K/V, e.g. a cache salt; empty for none.
     """
     h = hashlib.sha256()
     h.update(parent or b"\0" * 32)
@@ -58,13 +52,11 @@ class NoFreeBlocksError(ValueError):
 
 
 class BlockPool:
-    """Reference counts, the LRU free list and the hash index of ``num_blocks`` blocks
-    (block 0 reserved).
+    """Reference counts, the LRU free list and the hash index of ``num_blocks`` blocks.
 
     Args:
       num_blocks: blocks including the reserved block 0 (>= 2).
-      enable_caching: False makes ``cache_block`` a no-op and ``lookup`` always miss, so freed
-        blocks are plain empty blocks (prefix caching off).
+      enable_caching: False: ``cache_block`` is a no-op and ``lookup`` always misses.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
@@ -98,8 +90,7 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
-        """Fraction in [0, 1] of the usable blocks that are held (cached-free blocks excluded,
-        so an idle pool with a warm cache reads 0)."""
+        """Fraction in [0, 1] of the usable blocks held (an idle, warm pool reads 0)."""
         return self.num_held_blocks / self.num_usable_blocks
 
     def refcount(self, block_id: int) -> int:
@@ -113,16 +104,15 @@ class BlockPool:
         return self._hash_of.get(block_id)
 
     def lookup(self, block_hash: BlockHash) -> int | None:
-        """The block (held or cached-free) registered under ``block_hash``, or None. Changes
-        nothing; take the block with ``incref``."""
+        """The block registered under ``block_hash``, or None; take it with ``incref``."""
         return self._block_of.get(block_hash)
 
     def allocate(self, n: int, evicted: list[tuple[int, BlockHash]] | None = None) -> list[int]:
-        """Take ``n`` free blocks from the front of the LRU list, each with reference count 1.
+        """Take ``n`` blocks from the front of the free list, each with refcount 1.
 
-        A cached-free block taken this way loses its hash; ``(block_id, hash)`` is appended to
-        ``evicted`` when a list is given, so the caller can copy its K/V elsewhere before the
-        new owner overwrites it.
+        Args:
+          n: how many.
+          evicted: if given, gets ``(block_id, hash)`` of each cached block taken (evicted).
 
         Raises:
           ValueError: ``n < 0``.
@@ -146,14 +136,12 @@ class BlockPool:
         return block_ids
 
     def free(self, block_ids: Iterable[int]) -> None:
-        """Drop one reference to each block (a block may appear k times: k references dropped);
-        blocks reaching 0 go to the back of the free list in the order given, cached ones
-        keeping their hash (callers free a request's blocks last-first, so that its tail, the
-        part least likely to be shared, is evicted first).
+        """Drop one reference per occurrence; blocks reaching 0 join the free list in order.
+
+        Free a request's blocks last-first, so its tail (least likely shared) is evicted first.
 
         Raises:
-          ValueError: a block id out of range, block 0, or a block with fewer references than
-            are dropped (double free). All ids are checked before anything changes.
+          ValueError: block 0, an id out of range, or a double free; nothing is changed.
         """
         drops = Counter(block_ids)
         for b, k in drops.items():
@@ -171,12 +159,10 @@ class BlockPool:
                     self._num_cached_free += 1
 
     def incref(self, block_ids: Iterable[int]) -> None:
-        """Add one reference to each block: a held block (sharing it) or a cached-free one
-        (taking it back off the free list, a prefix-cache hit).
+        """Add one reference to each held or cached-free block (a prefix-cache hit).
 
         Raises:
-          ValueError: a block id out of range, block 0, or an empty block (refcount 0 and no
-            hash: allocate it instead). All ids are checked before anything changes.
+          ValueError: block 0, an id out of range, or an empty block; nothing is changed.
         """
         block_ids = list(block_ids)
         for b in block_ids:
@@ -191,11 +177,8 @@ class BlockPool:
             self._refcounts[b] += 1
 
     def cache_block(self, block_id: int, block_hash: BlockHash) -> bool:
-        """Register a held block, whose K/V is complete, under ``block_hash``.
-
-        Returns True if registered; False if caching is off, the block is already registered,
-        or another block already holds this hash (the first one stays the cached copy and this
-        one is freed as a plain block later).
+        """Register a held, complete block under ``block_hash``; False if caching is off or
+        the block or the hash is registered already (the first block keeps it).
 
         Raises:
           ValueError: a bad block id, a block that is not held, or one already registered
@@ -216,8 +199,7 @@ class BlockPool:
         return True
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached-free block's hash (they become empty); held blocks keep theirs.
-        Returns how many were dropped."""
+        """Forget every cached-free block's hash; return how many (held blocks keep theirs)."""
         dropped = 0
         for b in self._free:
             h = self._hash_of.pop(b, None)
