@@ -1,24 +1,16 @@
-"""The KV-cache manager the scheduler plans with: the device block pool, the optional host tier,
-prefix lookup across both, swapping, and the block copies each step needs.
+"""The KV-cache manager the scheduler plans with: device pool, optional host tier, prefix lookup
+across both, swapping, and the block copies each step needs. Pure Python, no jax.
 
-Pure Python (no jax). The scheduler calls it while it builds a step's plan; the copies it asks
-for are collected and handed to the engine with the plan (``take_transfers``), and the engine
-runs them before the step's forward pass, offloads first, then loads::
+The scheduler calls it while planning; ``take_transfers`` hands the step's copies to the engine,
+which runs them before the forward pass, offloads first, then loads::
 
-    offloads  (device block -> host block): K/V leaving the device. (a) A cached-free device
-              block evicted to make room is copied to the host tier (if that hash is not there
-              already) and stays findable there. (b) A preempted request's blocks when it is
-              swapped out instead of recomputed.
-    loads     (host block -> device block): K/V coming back. (a) A prefix hit on the host tier.
-              (b) A swapped-out request resuming.
+    offloads  device -> host: an evicted cached block (stays findable on the host), or a
+              preempted request swapped out
+    loads     host -> device: a prefix hit on the host tier, or a swapped-out request resuming
 
-Ordering within a step: offloads read device blocks before anything in the step can overwrite
-them (an evicted block may be reallocated in the same plan), and loads run after offloads, so a
-host block written by this step's offload can also be loaded by it. Host blocks that a load
-reads are pinned (an extra reference) until ``take_transfers``, so no offload of the same plan
-can reuse them. The host tier is a second ``BlockPool``: blocks held by swapped-out requests,
-cached-free blocks findable by hash (evicted least recently used first, then simply dropped),
-and empty ones.
+Offloads read device blocks before the step can overwrite them (an evicted block may be
+reallocated in the same plan); loads may read a host block this step's offload wrote. Host
+blocks a load reads are pinned until ``take_transfers``, so no offload of the plan reuses them.
 """
 
 from __future__ import annotations
@@ -54,8 +46,7 @@ class KVManager:
       num_blocks: device blocks including reserved block 0.
       block_size: tokens per block.
       enable_caching: prefix caching on (both tiers).
-      num_host_blocks: host-tier blocks including its reserved block 0 (the padding target of
-        batched copies); 0: no host tier.
+      num_host_blocks: host-tier blocks including its reserved block 0; 0: no host tier.
     """
 
     num_blocks: int
@@ -87,10 +78,11 @@ class KVManager:
         return hashes[:num_full]
 
     def find_prefix(self, seq: SeqState) -> list[tuple[str, int]]:
-        """The longest chain of cached blocks at the start of ``seq.token_ids`` (none when
-        caching is off or ``seq.skip_prefix_cache``): one ``(DEVICE | HOST, block_id)`` per block. At most ``(len(token_ids) - 1) // block_size``
-        blocks, so that at least the last token is computed and yields logits (a prompt cached
-        whole recomputes its last block). Changes nothing."""
+        """The longest cached prefix of ``seq``, one ``(DEVICE | HOST, block_id)`` per block.
+
+        At most ``(len(token_ids) - 1) // block_size`` blocks, so the last token is computed and
+        yields logits; none when caching is off or ``seq.skip_prefix_cache``. Changes nothing.
+        """
         if not self.enable_caching or seq.skip_prefix_cache:
             return []
         hits: list[tuple[str, int]] = []
@@ -106,16 +98,15 @@ class KVManager:
         return hits
 
     def num_free_needed(self, hits: list[tuple[str, int]], num_blocks_total: int) -> int:
-        """Free device blocks that admitting with ``hits`` and ``num_blocks_total`` blocks in
-        all takes: new blocks plus device hits now cached-free (taking one back uses a free
-        block)."""
+        """Free device blocks an ``admit`` with these arguments takes (cached-free hits count)."""
         dev = [b for tier, b in hits if tier == DEVICE]
         return num_blocks_total - len(dev) + sum(self.device.refcount(b) == 0 for b in dev)
 
     def admit(self, seq: SeqState, hits: list[tuple[str, int]], num_blocks_total: int) -> None:
-        """Give a waiting request (not swapped) its block table: the device hits shared,
-        host hits loaded into new blocks, the rest new. Sets ``num_computed_tokens`` to the
-        cached length. The caller checked ``num_free_needed`` against the free blocks."""
+        """Give a waiting, not swapped-out request its block table and cached length.
+
+        The caller checks ``num_free_needed`` against the free blocks first.
+        """
         # take the hits first, so that allocating the new blocks cannot evict them
         self.device.incref(b for tier, b in hits if tier == DEVICE)
         host_hits = [b for tier, b in hits if tier == HOST]
@@ -188,10 +179,8 @@ class KVManager:
 
     # -- swapping ------------------------------------------------------------------------------
     def swap_out(self, seq: SeqState) -> bool:
-        """Copy a preempted request's blocks to the host tier and free them on the device;
-        False (nothing changed) when there is no host tier or it lacks the room, or for a
-        request that must compute all its tokens (``skip_prefix_cache``: the engine's
-        per-request sampling state, e.g. penalty counts, restarts with it at position 0)."""
+        """Move a preempted request's blocks to the host tier; False, changing nothing, without
+        room or for ``skip_prefix_cache`` (its sampling state restarts at position 0)."""
         n = len(seq.block_ids)
         if self.host is None or n == 0 or n > self.host.num_free_blocks or seq.skip_prefix_cache:
             return False
@@ -204,8 +193,7 @@ class KVManager:
         return True
 
     def swap_in(self, seq: SeqState, num_blocks_total: int) -> None:
-        """Give a swapped-out request ``num_blocks_total`` device blocks and load its K/V back
-        into the first ones; its host blocks stay pinned until ``take_transfers``."""
+        """Give a swapped-out request ``num_blocks_total`` device blocks, loading its K/V back."""
         new = self.allocate(num_blocks_total)
         self._loads.extend(zip(seq.host_block_ids, new, strict=False))
         self._pinned.extend(seq.host_block_ids)  # their reference moves to the pin list
@@ -215,8 +203,7 @@ class KVManager:
         seq.num_registered_blocks = 0  # re-registered (or found registered) by update
 
     def take_transfers(self) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
-        """The copies planned since the last call, ``(offloads, loads)``, and unpin the host
-        blocks the loads read (the engine runs these copies before the next plan is made)."""
+        """``(offloads, loads)`` planned since the last call; unpins the host blocks read."""
         out = (tuple(self._offloads), tuple(self._loads))
         if self._pinned:
             self.host.free(self._pinned)
