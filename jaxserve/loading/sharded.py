@@ -1,39 +1,22 @@
 """Tensor-parallel loading: each device reads only its own slice of every weight.
 
-The per-format readers ``jaxserve.loading.load.load_model`` uses when it is given a mesh. Each
-returns the params already placed on the mesh in the layout of ``jaxserve.sharding``
-(``param_partition_specs`` of the ``sharded_config``), with a ``LoadReport`` of what each device
-read and how long that took:
+``jaxserve.loading.load.load_model`` calls these readers when given a mesh. Each returns
+(config, params placed as ``sharding.param_partition_specs`` of the ``sharded_config``, a
+``LoadReport``). Per format:
 
-- orbax (``jaxserve convert``): one ``StandardCheckpointer.restore`` into
-  ``jax.ShapeDtypeStruct(..., sharding=NamedSharding)`` targets; orbax/tensorstore read
-  ``array[index]`` for each device's index, so no replicated host copy is made. A quantised
-  checkpoint (``{q, scale}`` leaves have no per-device read plan yet) is restored whole, then
-  split.
-- HF safetensors: for every leaf and every addressable device, ``HFLeaf.read(index)`` reads the
-  device's region with ``safe_open(...).get_slice(name)[...]`` (the transpose to ``[in, out]`` and
-  the layer stacking are applied per region: a transposed region is the transposed slice of the
-  stored tensor, a stacked region reads only its layers), then ``device_put`` on that device;
-  ``jax.make_array_from_single_device_arrays`` assembles the global array. No leaf of the Llama
-  family needs a full read. An architecture without ``Architecture.hf_sources`` falls back to a
-  full read, then ``shard_params``.
-- dummy weights: drawn under ``jit(out_shardings=...)``, so each device draws only its slice
-  (values equal the single-device ones).
-- GGUF: read whole, dequantised, then ``shard_params``. A quantised GGUF tensor ``[out, in]`` is
-  stored as blocks of 32 or 256 weights along ``in`` that dequantise only as units: a
-  column-parallel slice (whole rows) would be a byte range, but a row-parallel one (o, down:
-  ``in / tp`` columns) cuts blocks unless ``in / tp`` is a multiple of the block (SmolLM2 at
-  TP 3: 192 columns against Q4_K's 256), so GGUF keeps the whole read. Convert once
-  (``jaxserve convert``) to load sharded.
+- orbax: one restore into ``ShapeDtypeStruct(..., sharding=...)`` targets, tensorstore reading
+  each device's index; a quantised checkpoint is restored whole, then split.
+- HF safetensors: ``HFLeaf.read(index)`` per leaf and addressable device (``get_slice``; the
+  transpose and layer stacking apply per region), ``device_put``, then
+  ``make_array_from_single_device_arrays``. Without ``Architecture.hf_sources``: whole, then split.
+- dummy: drawn under ``jit(out_shardings=...)``; values equal the single-device ones.
+- GGUF: whole, dequantised, then split: a row-parallel slice cuts quantisation blocks of 32 or
+  256 input columns (docs/configuration.md#sharded-loading).
 
-Replicated kv heads (``num_kv_heads < tp``, ``sharding.replicate_kv_heads``): the stored
-``[..., kv * head_dim]`` leaf is read with a sharding on a ``(kv, tp // kv)`` view of the same
-devices, split over kv heads only, so device ``d`` reads original head ``d // r`` -- exactly its
-shard of the replicated ``[..., tp * head_dim]`` leaf; the per-device buffers are then rewrapped
-as that leaf, with no copy and no communication.
-
-Multi-process meshes (``jaxserve.cli.multihost``): every index map used here is
-``addressable_devices_indices_map``, so each process reads only its own devices' slices.
+Replicated kv heads (``num_kv_heads < tp``): the stored ``[..., kv * head_dim]`` leaf is read
+split over kv heads on a ``(kv, tp // kv)`` view of the devices, so device ``d`` reads head
+``d // r``, its shard of the served ``[..., tp * head_dim]`` leaf; buffers are rewrapped, no copy.
+Index maps are ``addressable_devices_indices_map``, so each process reads only its devices'.
 """
 
 from __future__ import annotations
@@ -59,50 +42,29 @@ from models.registry import get_architecture
 
 @dataclass
 class DeviceLoad:
-    """What one device (one shard) of a load cost.
+    """What one device (one shard) of a load cost."""
 
-    Fields:
-      device_id / process_index: the device (``jax.Device.id``) and the process that owns it.
-      bytes_read: bytes read from the checkpoint for this device's slices, in the stored dtype
-        (orbax: the slices' logical size; storage is read in chunks, see
-        ``LoadReport.storage_bytes_read``); None when the host read everything once
-        (``method == "full-then-shard"``).
-      bytes_placed: bytes of this device's shards on the device (serving dtype).
-      seconds: HF: this device's read + transfer time, summed over leaves; orbax, dummy and
-        full-then-shard: from the start of the load until all of this device's shards were ready
-        (blocking on each device in turn, see ``LoadReport.timing``).
-    """
-
-    device_id: int
-    process_index: int
+    device_id: int  # jax.Device.id
+    process_index: int  # the process that owns it
+    # this device's slices in the stored dtype (orbax: logical size); None: full-then-shard
     bytes_read: int | None
-    bytes_placed: int
-    seconds: float
+    bytes_placed: int  # its shards on the device, serving dtype
+    seconds: float  # as LoadReport.timing says
 
 
 @dataclass
 class LoadReport:
-    """Per-device figures of one load (this process's devices).
+    """Per-device figures of one load (this process's devices)."""
 
-    Fields:
-      source: ``"orbax"``, ``"orbax-quantized"``, ``"hf"``, ``"dummy"`` or ``"gguf"``.
-      method: ``"sharded"`` (each device read its slice) or ``"full-then-shard"``.
-      timing: ``"per-device"`` (each device's own read time) or ``"ready"`` (time until its
-        shards were ready; the reads of all devices overlap, so these are not additive).
-      total_s: wall time of the whole load (config, weights, placement; not the tokenizer).
-      devices: one row per addressable device of the mesh, in mesh order.
-      storage_bytes_read: orbax only: bytes tensorstore read from files during the restore
-        (this process, compressed, whole chunks).
-      full_read_leaves: params paths that were read whole before sharding.
-    """
-
-    source: str
-    method: str
+    source: str  # "orbax", "orbax-quantized", "hf", "dummy" or "gguf"
+    method: str  # "sharded" (each device read its slice) or "full-then-shard"
+    # "per-device": its own read + transfer time; "ready": from the load's start until its
+    # shards were ready (overlapping, not additive)
     timing: str
-    total_s: float
-    devices: list[DeviceLoad]
-    storage_bytes_read: int | None = None
-    full_read_leaves: list[str] = field(default_factory=list)
+    total_s: float  # the whole load: config, weights, placement; not the tokenizer
+    devices: list[DeviceLoad]  # addressable devices, mesh order
+    storage_bytes_read: int | None = None  # orbax: file bytes tensorstore read (whole chunks)
+    full_read_leaves: list[str] = field(default_factory=list)  # params paths read whole
 
     def as_dict(self) -> dict:
         """JSON-able form (``devices`` as a list of dicts)."""
@@ -128,8 +90,7 @@ def check_shardable(cfg: ModelConfig, tp: int) -> None:
     """Refuse a model the TP layout cannot split, before any weight is read.
 
     Raises:
-      ValueError: tensor parallelism (``tp > 1``) of an architecture other than llama, or the
-        shapes of ``sharding.check_tensor_parallel`` (naming the numbers).
+      ValueError: ``tp > 1`` for a non-llama architecture; as ``sharding.check_tensor_parallel``.
     """
     if tp > 1 and getattr(cfg, "architecture", "llama") != "llama":
         raise ValueError(
@@ -140,14 +101,13 @@ def check_shardable(cfg: ModelConfig, tp: int) -> None:
 
 
 def target_shardings(cfg: ModelConfig, dtype: jnp.dtype, mesh: Mesh, stored=None):
-    """(targets, read_shardings) for the params of ``cfg`` on ``mesh``; ``stored``: the model's
-    ``param_shapes()`` if already at hand.
+    """(targets, read_shardings) for ``cfg``'s params on ``mesh``.
 
-    ``targets``: the served params tree (``sharded_config``'s shapes) as
-    ``jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))``.
-    ``read_shardings``: a sharding per leaf in the *stored* shape (``cfg``'s) under which every
-    device's slice is its target shard: the target sharding itself, or for a kv leaf with
-    replicated heads the kv-head split on the ``(kv, tp // kv)`` view of the mesh (module doc).
+    ``targets``: the served tree as sharded ``ShapeDtypeStruct``s; ``read_shardings``: per leaf
+    of the stored shape, the sharding under which each device reads its target shard.
+
+    Args:
+      stored: the model's ``param_shapes()`` if already at hand.
 
     Raises:
       ValueError: as ``check_shardable``; a leaf whose stored and served shapes differ other
@@ -183,8 +143,7 @@ def target_shardings(cfg: ModelConfig, dtype: jnp.dtype, mesh: Mesh, stored=None
 
 
 def _as_target(arr: jax.Array, target: jax.ShapeDtypeStruct) -> jax.Array:
-    """``arr`` (read under its read sharding) as the target leaf: the same per-device buffers
-    under the target's shape and sharding (a no-op when they agree)."""
+    """``arr``'s per-device buffers rewrapped under ``target``'s shape and sharding."""
     if arr.shape == target.shape and arr.sharding == target.sharding:
         return arr
     return jax.make_array_from_single_device_arrays(
@@ -204,8 +163,7 @@ def _placed_bytes(params, devices: list[jax.Device]) -> dict[int, int]:
 
 
 def _ready_report(params, mesh: Mesh, t0: float, **kw) -> LoadReport:
-    """A report whose per-device seconds are "start until this device's shards were ready"
-    (blocking on each device's shards in mesh order)."""
+    """A ``timing="ready"`` report, blocking on each device's shards in mesh order."""
     devices = _local_devices(mesh)
     by_dev: dict[int, list[jax.Array]] = {d.id: [] for d in devices}
     for leaf in jax.tree_util.tree_leaves(params):
@@ -230,9 +188,7 @@ def tensorstore_bytes_read() -> int:
 
 def load_orbax_sharded(path: str, dtype: jnp.dtype, mesh: Mesh) -> tuple[ModelConfig, object,
                                                                           LoadReport]:
-    """(config, params on ``mesh``, report) of an orbax checkpoint, each device restoring only
-    its slice (``models.checkpoint.load_checkpoint`` with the read shardings); a quantised one
-    is restored whole, then split (module doc).
+    """(config, params on ``mesh``, report) of an orbax checkpoint, read per device.
 
     Raises:
       ValueError: as ``target_shardings`` and ``load_checkpoint``.
@@ -279,9 +235,7 @@ def _read_leaf(leaf, target: jax.ShapeDtypeStruct, read: NamedSharding, dtype: j
 
 def load_hf_sharded(path: str, dtype: jnp.dtype, mesh: Mesh, progress: bool = True
                     ) -> tuple[ModelConfig, object, LoadReport]:
-    """(config, params on ``mesh``, report) of an HF safetensors directory, each device reading
-    only its regions of the files (module doc); an architecture without ``hf_sources`` is read
-    whole, then sharded.
+    """(config, params on ``mesh``, report) of an HF safetensors directory, read per device.
 
     Raises:
       ValueError: as ``models.hf.load_hf_params`` and ``target_shardings``; a tensor whose shape
@@ -327,10 +281,12 @@ def load_hf_sharded(path: str, dtype: jnp.dtype, mesh: Mesh, progress: bool = Tr
 
 def shard_loaded(params, cfg: ModelConfig, mesh: Mesh, t0: float, source: str
                  ) -> tuple[object, LoadReport]:
-    """The load-then-shard path: place a whole params tree (``cfg``'s shapes, read before)
-    with ``sharding.shard_params``; returns (placed params, report) with every leaf listed as
-    read whole and per-device seconds counted from ``t0`` (``time.perf_counter()`` at the start
-    of the load). ``source`` names the format in the report."""
+    """Place a whole params tree with ``sharding.shard_params``; returns (params, report).
+
+    Args:
+      t0: ``time.perf_counter()`` at the start of the load.
+      source: the format, for the report.
+    """
     placed = sharding.shard_params(params, cfg, mesh)
     names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(placed)[0]]
     return placed, _ready_report(placed, mesh, t0, source=source, method="full-then-shard",
@@ -339,9 +295,7 @@ def shard_loaded(params, cfg: ModelConfig, mesh: Mesh, t0: float, source: str
 
 def load_dummy_sharded(cfg: ModelConfig, dtype: jnp.dtype, seed: int, mesh: Mesh
                        ) -> tuple[object, LoadReport]:
-    """(params on ``mesh``, report) of ``cfg``'s dummy weights, each device drawing only its
-    slice (``models.loader.dummy_params`` under the read shardings; the values equal the
-    single-device ones of the same seed).
+    """(params on ``mesh``, report) of ``cfg``'s dummy weights, drawn per device.
 
     Raises:
       ValueError: as ``target_shardings``.
@@ -355,8 +309,7 @@ def load_dummy_sharded(cfg: ModelConfig, dtype: jnp.dtype, seed: int, mesh: Mesh
 
 def load_gguf_sharded(path: str, reader: GGUFFile, dtype: jnp.dtype, mesh: Mesh
                       ) -> tuple[ModelConfig, object, LoadReport]:
-    """(config, params on ``mesh``, report) of a GGUF file (``reader``: it opened): the config
-    checked against the mesh first, then the whole file dequantised and split (module doc).
+    """(config, params on ``mesh``, report) of the GGUF ``reader`` opened, read whole.
 
     Raises:
       ValueError: an architecture without a GGUF loader; as ``check_shardable``.
