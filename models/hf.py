@@ -1,23 +1,14 @@
 """HF safetensors directories: ``config.json`` + ``*.safetensors`` (+ tokenizer files).
 
-``load_hf_params(path, dtype)`` reads ``config.json``, looks ``architectures[0]`` up in
-``models.registry``, and hands the architecture a ``SafetensorsDir``: a memory-mapped view of
-every ``*.safetensors`` file (``safetensors.safe_open(framework="numpy")``), so a tensor is read
-from disk only when asked for, with a tqdm bar over the tensors read.
+``load_hf_params`` reads ``config.json``, looks ``architectures[0]`` up in ``models.registry``
+and hands the architecture a ``SafetensorsDir`` (memory-mapped; a tensor is read when asked
+for). Each params leaf is an ``HFLeaf``, whose ``read(index)`` reads one region, so a
+tensor-parallel load (``jaxserve.loading.sharded``) never reads a whole tensor.
 
-Each params leaf is described by an ``HFLeaf`` (which HF tensor(s), transposed or not, stacked
-over layers or not); ``HFLeaf.read(index)`` reads only a region of our leaf, so a
-tensor-parallel load (``jaxserve.loading.sharded``) reads each device's slice with
-``safe_open(...).get_slice(name)[...]`` and never the whole tensor; the single-device load reads
-every leaf whole through the same descriptions.
-
-The Llama family here: ``LlamaForCausalLM``, ``MistralForCausalLM`` (optional sliding window)
-and ``Qwen2ForCausalLM`` (q/k/v bias, tied or untied embeddings). HF keeps q/k rows in the
-rotate-half RoPE order our model uses (llama.cpp's converter permutes them for GGUF; HF files
-need no permutation), so each linear weight ``[out, in]`` is only transposed to ``[in, out]`` and
-stacked over layers. Config keys follow transformers' ``LlamaConfig``/``MistralConfig``/
-``Qwen2Config``, in both the v4 form (``rope_theta``, ``rope_scaling``) and the v5 form
-(``rope_parameters``).
+Llama family: ``LlamaForCausalLM``, ``MistralForCausalLM`` (sliding window), ``Qwen2ForCausalLM``
+(q/k/v bias, tied or untied embeddings). HF q/k rows are already in rotate-half RoPE order, so
+a linear ``[out, in]`` is only transposed to ``[in, out]`` and stacked over layers. Config keys:
+transformers' v4 (``rope_theta``, ``rope_scaling``) and v5 (``rope_parameters``) forms.
 """
 
 from __future__ import annotations
@@ -78,8 +69,7 @@ class SafetensorsDir:
         return set(self._where)
 
     def get(self, name: str) -> np.ndarray:
-        """One tensor as stored (e.g. ``[out, in]`` for a linear weight; bfloat16 stays
-        ``ml_dtypes.bfloat16``).
+        """One tensor as stored (a linear is ``[out, in]``; bfloat16 stays ``ml_dtypes``').
 
         Raises:
           ValueError: no tensor of that name.
@@ -102,8 +92,7 @@ class SafetensorsDir:
         return tuple(self._files[self._where[name]].get_slice(name).get_shape())
 
     def get_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
-        """``tensor[index]`` as stored, reading only that region of the mapped file
-        (``safe_open(...).get_slice``); ``index`` is one slice per dimension.
+        """``tensor[index]`` as stored (one slice per dim), reading only that region.
 
         Raises:
           ValueError: no tensor of that name.
@@ -186,9 +175,8 @@ def llama_hf_config(data: dict) -> ModelConfig:
     """ModelConfig from the ``config.json`` of a Llama, Mistral or Qwen2 checkpoint.
 
     Raises:
-      ValueError: naming the key, for a missing key or a feature the model lacks (an activation
-        other than SiLU, o-proj/MLP bias, Qwen2's per-layer sliding window, rope types other than
-        default and llama3).
+      ValueError: naming the key, for a missing key or an unsupported feature (non-SiLU
+        activation, o-proj/MLP bias, per-layer sliding window, rope type not default/llama3).
     """
     arch = data["architectures"][0]
     family = LLAMA_FAMILY.get(arch)
@@ -245,28 +233,16 @@ _BIAS_TENSORS = {("bq",): "self_attn.q_proj.bias", ("bk",): "self_attn.k_proj.bi
 
 @dataclass(frozen=True)
 class HFLeaf:
-    """How one params leaf is read from HF tensors, whole or one region at a time.
-
-    Fields:
-      tensors: the directory's tensors.
-      names: the HF tensor of each layer for a stacked leaf (``[num_layers, ...]``), or one name.
-      stacked: whether the leaf stacks ``names`` on a new leading axis.
-      transpose: HF stores a linear weight ``[out, in]``; our leaf is ``[in, out]``.
-      shape: our leaf's shape (from the file headers).
-    """
+    """How one params leaf is read from HF tensors, whole or one region at a time."""
 
     tensors: SafetensorsDir
-    names: tuple[str, ...]
-    stacked: bool
-    transpose: bool
-    shape: tuple[int, ...]
+    names: tuple[str, ...]  # one per layer when stacked, else one
+    stacked: bool  # stack names on a new leading [num_layers] axis
+    transpose: bool  # HF [out, in] -> our [in, out]
+    shape: tuple[int, ...]  # our leaf's, from the file headers
 
     def read(self, index: tuple[slice, ...] | None = None) -> np.ndarray:
-        """Our leaf's region ``[index]`` (one slice per dimension; None: all of it) in the
-        stored dtype. A region is read from the files with ``get_slice`` (a transposed leaf reads
-        the transposed region, e.g. columns ``a:b`` of ``[in, out]`` are rows ``a:b`` of HF's
-        ``[out, in]``); a whole leaf with ``get``.
-        """
+        """Our leaf's region ``[index]`` (one slice per dim; None: whole) in the stored dtype."""
         def one(name: str, idx: tuple[slice, ...] | None) -> np.ndarray:
             if idx is None:
                 x = self.tensors.get(name)
@@ -283,8 +259,7 @@ class HFLeaf:
 
 
 def llama_hf_sources(tensors: SafetensorsDir, cfg: ModelConfig) -> dict:
-    """The ``HFLeaf`` of every params leaf of ``LlamaForCausalLM`` (the params tree's structure,
-    see ``models.loader``): linear weights transposed to ``[in, out]``, layers stacked.
+    """The ``HFLeaf`` of every params leaf of ``LlamaForCausalLM``, in the params' structure.
 
     Raises:
       ValueError: a missing tensor.
@@ -315,8 +290,7 @@ def llama_hf_sources(tensors: SafetensorsDir, cfg: ModelConfig) -> dict:
 
 
 def llama_hf_params(tensors: SafetensorsDir, cfg: ModelConfig, dtype: jnp.dtype) -> dict:
-    """Params of ``LlamaForCausalLM`` from HF tensor names (``llama_hf_sources``), on the default
-    device in ``dtype``; one whole leaf at a time, so host memory holds at most one leaf.
+    """Params of ``LlamaForCausalLM`` on the default device, one leaf in host memory at a time.
 
     Raises:
       ValueError: a missing tensor.
