@@ -1,35 +1,17 @@
 """Orbax checkpoints of a model's params pytree: the format ``jaxserve convert`` writes and serves.
 
-On-disk layout of a checkpoint directory ``DIR`` (the README documents it for researchers who
-write one from their own training code):
+Layout of ``DIR`` (field by field: docs/models.md#the-directory):
 
-  DIR/config.json            the model config: ``cfg.to_dict()`` plus ``"architecture"`` (the
-                             ``models.registry`` name, e.g. ``"llama"``) and ``"format":
-                             "jaxserve-orbax"``; a quantised checkpoint also ``"quantization":
-                             {"method", "group_size", "embeddings"}`` and for int4
-                             ``"int4_format": "asym-zp16"`` (``models.quant``; its quantised
-                             leaves are ``{"q", "scale"}`` pairs, int4 ``{"q", "scale",
-                             "zero"}``)
-  DIR/params/                ``orbax.checkpoint.StandardCheckpointer`` save of the params pytree,
-                             each array stored in chunks of at most ``CHUNK_BYTES``
-  DIR/tokenizer.json         HF ``tokenizers`` file (written by ``jaxserve convert``)
-  DIR/tokenizer_config.json  bos/eos token strings, add_bos_token, chat_template
-  DIR/generation_config.json ``eos_token_id`` list (every id that ends generation)
-  DIR/kv_scales.json         optional (``jaxserve convert --kv-cache-dtype fp8|int8``): the 8-bit
-                             KV cache's calibrated scales, ``{"kv_cache_dtype", "k_scale",
-                             "v_scale" ([num_layers][num_kv_heads] floats), "num_tokens",
-                             "percentile"}``; served without a calibration pass
+  DIR/config.json            ``cfg.to_dict()`` + ``"architecture"``, ``"format": "jaxserve-orbax"``
+                             and, quantised, ``"quantization"`` (int4: ``"int4_format"``)
+  DIR/params/                ``StandardCheckpointer`` save, chunks of at most ``CHUNK_BYTES``
+  DIR/tokenizer.json, tokenizer_config.json, generation_config.json   the tokenizer's files
+  DIR/kv_scales.json         optional: the 8-bit KV cache's calibrated scales
 
-Loading reads ``config.json``, builds the model of that architecture, and restores the params
-straight into ``model.param_shapes()`` as ``jax.ShapeDtypeStruct`` targets carrying the target
-dtype and sharding (one device by default; a caller may pass ``NamedSharding``s), so no host
-copy of the weights is made and no dequantisation or re-layout runs: stored in the serving dtype,
-this is the fastest load path. Given tensor-parallel ``NamedSharding``s, each device's slice is
-read on its own (orbax reads ``array[device's index]`` from tensorstore per device); storage is
-read in whole chunks, so the arrays are saved in chunks of at most ``CHUNK_BYTES`` (orbax's
-``SaveArgs.chunk_byte_size``), and a device reads its slice plus at most the chunks its slice
-boundaries cut (checkpoints saved in one chunk per array load alike, but every device's read
-then decodes the whole array).
+Loading reads ``config.json``, builds the model, and restores the params straight into
+``model.param_shapes()`` targets carrying dtype and sharding: no host copy, no re-layout. Under
+tensor-parallel ``NamedSharding``s each device reads its slice plus at most the chunks its slice
+boundaries cut (hence ``CHUNK_BYTES``; a one-chunk array is decoded whole by every device).
 """
 
 from __future__ import annotations
@@ -61,8 +43,7 @@ enough that a Llama-3.1-8B checkpoint has ~16k chunks, not millions."""
 
 
 def is_checkpoint(path: str) -> bool:
-    """Whether ``path`` is a directory laid out as this module writes (config.json with
-    ``"format": "jaxserve-orbax"`` and a ``params/`` directory)."""
+    """Whether ``path`` holds a ``"format": "jaxserve-orbax"`` config.json and ``params/``."""
     cfg_path = os.path.join(path, CONFIG_FILE)
     if not (os.path.isfile(cfg_path) and os.path.isdir(os.path.join(path, PARAMS_DIR))):
         return False
@@ -74,11 +55,10 @@ def is_checkpoint(path: str) -> bool:
 
 
 def save_checkpoint(path: str, cfg, params, dtype: jnp.dtype | None = None) -> None:
-    """Write ``params`` (cast to ``dtype`` when given; quantised leaves stay as they are) and
-    ``cfg`` under ``path``; the quantisation of ``params`` is recorded in ``config.json``.
+    """Write ``params`` and ``cfg`` (a ``ModelConfigLike``) under ``path``; not the tokenizer.
 
-    ``cfg`` follows ``models.registry.ModelConfigLike`` (``architecture``, ``to_dict()``); the
-    tokenizer files are the caller's (``jaxserve.tokenizer.Tokenizer.save_pretrained``).
+    Args:
+      dtype: cast float leaves to it when given (quantised leaves stay as they are).
 
     Raises:
       ValueError: ``path/params`` exists already (orbax refuses to overwrite).
@@ -110,8 +90,7 @@ def save_checkpoint(path: str, cfg, params, dtype: jnp.dtype | None = None) -> N
 
 def save_kv_scales(path: str, kv_cache_dtype: str, k_scale, v_scale, *, num_tokens: int,
                    percentile: float) -> None:
-    """Write ``path/kv_scales.json``: the 8-bit KV cache's scales for ``kv_cache_dtype``
-    ("fp8" / "int8"), each ``[num_layers, num_kv_heads]``, and how they were calibrated."""
+    """Write ``path/kv_scales.json``: ``f32[num_layers, num_kv_heads]`` scales for "fp8"/"int8"."""
     data = {"kv_cache_dtype": kv_cache_dtype,
             "k_scale": [[float(x) for x in row] for row in k_scale],
             "v_scale": [[float(x) for x in row] for row in v_scale],
@@ -122,8 +101,8 @@ def save_kv_scales(path: str, kv_cache_dtype: str, k_scale, v_scale, *, num_toke
 
 
 def read_kv_scales(path: str) -> dict | None:
-    """``path/kv_scales.json`` as ``{"kv_cache_dtype": str, "k_scale", "v_scale":
-    float32 numpy [num_layers, num_kv_heads], ...}``, or None when the file is absent.
+    """``path/kv_scales.json`` (``k_scale``, ``v_scale``: numpy ``f32[num_layers,
+    num_kv_heads]``), or None when absent.
 
     Raises:
       ValueError: an unreadable file, a missing key, or scales that are not finite and > 0.
@@ -148,8 +127,7 @@ def read_kv_scales(path: str) -> dict | None:
 
 
 def read_config(path: str):
-    """The model config in ``path/config.json``, parsed by its architecture's
-    ``config_from_dict``.
+    """``path/config.json`` parsed by its architecture's ``config_from_dict``.
 
     Raises:
       ValueError: unreadable JSON, a missing/unknown ``architecture``, or bad config keys.
@@ -158,8 +136,7 @@ def read_config(path: str):
 
 
 def read_quantization(path: str):
-    """The ``models.quant.QuantConfig`` recorded in ``path/config.json`` (method "none" for a
-    float checkpoint).
+    """The ``models.quant.QuantConfig`` recorded in ``path/config.json`` ("none": float).
 
     Raises:
       ValueError: as ``read_config``, or a malformed ``quantization`` entry.
@@ -198,18 +175,12 @@ def _read(path: str):
 
 
 def load_checkpoint(path: str, dtype: jnp.dtype, shardings=None):
-    """(config, params) of the checkpoint at ``path``, params restored in ``dtype`` straight
-    into their target placement.
+    """(config, params) of the checkpoint at ``path``, restored straight into place.
 
     Args:
-      path: a directory written by ``save_checkpoint`` (or by hand in its layout).
-      dtype: the params dtype after loading (orbax casts when the stored dtype differs).
-      shardings: optional pytree of ``jax.sharding.Sharding`` matching the params; default: the
-        first device.
-
-    A quantised checkpoint (``"quantization"`` in ``config.json``) restores its
-    ``QuantizedWeight`` leaves as stored (integer / fp8 ``q``, f32 ``scale``); only the float
-    leaves take ``dtype``. Nothing is quantised again.
+      path: a directory in ``save_checkpoint``'s layout.
+      dtype: the float leaves' dtype after loading (quantised leaves stay as stored).
+      shardings: pytree of ``jax.sharding.Sharding`` matching the params; default: device 0.
 
     Raises:
       ValueError: the stored tree's paths or shapes differ from the model's (naming the path).
@@ -240,8 +211,7 @@ def load_checkpoint(path: str, dtype: jnp.dtype, shardings=None):
 
 
 def stored_params(path: str):
-    """The stored params tree of the checkpoint at ``path`` as ``jax.ShapeDtypeStruct`` leaves
-    (shapes and stored dtypes, from the metadata; nothing read)."""
+    """The stored params as ``jax.ShapeDtypeStruct`` leaves, from the metadata alone."""
     params_dir = os.path.join(os.path.abspath(path), PARAMS_DIR)
     ckpt = ocp.StandardCheckpointer()
     try:
