@@ -1,5 +1,4 @@
-"""Model hyper-parameters (the Llama family, Gemma 3), and the built-in configs for dummy
-weights."""
+"""Model hyper-parameters (the Llama family, Gemma 3) and the built-in configs for dummy weights."""
 
 from __future__ import annotations
 
@@ -22,36 +21,25 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-family decoder.
-
-    Fields: vocab_size, hidden_size, intermediate_size (SwiGLU width), num_layers, num_heads
-    (query heads), num_kv_heads (GQA), head_dim, rope_theta, rope_scaling (Llama-3 scaling or
-    None), rms_norm_eps, tie_word_embeddings, qkv_bias, max_position_embeddings (the model's
-    own context window, tokens), sliding_window (every layer attends to the last this many
-    positions, as Mistral's config says; None: full causal attention), name, architecture (the
-    ``models.registry`` name).
-
-    Raises:
-      ValueError: if num_heads is not a multiple of num_kv_heads, head_dim is odd, or
-        sliding_window is below 1.
-    """
+    """A Llama-family decoder; ValueError for heads not a multiple of kv heads, an odd
+    head_dim, or a window below 1."""
 
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int  # SwiGLU width
     num_layers: int
-    num_heads: int
-    num_kv_heads: int
+    num_heads: int  # query heads
+    num_kv_heads: int  # GQA
     head_dim: int
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | None = None  # Llama-3 scaling, or None
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
-    max_position_embeddings: int = 8192
-    sliding_window: int | None = None
+    max_position_embeddings: int = 8192  # the model's own context window, tokens
+    sliding_window: int | None = None  # every layer sees the last this many (Mistral); None: all
     name: str = "llama"
-    architecture: str = "llama"
+    architecture: str = "llama"  # the models.registry name
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -66,8 +54,7 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
-        """JSON-able fields (the ``config.json`` of an orbax checkpoint); ``from_dict`` inverts
-        it."""
+        """JSON-able fields (an orbax checkpoint's ``config.json``); ``from_dict`` inverts it."""
         return dataclasses.asdict(self)
 
     @classmethod
@@ -100,41 +87,25 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class Gemma3Config:
-    """A Gemma 3 text decoder (``models.gemma3``).
+    """A Gemma 3 text decoder (``models.gemma3``): tied embedding, no logit soft-cap.
 
-    Fields as ``ModelConfig`` (vocab_size, hidden_size, intermediate_size: GELU-tanh gated MLP
-    width, num_layers, num_heads, num_kv_heads, head_dim, rms_norm_eps, max_position_embeddings,
-    name), plus:
-      rope_theta: RoPE base of the global layers (1e6 in Gemma 3).
-      rope_local_theta: RoPE base of the sliding-window layers (1e4).
-      rope_scaling_factor: linear position scaling of the global layers only (1 for 270m and
-        1B, 8 for 4B and larger).
-      sliding_window: keys a local layer sees, the query's own included (512 for 270m/1B).
-      sliding_window_pattern: every ``pattern``-th layer is global, the others local (6: five
-        local then one global).
-      query_pre_attn_scalar: attention scores are scaled by ``query_pre_attn_scalar ** -0.5``
-        (head_dim, except hidden/num_heads in 27B).
-    The embedding is tied to the output layer; nothing in Gemma 3 soft-caps logits. Source: the
-    Gemma 3 technical report (arXiv:2503.19786) and HF transformers' ``Gemma3TextConfig``.
-
-    Raises:
-      ValueError: num_heads not a multiple of num_kv_heads, an odd head_dim, or a window or
-        pattern below 1.
+    Source: the Gemma 3 report (arXiv:2503.19786), HF transformers' ``Gemma3TextConfig``.
+    ValueError as ``ModelConfig``, or a pattern below 1.
     """
 
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int  # GELU-tanh gated MLP width
     num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rope_theta: float = 1_000_000.0
-    rope_local_theta: float = 10_000.0
-    rope_scaling_factor: float = 1.0
-    sliding_window: int = 512
-    sliding_window_pattern: int = 6
-    query_pre_attn_scalar: float = 256.0
+    rope_theta: float = 1_000_000.0  # global layers
+    rope_local_theta: float = 10_000.0  # sliding-window layers
+    rope_scaling_factor: float = 1.0  # linear, global layers only (8 from 4B up)
+    sliding_window: int = 512  # keys a local layer sees, the query's own included
+    sliding_window_pattern: int = 6  # every pattern-th layer is global (6: five local, one)
+    query_pre_attn_scalar: float = 256.0  # scores * this**-0.5 (head_dim; 27B: hidden/num_heads)
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 32768
     name: str = "gemma3"
@@ -154,8 +125,7 @@ class Gemma3Config:
         return dataclasses.replace(self, **changes)
 
     def is_global_layer(self, layer: int) -> bool:
-        """Whether ``layer`` (0-based) attends to the whole context (every
-        ``sliding_window_pattern``-th layer: 5, 11, 17, ... for pattern 6)."""
+        """Whether 0-based ``layer`` is global (5, 11, 17, ... for pattern 6)."""
         return (layer + 1) % self.sliding_window_pattern == 0
 
     def to_dict(self) -> dict:
