@@ -1,33 +1,19 @@
 """The paged KV cache layout, defined once for the kernels and the engine.
 
 One K and one V array, each ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``.
-A token at position ``p`` of a sequence with block table ``bt`` lives at block
-``bt[p // block_size]``, offset ``p % block_size``; its flat *slot* is
-``block_id * block_size + offset``.
-Block 0 is reserved: padding tokens write to slot 0.. of block 0 and padded block-table entries
-point at it, so kernels need no branch for padding.
+Position ``p`` of a sequence with block table ``bt`` lives in block ``bt[p // block_size]`` at
+offset ``p % block_size``, flat *slot* ``block_id * block_size + offset``. Block 0 is reserved:
+padding tokens and padded table entries point at it, so kernels need no padding branch. The
+cache is a pytree carried through the layer scan and donated across steps (updated in place).
 
-The cache is a pytree carried through the layer scan and donated across steps: it is updated in
-place and never copied (``jaxserve bench step`` with ``--num-kv-blocks 256`` and 4096 shows the
-decode step time does not depend on ``num_blocks``).
-
-Quantised cache (``kv_cache_dtype`` "fp8" / "int8"): K and V are stored at 8 bits, float8 e4m3
-(its bit patterns in a ``uint8`` array, see below) or ``int8``, with static symmetric scales per
-(layer, kv head), ``k_scale`` and
-``v_scale`` ``f32[num_layers, num_kv_heads]``: a stored value ``x_q`` stands for ``x_q * scale``.
-``write_kv`` divides by the scale, rounds (int8) and saturates to the format's range
-(``QUANT_MAX``: 448 for e4m3, 127 for int8); attention folds the K scale into the scores and
-the V scale into the output, so a page is read at 1 byte per element. Scales are static (fixed
-at engine start by calibration, see ``jaxserve.device.kv_calibration``), so moving blocks (host
-tier, swap) moves only the pages. Per-tensor-static scaling follows vLLM's FP8 KV cache and
-TensorRT-LLM's INT8/FP8 KV cache; per-head granularity is finer than their per-tensor default.
-
-Why fp8 pages are ``uint8`` arrays (as vLLM's torch cache is): XLA's CPU backend converts a
-float8 scatter operand to a wider float and back, so ``write_kv`` into a float8 array copied the
-whole cache, every layer of every step (a 64-row scatter into a 180 MB cache: 333 ms as float8,
-57 us as an 8-bit integer array; a decode step of SmolLM2 at batch 64 took 18.9 s instead of
-0.55 s). The bits are the same; ``fp8_bits`` / ``kv_to_float`` convert at the edges (a bitcast,
-free, then the exact e4m3 -> float conversion on the tile being read).
+8-bit cache (``kv_cache_dtype`` "fp8" / "int8"): static symmetric scales ``k_scale``, ``v_scale``
+``f32[num_layers, num_kv_heads]``, a stored ``x_q`` standing for ``x_q * scale``. ``write_kv``
+divides, rounds (int8) and saturates to ``QUANT_MAX``; attention folds the K scale into the
+scores and the V scale into the output. The scales are fixed at engine start
+(``jaxserve.device.kv_calibration``), so moving blocks moves only pages. Per-tensor static
+scaling as in vLLM's FP8 and TensorRT-LLM's INT8/FP8 KV caches, here per (layer, kv head).
+fp8 pages are ``uint8`` bit patterns (XLA's CPU float8 scatter copies the whole cache;
+docs/quantization.md#8-bit-kv-cache); ``fp8_bits`` / ``kv_to_float`` convert at the edges.
 """
 
 from __future__ import annotations
@@ -69,16 +55,14 @@ def fp8_bits(x: jax.Array) -> jax.Array:
 
 
 def kv_to_float(x_q: jax.Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:
-    """Stored 8-bit values (not yet scaled) in a float ``dtype``, exactly: e4m3 bit patterns
-    are decoded, int8 is converted. A float cache is just cast."""
+    """Stored values (not yet scaled) in a float ``dtype``, exactly (e4m3 bits decoded)."""
     if jnp.dtype(x_q.dtype) == FP8_STORAGE:
         x_q = fp8_bits(x_q)
     return x_q.astype(dtype)
 
 
 def kv_to_numpy(x_q) -> np.ndarray:
-    """A stored cache (any dtype) as float64 numpy values, not yet scaled (for references and
-    tests)."""
+    """A stored cache (any dtype) as float64 numpy, not yet scaled (references, tests)."""
     a = np.asarray(x_q)
     if a.dtype == np.uint8:
         a = a.view(jnp.float8_e4m3fn)  # ml_dtypes' numpy type
@@ -91,10 +75,7 @@ def quantize_kv(x: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
     Args:
       x: ``[..., num_kv_heads, head_dim]`` float.
       scale: ``f32[num_kv_heads]`` (broadcast over head_dim).
-      dtype: a storage dtype of ``KV_QUANT_DTYPES``: ``uint8`` (e4m3 bit patterns, rounded to
-        nearest even) or ``int8`` (rounded half to even).
-    Returns:
-      ``x``'s shape in ``dtype``.
+      dtype: ``uint8`` (e4m3 bit patterns) or ``int8``; both round to nearest even.
     """
     dtype = jnp.dtype(dtype)
     qmax = QUANT_MAX[dtype]
@@ -114,18 +95,11 @@ def dequantize_kv(x_q: jax.Array, scale: jax.Array, dtype: jnp.dtype = jnp.float
 @jax.tree_util.register_dataclass
 @dataclass
 class KVCache:
-    """Paged K and V arrays, with their scales when stored at 8 bits.
+    """Paged K and V arrays, with their scales when stored at 8 bits."""
 
-    Fields:
-      k: ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``, the cache dtype.
-      v: the same shape and dtype as ``k``.
-      k_scale, v_scale: ``f32[num_layers, num_kv_heads]`` dequantisation scales of an 8-bit
-        cache (``float8_e4m3fn`` / ``int8``); None for a float cache. Static: steps pass them
-        through unchanged.
-    """
-
-    k: jax.Array
-    v: jax.Array
+    k: jax.Array  # [num_layers, num_blocks, block_size, num_kv_heads, head_dim], cache dtype
+    v: jax.Array  # as k
+    # f32[num_layers, num_kv_heads], 8-bit caches only (else None); steps pass them unchanged
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
 
@@ -171,13 +145,13 @@ def allocate_kv_cache(
 ) -> KVCache:
     """Zero-filled K and V arrays, created on the device (no host copy).
 
-    For an 8-bit ``dtype`` (``is_quantized_dtype``) ``k_scale`` and ``v_scale``
-    (``[num_layers, num_kv_heads]``, positive) are required and stored as float32, placed with
-    ``scale_sharding`` (under tensor parallelism: split over kv heads like the cache).
+    Args:
+      k_scale, v_scale: ``[num_layers, num_kv_heads]`` > 0, required for an 8-bit ``dtype``.
+      scale_sharding: where the f32 scales go (under TP: split over kv heads like the cache).
 
     Raises:
-      ValueError: if num_blocks < 2 (block 0 is reserved); scales missing for an 8-bit cache,
-        given for a float one, of the wrong shape, or not finite and positive.
+      ValueError: num_blocks < 2; scales missing for an 8-bit cache, given for a float one, of
+        the wrong shape, or not finite and positive.
     """
     if num_blocks < 2:
         raise ValueError(f"num_blocks={num_blocks} must be >= 2 (block 0 is reserved)")
