@@ -1,31 +1,21 @@
 """Incremental detokenisation and stop strings for one output sequence.
 
-The engine feeds each sequence's new token ids into its ``IncrementalDetokenizer`` after every
-step; what comes back is the text that is safe to send to a streaming client now. The two layers:
+After every step the engine feeds a sequence's new ids to its ``IncrementalDetokenizer`` and
+gets back the text safe to stream now, in two layers:
 
-1. Token ids -> text, exactly. Decoding one token at a time is wrong in two ways: a UTF-8
-   character can be split across tokens (decoding the first part alone gives U+FFFD), and
-   SentencePiece-style decoders drop or keep a token's leading space depending on whether it is
-   the first token decoded. So each step decodes a short window of ids that begins before the
-   new ones (``ids[prefix_offset:]``), and emits only what that window adds beyond the already
-   emitted part (``ids[prefix_offset:read_offset]``); while the window's text ends in U+FFFD (an
-   incomplete character) nothing is emitted and the offsets stay. This is vLLM's
+1. Ids -> text. One token alone can split a UTF-8 character (U+FFFD) or lose a SentencePiece
+   leading space, so each step decodes a window ``ids[prefix_offset:]`` and emits what it adds
+   beyond ``ids[prefix_offset:read_offset]``, nothing while it ends in U+FFFD. vLLM's
    ``detokenize_incrementally`` (vllm/transformers_utils/detokenizer_utils.py, after TGI);
-   ``tokenizers.decoders.DecodeStream`` is the same algorithm in Rust. The last few prompt ids
-   seed the window, so the first output token's leading space is decoded in context; when the
-   prompt ends partway through a character, its trailing U+FFFD is not counted as prompt text,
-   so the character that the output completes is emitted whole and no prompt text leaks;
-   U+FFFDs of stray prompt bytes that the output does not change stay the prompt's.
-2. Stop strings, on the emitted text. Text is held back while a suffix of it could still grow
-   into a stop string (the longest suffix that is a proper prefix of one); when a stop string
-   appears, the text is cut at the stop occurrence that ends first (earliest start on a tie),
-   the stop string is kept only with ``include_stop_str_in_output``, and nothing more is emitted.
-   The cut does not depend on how the text was split into tokens or chunks.
+   ``tokenizers.decoders.DecodeStream`` in Rust. The last prompt ids seed the window; a
+   prompt's trailing U+FFFD is emitted once the output completes the character.
+2. Stop strings, on the emitted text: a suffix that could still grow into a stop string is held
+   back; the text is cut at the occurrence that ends first (then starts first), keeping the
+   stop string only with ``include_stop_str_in_output``. Token boundaries do not move the cut.
 
-Invariant (``S == NS``): the concatenation of every ``add_tokens`` delta and ``finish()`` is the
-final ``text``; without stop strings it equals the text of all output ids decoded in the prompt's
-context -- ``tokenizer.decode(output_ids)`` when the prompt is empty or ends on a character
-boundary, for byte-level BPE tokenizers.
+Invariant: the deltas of ``add_tokens`` and ``finish()`` concatenate to ``text``; without stop
+strings that is the output decoded in the prompt's context (``tokenizer.decode(output_ids)`` for
+byte-level BPE when the prompt ends on a character boundary).
 """
 
 from __future__ import annotations
@@ -39,8 +29,7 @@ _TRIM_AT = 256  # drop ids before prefix_offset once this many have piled up
 
 
 class TextDecoder(Protocol):
-    """What the detokenizer needs of a tokenizer: ``jaxserve.tokenizer.Tokenizer`` and a bare
-    ``tokenizers.Tokenizer`` both fit."""
+    """What the detokenizer needs: ``jaxserve.tokenizer.Tokenizer`` or ``tokenizers.Tokenizer``."""
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
@@ -54,11 +43,6 @@ class IncrementalDetokenizer:
       skip_special_tokens: leave special tokens out of the text.
       stop: stop strings (non-empty).
       include_stop_str_in_output: keep the stop string that fired at the end of the text.
-
-    Attributes:
-      text: all text emitted so far (the concatenation of every returned delta).
-      stopped: a stop string fired; further tokens produce no text.
-      stop_reason: the stop string that fired, else None.
 
     Raises:
       ValueError: an empty stop string.
@@ -79,9 +63,9 @@ class IncrementalDetokenizer:
         self._skip_special_tokens = skip_special_tokens
         self._stop = tuple(stop)
         self._include_stop = include_stop_str_in_output
-        self.text = ""
-        self.stopped = False
-        self.stop_reason: str | None = None
+        self.text = ""  # every delta emitted so far, concatenated
+        self.stopped = False  # a stop string fired; further tokens add no text
+        self.stop_reason: str | None = None  # the stop string that fired
         self._held = ""  # decoded text held back as a possible stop-string prefix
         self._finished = False
         prompt = [int(t) for t in prompt_token_ids]
@@ -99,9 +83,7 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
     def add_tokens(self, token_ids: Sequence[int]) -> str:
-        """Take new output ids; return the text delta that is safe to emit now ("" if none).
-
-        After a stop string fired, ids are accepted and add nothing.
+        """Take new output ids; return the text delta safe to emit now ("" if none, or stopped).
 
         Raises:
           RuntimeError: called after ``finish()`` (unless a stop string had fired).
@@ -114,8 +96,7 @@ class IncrementalDetokenizer:
         return self._emit(new_text, final=False)
 
     def finish(self) -> str:
-        """End of the sequence (EOS, length, abort): return the held-back text, including an
-        incomplete trailing character as the decoder renders it (U+FFFD)."""
+        """End of the sequence: return the held-back text (an incomplete character as U+FFFD)."""
         if self._finished:
             return ""
         self._finished = True
@@ -143,8 +124,7 @@ class IncrementalDetokenizer:
         return delta
 
     def _cut(self, text: str) -> int:
-        """Where the new part of a window's ``text`` starts: after the emitted prefix text and,
-        before the first emission, after whatever of the prompt's U+FFFD tail ``text`` keeps."""
+        """Where the new part of a window's ``text`` starts (past the prompt's kept U+FFFD tail)."""
         cut = len(self._prefix_text)
         if self._prompt_text is not None:
             end = min(len(text), len(self._prompt_text))
@@ -172,10 +152,9 @@ class IncrementalDetokenizer:
         return buf
 
     def _first_stop(self, buf: str) -> tuple[int, str] | None:
-        """The stop occurrence in ``buf`` that ends first (then starts first), or None.
+        """The stop occurrence in ``buf`` (held + new text) that ends first, then starts first.
 
-        Occurrences cannot begin in text already emitted: that text never ends with a proper
-        prefix of a stop string, so searching ``buf`` (held + new text) suffices."""
+        None if there is none; emitted text never ends in a stop prefix, so ``buf`` suffices."""
         best: tuple[int, int, str] | None = None
         for stop in self._stop:
             i = buf.find(stop)
