@@ -1,29 +1,18 @@
-"""Tensor parallelism: how the params and the KV cache are split over a device mesh.
+"""Tensor parallelism: how the params and the KV cache are split over a one-axis ``"tp"`` mesh.
 
-Megatron-LM's layout (Shoeybi et al. 2019, arXiv:1909.08053, section 3): in every decoder layer
-q/k/v and the MLP's gate/up projections are *column-parallel* (each device holds a slice of the
-output features, i.e. of the heads / of the intermediate dimension), o and down are
-*row-parallel* (each device holds the matching slice of the input features and produces a partial
-sum). The activations between a column-parallel and its row-parallel partner stay split, so a
-layer needs exactly two all-reduces of ``[T, hidden]``: after the attention output projection
-and after the MLP's down projection. Attention itself is independent per kv head, so the paged KV
-cache ``[L, num_blocks, block_size, kv_heads, head_dim]`` is split over kv heads and the attention
-op (and ``write_kv``) run per device under ``shard_map`` on their local heads, with no
-communication. The embedding table and the LM head are split over the vocabulary. An 8-bit
-cache's scales ``[L, kv_heads]`` are split over kv heads the same way (``kv_scale_spec``), so each
-device holds the scales of its own heads.
+Megatron-LM's layout (arXiv:1909.08053, section 3): q/k/v and gate/up are column-parallel (a
+slice of the output features: heads, intermediate dim), o and down row-parallel (the matching
+input slice, a partial sum), so a layer needs two all-reduces of ``[T, hidden]``, after o and
+after down. The KV cache ``[L, num_blocks, block_size, kv_heads, head_dim]`` and an 8-bit
+cache's scales ``[L, kv_heads]`` split over kv heads; attention and ``write_kv`` run per device
+under ``shard_map`` with no communication. Embedding and LM head split over the vocabulary.
 
-The mesh has one axis, ``"tp"``. Where ``num_kv_heads`` is smaller than the TP size the kv heads
-are *replicated* (each kv head copied ``tp // num_kv_heads`` times, so every device holds one),
-which needs ``tp % num_kv_heads == 0``; query-head counts that do not divide by the TP size are
-refused (padding them would add a zero head's matmul and attention on every device).
+With ``num_kv_heads < tp`` each kv head is replicated ``tp // num_kv_heads`` times (needs
+``tp % num_kv_heads == 0``); query heads that do not divide by ``tp`` are refused.
 
-Quantised weights (``models.quant.QuantizedWeight``) split like the float weight they replace:
-``q`` takes the weight's spec (int4's packed axis holds adjacent input rows, so a shard is a
-contiguous range of rows), ``scale`` (and int4's ``zero``) the same spec, except that a
-per-channel scale (one entry along the contraction axis) is replicated along it. Every split
-axis must divide by the TP size (int4 row-parallel weights: their number of groups, ``in /
-quantization_group_size``); ``shard_params`` refuses others naming the leaf and the numbers.
+A ``models.quant.QuantizedWeight`` splits like the weight it replaces: ``q``, ``scale`` and
+``zero`` take its spec, except a per-channel scale is replicated along the contraction axis.
+Every split axis must divide by ``tp`` (int4 row-parallel: ``in / quantization_group_size``).
 """
 
 from __future__ import annotations
@@ -55,9 +44,8 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
     """Refuse a TP size the model's shapes cannot take.
 
     Raises:
-      ValueError: naming the numbers, if ``tp < 1``, ``num_heads % tp != 0``,
-        ``intermediate_size % tp != 0``, ``vocab_size % tp != 0``, or kv heads neither divide
-        by ``tp`` nor divide it (replication needs ``tp % num_kv_heads == 0``).
+      ValueError: naming the numbers, if ``tp < 1``, ``tp`` does not divide ``num_heads``,
+        ``intermediate_size`` or ``vocab_size``, or kv heads neither divide by nor divide it.
     """
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
@@ -93,10 +81,8 @@ def sharded_config(cfg: ModelConfig, tp: int) -> ModelConfig:
 
 
 def replicate_kv_heads(params: dict, cfg: ModelConfig, tp: int) -> dict:
-    """Copy each kv head's k/v projection columns ``tp // num_kv_heads`` times (adjacent), so
-    q head ``h`` still meets its original kv head ``h // (num_heads // num_kv_heads)`` after the
-    group size shrinks. A no-op when no replication is needed. Leaves: ``[L, hidden, kv*hd]``
-    weights and ``[L, kv*hd]`` biases."""
+    """Copy each kv head's k/v columns (``[L, hidden, kv*hd]``, biases ``[L, kv*hd]``)
+    ``tp // num_kv_heads`` times, adjacent, so q head ``h`` keeps its original kv head."""
     r = kv_replication(cfg, tp)
     if r == 1:
         return params
@@ -115,12 +101,8 @@ def replicate_kv_heads(params: dict, cfg: ModelConfig, tp: int) -> dict:
 
 
 def param_partition_specs(params, cfg: ModelConfig) -> dict:
-    """A PartitionSpec for every leaf of a Llama-family params tree (same structure).
-
-    Stacked layer leaves ``[L, ...]`` follow the column/row rules above; ``embed
-    [vocab, hidden]`` splits the vocabulary, ``lm_head [hidden, vocab]`` too; norms replicate.
-    A ``QuantizedWeight`` gets a ``QuantizedWeight`` of specs (module docstring).
-    """
+    """A PartitionSpec per leaf of a Llama-family params tree (a ``QuantizedWeight`` of specs
+    for a quantised one); norms replicate."""
     del cfg
 
     def spec(path, leaf) -> P:
@@ -153,8 +135,7 @@ def check_divisible(params, specs, tp: int) -> None:
     """Refuse a leaf whose split axis does not divide by ``tp``.
 
     Raises:
-      ValueError: naming the leaf, its shape, the axis and ``tp`` (for int4 weights also the
-        group size to change).
+      ValueError: naming the leaf, its shape, the axis and ``tp`` (int4: the group size).
     """
     pairs = zip(jax.tree_util.tree_flatten_with_path(params)[0],
                 jax.tree_util.tree_leaves(specs), strict=True)
@@ -183,10 +164,7 @@ def kv_scale_spec() -> P:
 
 
 def make_mesh(tp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A 1-D ``("tp",)`` mesh over the first ``tp`` devices (or the given ones).
-
-    Raises ValueError if fewer than ``tp`` devices exist.
-    """
+    """A 1-D ``("tp",)`` mesh over the first ``tp`` devices; ValueError if there are fewer."""
     devs = list(devices if devices is not None else jax.devices())
     if len(devs) < tp:
         raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices; "
@@ -195,9 +173,8 @@ def make_mesh(tp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
 
 
 def place_params(params, cfg: ModelConfig, mesh: Mesh):
-    """Lay a params tree already on ``mesh`` (kv heads replicated, e.g. weights quantised
-    after a sharded load) out with ``param_partition_specs``, so quantised leaves get their
-    documented shardings rather than whatever XLA propagated through the quantisation.
+    """Re-lay a tree already on ``mesh`` (kv heads replicated) with ``param_partition_specs``,
+    e.g. after quantising, whose output XLA may have sharded otherwise.
 
     Raises:
       ValueError: as ``check_divisible``.
@@ -209,8 +186,7 @@ def place_params(params, cfg: ModelConfig, mesh: Mesh):
 
 
 def shard_params(params, cfg: ModelConfig, mesh: Mesh):
-    """Place a params tree on the mesh with ``param_partition_specs`` (kv heads replicated
-    first where needed). Returns the placed tree."""
+    """The params placed with ``param_partition_specs``, kv heads replicated first if needed."""
     tp = mesh.shape[TP_AXIS]
     params = replicate_kv_heads(params, cfg, tp)
     specs = param_partition_specs(params, cfg)
@@ -231,9 +207,8 @@ def shard_attention(attention_fn: Callable[..., jax.Array], mesh: Mesh
                     ) -> Callable[..., jax.Array]:
     """Wrap the pinned attention op so each device attends with its own heads.
 
-    q ``[T, heads, hd]`` and out are split over heads, the caches over kv heads, the batch
-    layout (block tables, lengths) replicated; no communication happens inside. An 8-bit
-    cache's ``k_scale`` / ``v_scale`` keywords are split over kv heads too (``kv_scale_spec``).
+    q ``[T, heads, hd]`` and out split over heads, caches and ``k_scale`` / ``v_scale`` over kv
+    heads, block tables and lengths replicated; no communication inside.
     """
     heads = P(None, TP_AXIS, None)
     cache = kv_cache_spec()
