@@ -1,31 +1,18 @@
-"""On-device sampling with per-row parameters (never static arguments), and raw logprobs.
+"""On-device sampling with per-row parameters (arrays, never static arguments), and raw logprobs.
 
-Inputs per step, ``S`` rows (one per sequence in the bucket), as ``RowInputs``: temperature
-``f32[S]`` (0 = greedy), top_k ``i32[S]`` (<= 0 or >= vocab = off), top_p ``f32[S]`` (1 = off),
-min_p ``f32[S]`` (0 = off), seeds ``u32[S, 2]`` (a 64-bit seed as threefry key data), sample_pos
-``i32[S]`` (the index of the token being sampled among the request's outputs), and for penalties
-slot ``i32[S]`` (the row's ``PenaltyState`` slot; ``R`` = none), repetition / presence /
-frequency penalties ``f32[S]``.
+Per step, ``S`` rows (``RowInputs``) of ``f[S, V]`` logits go through vLLM's order: logit_bias
+and penalties, temperature, top-k / top-p (arXiv:1904.09751) / min-p (arXiv:2407.01082) filters
+(one sort, only when some row asks), then the Gumbel-max draw (noise only when some row is not
+greedy). Row ``i`` draws from ``fold_in(key(seed), sample_pos)``, so its tokens depend only on
+its seed and position, not on batch-mates or on recompute after preemption.
 
-Order of the logit processing (vLLM's): logit_bias and penalties, then temperature, then the
-top-k / top-p / min-p filters, then the draw. Penalties need each request's token history: a
-``PenaltyState`` of ``R`` slots stays on the device across steps (donated like the KV cache). A
-slot's row is reset when its request starts (or restarts after preemption) at position 0, and
-every token the step feeds through the model is counted into its request's row (prompt tokens
-set ``PROMPT_SEEN``, output tokens add 1). When a token is sampled the row therefore holds the
-whole prompt and every output token before it (the last one is fed in the same step), so
-preemption and recompute rebuild it exactly. Requests without penalties or bias hold no slot, and
-all of this sits under ``lax.cond``: a step with no such request does not touch the state.
+Penalties and bias read a device-resident ``PenaltyState`` of ``R`` slots (donated like the KV
+cache). A slot is reset when its request starts at position 0 (again after preemption), and
+every token fed through the model is counted in (prompt: ``PROMPT_SEEN``, output: +1), so when
+a token is sampled the row holds the prompt and all earlier outputs. Requests without penalties
+or bias hold no slot; a step without any skips the state (``lax.cond``).
 
-Each row draws from its own stream ``fold_in(key(seed), sample_pos)``, so a request's tokens
-depend only on its seed and position, never on its batch-mates or on being recomputed after a
-preemption. Sampling is the Gumbel-max trick (argmax of logits / T + Gumbel noise). Top-k / top-p
-filtering (Holtzman et al. 2019, arXiv:1904.09751) and min-p (Nguyen et al. 2024,
-arXiv:2407.01082) sort each row once and run only when some row asks for them (``lax.cond``); the
-noise runs only when some row is not greedy.
-
-Logprobs (``logprobs_of``) are of the raw model distribution, ``log_softmax(logits)`` before any
-of the processing above, so they do not depend on the sampling settings.
+``logprobs_of`` gives the raw ``log_softmax(logits)``, independent of the sampling settings.
 """
 
 from __future__ import annotations
@@ -42,30 +29,25 @@ below it count the token's occurrences in the output."""
 
 
 class RowInputs(NamedTuple):
-    """Per-row sampling inputs (shapes in the module docstring)."""
+    """Per-row sampling inputs, one row per sequence in the bucket."""
 
-    temperature: jax.Array  # f32[S]
-    top_k: jax.Array  # i32[S]
-    top_p: jax.Array  # f32[S]
-    min_p: jax.Array  # f32[S]
-    seeds: jax.Array  # u32[S, 2]
-    sample_pos: jax.Array  # i32[S]
-    slot: jax.Array  # i32[S], R = no penalty state
+    temperature: jax.Array  # f32[S], 0 = greedy
+    top_k: jax.Array  # i32[S], <= 0 or >= vocab = off
+    top_p: jax.Array  # f32[S], 1 = off
+    min_p: jax.Array  # f32[S], 0 = off
+    seeds: jax.Array  # u32[S, 2], a 64-bit seed as threefry key data
+    sample_pos: jax.Array  # i32[S], index of the sampled token among the request's outputs
+    slot: jax.Array  # i32[S], the row's PenaltyState slot; R = none
     repetition_penalty: jax.Array  # f32[S]
     presence_penalty: jax.Array  # f32[S]
     frequency_penalty: jax.Array  # f32[S]
 
 
 class PenaltyState(NamedTuple):
-    """Device-resident token history and logit_bias of the requests that use them.
+    """Device-resident token history and logit_bias of the requests that use them."""
 
-    tokens: ``i32[R, V]``: per slot and token id, ``PROMPT_SEEN`` if the id is in the prompt,
-      plus the id's count in the output so far.
-    bias: ``f32[R, V]``: the slot's logit_bias row (written by ``set_bias_row``).
-    """
-
-    tokens: jax.Array
-    bias: jax.Array
+    tokens: jax.Array  # i32[R, V]: PROMPT_SEEN if in the prompt, + the count in the output
+    bias: jax.Array  # f32[R, V]: the slot's logit_bias row (set_bias_row)
 
 
 def new_penalty_state(num_slots: int, vocab: int) -> PenaltyState:
@@ -102,12 +84,11 @@ def feed_tokens(state: PenaltyState, reset_slots: jax.Array, tok_slot: jax.Array
 
 
 def apply_penalties(logits: jax.Array, rows: RowInputs, state: PenaltyState) -> jax.Array:
-    """Logits ``f32[S, V]`` after each row's repetition / frequency / presence penalties and
-    logit_bias, read from its slot of ``state``; rows without a slot pass through.
+    """Logits ``f32[S, V]`` after each slotted row's penalties and logit_bias.
 
-    repetition (CTRL, arXiv:1909.05858, as vLLM): ``l / p`` where ``l > 0`` else ``l * p``, for
-    every token of the prompt or the output; then ``l - frequency * count - presence *
-    (count > 0)`` over output counts (OpenAI's formula); then ``+ bias``.
+    Repetition (CTRL, arXiv:1909.05858, as vLLM): ``l / p`` where ``l > 0`` else ``l * p`` over
+    prompt and output tokens; then OpenAI's ``l - frequency * count - presence * (count > 0)``
+    over output counts; then ``+ bias``.
     """
     r = state.tokens.shape[0]
     has = (rows.slot >= 0) & (rows.slot < r)
@@ -151,8 +132,7 @@ def _gumbel_sample(scaled: jax.Array, seeds: jax.Array, sample_pos: jax.Array) -
 
 
 def mask_vocab(logits: jax.Array, vocab_limit: int | None) -> jax.Array:
-    """f32 logits with ids at or above ``vocab_limit`` (static) set to a huge negative value
-    (a model whose embedding is larger than its tokenizer's vocabulary)."""
+    """f32 logits with ids >= ``vocab_limit`` (static; the tokenizer's vocabulary) masked."""
     logits = logits.astype(jnp.float32)
     if vocab_limit is not None and vocab_limit < logits.shape[-1]:
         logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, _NEG)
@@ -161,10 +141,11 @@ def mask_vocab(logits: jax.Array, vocab_limit: int | None) -> jax.Array:
 
 def sample(logits: jax.Array, rows: RowInputs, state: PenaltyState | None = None,
            vocab_limit: int | None = None) -> jax.Array:
-    """Sample one token per row; returns ``i32[S]``.
+    """Sample one token per row of ``f[S, V]`` logits; returns ``i32[S]``.
 
-    ``logits`` is ``f[S, V]``; ``state`` (None: no penalties) holds the token history of rows
-    whose ``slot`` is in range. ``vocab_limit`` (static) masks ids at or above it.
+    Args:
+      state: the rows' token history (None: no penalties).
+      vocab_limit: static; ids at or above it are never sampled.
     """
     logits = mask_vocab(logits, vocab_limit)
     vocab = logits.shape[-1]
@@ -190,8 +171,8 @@ def sample(logits: jax.Array, rows: RowInputs, state: PenaltyState | None = None
 
 
 class Logprobs(NamedTuple):
-    """Raw logprobs of ``N`` rows: the ``K`` most likely ids and their logprobs (descending),
-    and one chosen id's logprob and rank (1 = most likely; ties share the better rank)."""
+    """Raw logprobs of ``N`` rows: top ``K`` descending, and a chosen id's (rank 1 = best, ties
+    share the better rank)."""
 
     top_ids: jax.Array  # i32[N, K]
     top_logprobs: jax.Array  # f32[N, K]
