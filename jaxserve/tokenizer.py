@@ -1,35 +1,24 @@
 """Text <-> token ids, and chat-template rendering, for one model.
 
-``Tokenizer`` wraps a Hugging Face ``tokenizers.Tokenizer`` (the Rust library; BPE is never
-hand-rolled here) together with what the model file says about it: BOS/EOS ids, whether BOS is
-prepended, the chat template and the model's name.
+``Tokenizer`` wraps a Hugging Face ``tokenizers.Tokenizer`` (BPE is never hand-rolled) with what
+the model file says about it: BOS/EOS ids, whether BOS is prepended, chat template, name.
 
-From a GGUF file the backend is built as Hugging Face transformers builds it when it loads the same
-file (``transformers/integrations/ggml.py``: a GGUF whose ``general.architecture`` is ``llama``
-and whose ``tokenizer.ggml.model`` is ``gpt2`` goes through ``GGUFLlamaConverter`` with its
-"llama-3" branch, a byte-level BPE): BPE over ``tokenizer.ggml.tokens``/``.merges`` (unk token,
-fuse_unk, byte_fallback), no normalizer, a ``ByteLevel(add_prefix_space=False,
-trim_offsets=False, use_regex=True)`` pre-tokenizer, the decoder sequence ByteFallback, Fuse,
-Replace("▁", " "), ByteLevel, and every control token (``token_type == 3``) registered as a
-special added token, so that ``<|im_start|>`` in a rendered prompt becomes one id. The goldens in
-``tests/goldens/smollm2.json`` check that the ids agree with transformers.
+From a GGUF file the backend is built as transformers builds it from the same file, so the ids
+agree (checked by ``tests/goldens/smollm2.json`` and ``gemma3.json``):
 
-A Gemma GGUF (``general.architecture`` ``gemma``/``gemma2``/``gemma3``, ``tokenizer.ggml.model``
-``llama``, i.e. SentencePiece) is built as transformers builds it (``gemma_tokenizer`` in
-``transformers/integrations/gguf/gguf_tokenizer_mapping.py``, handing over to its
-``GemmaTokenizer``): the file lists no merges, so they are derived from the vocabulary (every
-split of a token into two tokens of the vocabulary is a merge, ranked by the position of the
-merged token in the file, then longer left parts first); tokens made only of spaces are
-respelled with "▁"; a BPE with byte fallback over a normaliser that turns " " into "▁", no
-pre-tokenisation, and the decoder Replace("▁", " "), ByteFallback, Fuse; control tokens special,
-user-defined ones (``token_type == 4``, e.g. runs of newlines) plain added tokens when their
-spelling is in the vocabulary (runs of spaces, respelled there, are not).
-``tests/goldens/gemma3.json`` checks the ids against transformers.
+- ``tokenizer.ggml.model`` ``gpt2``: ``GGUFLlamaConverter``'s "llama-3" branch
+  (``transformers/integrations/ggml.py``), a byte-level BPE (``_byte_level_backend``).
+- ``llama`` (SentencePiece) of a Gemma architecture: ``gemma_tokenizer``
+  (``transformers/integrations/gguf/gguf_tokenizer_mapping.py``, ``_gemma_backend``): the file
+  has no merges, so every split of a token into two vocabulary tokens is one, ranked by the
+  merged token's position, then longer left part first; all-space tokens are respelled "▁".
 
-Chat templates render as transformers' ``apply_chat_template`` renders them: jinja2's
-``ImmutableSandboxedEnvironment`` with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols``
-extension, a ``{% generation %}`` tag that renders its body, the ``tojson`` filter,
-``raise_exception`` and ``strftime_now`` globals, and ``bos_token``/``eos_token``/... variables.
+Control tokens (``token_type == 3``) become special added tokens, so ``<|im_start|>`` is one
+id; Gemma's user-defined ones (4) become plain added tokens when spelled in the vocabulary.
+
+Chat templates render as transformers' ``apply_chat_template``: ``ImmutableSandboxedEnvironment``
+with ``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, ``{% generation %}``, ``tojson``,
+``raise_exception``, ``strftime_now`` and the ``bos_token``/``eos_token``/... variables.
 """
 
 from __future__ import annotations
@@ -87,10 +76,7 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class Tokenizer:
-    """One model's tokenizer: a ``tokenizers.Tokenizer`` plus the model's special-token facts.
-
-    The arguments below are kept as attributes of the same names (``bos_token_id``,
-    ``eos_token_id``, ``vocab_size``, ``name``, ``chat_template``, ...).
+    """One model's tokenizer; the arguments are kept as attributes of the same names.
 
     Args:
       backend: the ``tokenizers.Tokenizer`` that maps text to ids and back.
@@ -130,14 +116,13 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str, reader: object = None) -> Tokenizer:
-        """Build the tokenizer a GGUF file carries, as transformers builds it (see module doc).
+        """Build the tokenizer a GGUF file carries, as transformers does (module doc).
 
-        ``reader``: an open ``models.gguf_reader.GGUFFile`` (or ``gguf.GGUFReader``) of
-        ``path`` to reuse; by default the file is opened here.
+        Args:
+          reader: an open ``GGUFFile`` (or ``gguf.GGUFReader``) of ``path``; default: open it.
 
         Raises:
-          ValueError: the file has no tokenizer, or a tokenizer model other than ``gpt2``
-            (byte-level BPE) or, for Gemma architectures, ``llama`` (SentencePiece).
+          ValueError: no tokenizer, or a model other than ``gpt2`` (or Gemma's ``llama``).
         """
         from models.gguf_reader import GGUFFile  # lazy: models/ imports jax; this module does not
 
@@ -202,10 +187,8 @@ class Tokenizer:
         add_bos_token: bool = False,
         name: str = "",
     ) -> Tokenizer:
-        """Build from an HF ``tokenizer.json`` plus the special tokens named in its config.
-
-        The caller reads ``tokenizer_config.json`` (bos/eos token strings, chat template) and
-        passes them; ``add_bos_token`` is applied here, not by the file's post-processor.
+        """Build from an HF ``tokenizer.json`` and the caller-read ``tokenizer_config.json``
+        values; ``add_bos_token`` is applied here, not by the file's post-processor.
 
         Raises:
           ValueError: a named BOS/EOS token is not in the vocabulary.
@@ -221,15 +204,9 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained_dir(cls, path: str) -> Tokenizer:
-        """Build from a directory in HF layout: ``tokenizer.json``, and when present
-        ``tokenizer_config.json`` (``bos_token``/``eos_token`` as strings or ``{"content": ...}``,
-        ``add_bos_token``, ``add_eos_token``, ``chat_template`` as a string or a list of
-        ``{"name", "template"}``), ``chat_template.jinja`` and ``generation_config.json``
-        (``eos_token_id``: an id or a list of ids that end generation). HF directories and
-        checkpoints written by ``jaxserve convert`` both have this layout.
-
-        When ``add_bos_token`` is not given, BOS is added if the file's post-processor adds it
-        (as transformers' Llama-3 tokenizers do).
+        """Build from an HF-layout directory (also ``jaxserve convert``'s): ``tokenizer.json``
+        and, if present, ``tokenizer_config.json``, ``chat_template.jinja`` and
+        ``generation_config.json``. Without ``add_bos_token``, BOS follows the post-processor.
 
         Raises:
           ValueError: no tokenizer.json, unreadable JSON, or a BOS/EOS token not in the
@@ -286,9 +263,7 @@ class Tokenizer:
                    name=os.path.basename(os.path.normpath(path)))
 
     def save_pretrained(self, path: str) -> None:
-        """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``generation_config.json``
-        under ``path`` so that ``from_pretrained_dir(path)`` rebuilds an equal tokenizer (the
-        chat template only when the model has its own)."""
+        """Write the files ``from_pretrained_dir(path)`` rebuilds an equal tokenizer from."""
         os.makedirs(path, exist_ok=True)
         self.backend.save(os.path.join(path, "tokenizer.json"))
         config: dict = {
@@ -313,8 +288,7 @@ class Tokenizer:
 
     @cached_property
     def eos_token_ids(self) -> frozenset[int]:
-        """Ids that end generation: EOS, GGUF eot/eom ids, and the chat template's end-of-turn
-        token (one of ``END_OF_TURN_TOKENS`` that the template uses and that is special)."""
+        """EOS, GGUF eot/eom ids, and the template's special ``END_OF_TURN_TOKENS`` entry."""
         ids = set(self._extra_eos)
         if self.eos_token_id is not None:
             ids.add(self.eos_token_id)
@@ -327,8 +301,7 @@ class Tokenizer:
     # ---- text <-> ids -------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; special-token strings in it (``<|im_start|>``) become their ids.
-        With ``add_special_tokens``, BOS/EOS are added where the model says so.
+        """Token ids of ``text`` (``<|im_start|>`` is one id); BOS/EOS as the model says.
 
         Raises:
           ValueError: ``text`` holds a lone surrogate (not encodable as UTF-8)."""
@@ -350,15 +323,13 @@ class Tokenizer:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str | None:
-        """The vocabulary string of one id (byte-level form, e.g. ``'Ġworld'``); None if
-        unknown."""
+        """The vocabulary string of one id (e.g. ``'Ġworld'``); None if unknown."""
         return self.backend.id_to_token(int(token_id))
 
     def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes:
-        """The exact bytes one id contributes to decoded text (a byte-level piece may be part
-        of a multi-byte character); a special token gives its text, or ``b""`` when skipped.
-        Joining the bytes of a sequence's ids gives the UTF-8 of ``decode`` of the sequence
-        (for a SentencePiece-style decoder, up to the leading space it strips)."""
+        """The bytes one id adds to decoded text (maybe part of a character; a skipped special
+        token: ``b""``); joined, they are ``decode``'s UTF-8 (SentencePiece: but its leading
+        space)."""
         t = int(token_id)
         if t in self.all_special_ids:
             return b"" if skip_special_tokens else (self.id_to_token(t) or "").encode()
@@ -392,9 +363,7 @@ class Tokenizer:
     # ---- chat ---------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` with the model's chat template into one prompt string.
-
-        Messages are validated and normalised first (see ``normalize_messages``).
+        """Render ``messages`` (``normalize_messages`` first) with the chat template.
 
         Raises:
           ValueError: a malformed message (naming the field, e.g. ``messages[2].content``), the
@@ -431,8 +400,7 @@ def _byte_level_backend(tokens: list[str], merges: list[tuple[str, ...]],
 
 
 def _gemma_backend(tokens: list[str]) -> tokenizers.Tokenizer:
-    """The SentencePiece-as-BPE backend of a Gemma GGUF tokenizer (module doc), before added
-    tokens. ``tokens``: the file's vocabulary in id order."""
+    """The SentencePiece-as-BPE of a Gemma GGUF's vocabulary, in id order (module doc)."""
     tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
     vocab = {t: i for i, t in enumerate(tokens)}  # a repeated spelling keeps its last id
     rank = {t: -i for i, t in enumerate(tokens)}  # earlier in the file merges first
@@ -457,9 +425,8 @@ def _gemma_backend(tokens: list[str]) -> tokenizers.Tokenizer:
 def normalize_messages(messages: object) -> list[dict]:
     """Check chat messages and return copies whose ``content`` is a string.
 
-    Each message is a dict with ``role`` in ``CHAT_ROLES`` and ``content`` a string or an OpenAI
-    list of ``{"type": "text", "text": ...}`` parts (joined with "\\n", as vLLM joins them); an
-    assistant message with ``tool_calls`` may have null content. Other keys pass through.
+    A message has ``role`` in ``CHAT_ROLES`` and ``content`` a string or OpenAI text parts
+    (joined with "\\n", as vLLM does), null with ``tool_calls``; other keys pass through.
 
     Raises:
       ValueError: naming the field: ``messages``, ``messages[i]``, ``messages[i].role``,
@@ -495,8 +462,7 @@ def normalize_messages(messages: object) -> list[dict]:
 
 
 class _GenerationTag(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` (transformers' AssistantTracker): renders its
-    body unchanged; templates that mark assistant spans parse and render as in transformers."""
+    """``{% generation %}...{% endgeneration %}`` (transformers' AssistantTracker): the body."""
 
     tags: ClassVar[set[str]] = {"generation"}
 
