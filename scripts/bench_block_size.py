@@ -54,22 +54,23 @@ def sharegpt_like(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, str]:
 
 def simulated_waste(ins: np.ndarray, outs: np.ndarray, block_size: int) -> dict[str, float]:
     """Time-averaged and end-of-request KV waste of the scheduler on these lengths."""
-    from jaxserve.core import scheduler as s
+    from jaxserve.core.scheduler import Scheduler, SchedulerConfig
+    from jaxserve.core.sequence import SeqState
 
     total = int((ins + outs).sum())
-    cfg = s.SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512, block_size=block_size,
-                            max_model_len=4096, num_blocks=total // block_size + len(ins) + 2,
-                            enable_prefix_caching=False)
-    state = s.new_state(cfg)
+    cfg = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512, block_size=block_size,
+                          max_model_len=4096, num_blocks=total // block_size + len(ins) + 2,
+                          enable_prefix_caching=False)
+    sched = Scheduler(cfg)
     for i, (n, m) in enumerate(zip(ins.tolist(), outs.tolist())):
-        state = s.add_request(state, s.SeqState(f"r{i}", [1] * n, n, m))
+        sched.add(SeqState(f"r{i}", [1] * n, n, m))
     allocated = used = 0
-    while s.has_unfinished(state):
-        state, out = s.schedule(state)
-        state, _ = s.update(state, out, [2] * len(out.scheduled))
-        allocated += sum(len(q.block_ids) for q in state.running) * block_size
-        used += sum(q.num_computed_tokens for q in state.running)
-    assert state.num_preemptions_total == 0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        sched.update(out, [2] * len(out.scheduled))
+        allocated += sum(len(q.block_ids) for q in sched.running) * block_size
+        used += sum(q.num_computed_tokens for q in sched.running)
+    assert sched.num_preemptions_total == 0
     lens = ins + outs
     alloc_end = -(-lens // block_size) * block_size
     return {"waste_time_avg": 1 - used / allocated,

@@ -90,7 +90,7 @@ def main() -> None:
                 ttfts[-1].append(1000 * (first - t0))
             prefill.append((reg.get_sample_value("jaxserve:prompt_tokens_total") or 0.0) - before)
         later = [t for rnd in ttfts[1:] for t in rnd]
-        st = engine.state.kv_stats
+        st = engine.scheduler.kv_stats
         key = "host_tier" if host else "recompute"
         results[key] = {
             "median_ttft_ms_after_round_1": float(np.median(later)),
@@ -99,7 +99,7 @@ def main() -> None:
             "prefill_tokens_per_round": prefill, "host_cache_hit_tokens": st.host_cache_hits,
             "prefix_cache_hit_tokens": st.prefix_cache_hits,
             "offloaded_blocks": st.num_offloaded_blocks, "evicted_blocks": st.num_evicted_blocks,
-            "num_host_blocks": engine.state.config.num_host_blocks, "ttfts_ms": ttfts,
+            "num_host_blocks": engine.scheduler.config.num_host_blocks, "ttfts_ms": ttfts,
         }
         res = results[key]
         print(f"{key:9s}: TTFT after round 1 median {res['median_ttft_ms_after_round_1']:7.1f} ms, "

@@ -24,7 +24,7 @@ def decode_step_ms(num_blocks: int, batch: int, context: int, steps: int) -> lis
     for i in range(batch):
         e.add_request(str(i), [100 + (i + j) % 1000 for j in range(context)],
                       SamplingParams(max_tokens=steps + 20, temperature=0, ignore_eos=True))
-    while any(s.num_computed_tokens < context for s in e.state.running) or e.state.waiting:
+    while any(s.num_computed_tokens < context for s in e.scheduler.running) or e.scheduler.waiting:
         e.step()  # prefill
     for _ in range(3):
         e.step()

@@ -26,27 +26,28 @@ from bench_block_size import sharegpt_like
 def simulate(ins: np.ndarray, outs: np.ndarray, policy: str, num_blocks: int,
              num_host_blocks: int, block_size: int) -> dict[str, float]:
     """Run the workload through the scheduler; counts of work and finish steps."""
-    from jaxserve.core import scheduler as s
+    from jaxserve.core.scheduler import Scheduler, SchedulerConfig
+    from jaxserve.core.sequence import SeqState
 
-    cfg = s.SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512, block_size=block_size,
-                            max_model_len=4096, num_blocks=num_blocks,
-                            enable_prefix_caching=False, num_host_blocks=num_host_blocks,
-                            preemption_policy=policy)
-    state = s.new_state(cfg)
+    cfg = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512, block_size=block_size,
+                          max_model_len=4096, num_blocks=num_blocks,
+                          enable_prefix_caching=False, num_host_blocks=num_host_blocks,
+                          preemption_policy=policy)
+    sched = Scheduler(cfg)
     for i, (n, m) in enumerate(zip(ins.tolist(), outs.tolist())):
-        state = s.add_request(state, s.SeqState(f"r{i}", [1] * n, n, m))
+        sched.add(SeqState(f"r{i}", [1] * n, n, m))
     computed = steps = 0
     finish: list[int] = []
-    while s.has_unfinished(state):
-        state, out = s.schedule(state)
+    while sched.has_unfinished():
+        out = sched.schedule()
         computed += out.num_scheduled_tokens
-        state, res = s.update(state, out, [2] * len(out.scheduled))
+        res = sched.update(out, [2] * len(out.scheduled))
         steps += 1
         finish += [steps] * len(res.finished)
-    st = state.kv_stats
+    st = sched.kv_stats
     useful = int(ins.sum() + outs.sum() - len(ins))  # every token but each request's last
     return {"steps": steps, "tokens_computed": computed, "wasted_tokens": computed - useful,
-            "preemptions": state.num_preemptions_total, "swaps": st.num_swaps,
+            "preemptions": sched.num_preemptions_total, "swaps": st.num_swaps,
             "swapped_blocks": st.num_swapped_out_blocks,
             "mean_finish_step": float(np.mean(finish)),
             "p99_finish_step": float(np.percentile(finish, 99))}

@@ -34,7 +34,7 @@ def run_once(engine, prompts: list[list[int]], max_tokens: int) -> dict[str, flo
 
     reg = engine.metrics.registry
     prompt_before = reg.get_sample_value("jaxserve:prompt_tokens_total") or 0.0
-    hits_before = engine.state.kv_stats.prefix_cache_hits
+    hits_before = engine.scheduler.kv_stats.prefix_cache_hits
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     t0 = time.perf_counter()
     for i, ids in enumerate(prompts):
@@ -50,7 +50,7 @@ def run_once(engine, prompts: list[list[int]], max_tokens: int) -> dict[str, flo
     return {
         "prefill_tokens": (reg.get_sample_value("jaxserve:prompt_tokens_total") or 0.0)
         - prompt_before,
-        "prefix_cache_hit_tokens": engine.state.kv_stats.prefix_cache_hits - hits_before,
+        "prefix_cache_hit_tokens": engine.scheduler.kv_stats.prefix_cache_hits - hits_before,
         "median_ttft_ms": float(np.median(ttfts)), "p99_ttft_ms": pct(ttfts, 0.99),
         "wall_s": wall, "steps": steps, "ttfts_ms": ttfts,
     }

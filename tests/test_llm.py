@@ -14,7 +14,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8)
 def llm(engine) -> LLM:
     yield LLM.from_engine(engine)
     assert not engine.has_unfinished_requests()
-    pool = engine.state.block_pool
+    pool = engine.scheduler.block_pool
     assert pool.num_free_blocks == pool.num_usable_blocks
 
 

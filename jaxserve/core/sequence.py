@@ -33,7 +33,7 @@ class SeqState:
     stop_token_ids: frozenset[int] = frozenset()
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
-    arrival_index: int = -1  # set by add_request
+    arrival_index: int = -1  # set by Scheduler.add
     num_preemptions: int = 0
     skip_prefix_cache: bool = False
     cache_salt: str | None = None

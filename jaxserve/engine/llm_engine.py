@@ -1,9 +1,9 @@
 """The synchronous engine core: requests in, one batched step at a time, outputs out.
 
 ``LLMEngine.step()`` is the whole data flow of design.md:
-  ``schedule(state)`` (pure Python plan) -> ``runner.pack_step`` (numpy, padded to a bucket) ->
+  ``scheduler.schedule()`` (pure Python plan) -> ``runner.pack_step`` (numpy, padded to a bucket) ->
   ``runner.execute`` (one compiled XLA program, KV cache donated, sampling on device) ->
-  ``update(state, sampled)`` (token-id stop checks, block frees) -> incremental detokenisation and
+  ``update(plan, sampled)`` (token-id stop checks, block frees) -> incremental detokenisation and
   stop strings -> ``RequestOutput`` per request that changed.
 The async server (``AsyncEngine``) and the offline ``LLM`` both drive this object.
 """
@@ -20,7 +20,8 @@ import jax
 import numpy as np
 
 from jaxserve.config import EngineConfig, LoadConfig
-from jaxserve.core import scheduler as sched
+from jaxserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from jaxserve.core.sequence import SeqState
 from jaxserve.device.host_tier import HostKVTier
 from jaxserve.device.runner import ModelRunner, RowParams
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
@@ -59,7 +60,7 @@ class _Request:
     index: int
     params: SamplingParams
     seed: int  # u64
-    seq: sched.SeqState
+    seq: SeqState
     detok: IncrementalDetokenizer
     last_token_time: float | None = None
     output_token_ids: list[int] = field(default_factory=list)
@@ -189,7 +190,7 @@ class LLMEngine:
             raise ValueError("kv_offloading_size is not supported when one model spans several "
                              "processes (--num-processes > 1): the host-tier copies would run "
                              "on process 0 alone")
-        self.state = sched.new_state(sched.SchedulerConfig.from_engine_config(
+        self.scheduler = Scheduler(SchedulerConfig.from_engine_config(
             config, self.num_blocks, self.max_model_len,
             self.host_kv.num_blocks if self.host_kv is not None else 0))
         if metrics is not None:
@@ -381,13 +382,13 @@ class LLMEngine:
             group.prompt_logprobs = [None] * len(prompt_token_ids)
         base_seed = params.seed % 2**64 if params.seed is not None else None
         for i, sid in enumerate(seq_ids):
-            seq = sched.SeqState(
+            seq = SeqState(
                 request_id=sid, token_ids=list(prompt_token_ids),
                 num_prompt_tokens=len(prompt_token_ids), max_tokens=max_tokens,
                 stop_token_ids=frozenset(stop_ids),
                 skip_prefix_cache=params.uses_penalty_state or (
                     i == 0 and params.prompt_logprobs is not None))
-            self.state = sched.add_request(self.state, seq)
+            self.scheduler.add(seq)
             if base_seed is None:
                 seed = int(self._rng.integers(2**63))
             else:  # choice 0 keeps the seed; the others get distinct streams derived from it
@@ -409,7 +410,7 @@ class LLMEngine:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         groups = [g for rid in dict.fromkeys(ids) if (g := self.groups.pop(rid, None))]
         seq_ids = [c.request_id for g in groups for c in g.choices if not c.finished]
-        self.state, aborted = sched.abort_requests(self.state, seq_ids)
+        aborted = self.scheduler.abort(seq_ids)
         for sid in seq_ids:
             self._release_slot(self.requests.pop(sid))
         if self.metrics is not None:
@@ -442,46 +443,46 @@ class LLMEngine:
         """Free the slots of requests no longer running (preempted): they restart at position
         0, where a fresh slot is reset, so holders never outnumber ``max_num_seqs``."""
         if self._slot_owner:
-            running = {s.request_id for s in self.state.running}
+            running = {s.request_id for s in self.scheduler.running}
             for req in [r for r in self._slot_owner.values() if r.request_id not in running]:
                 self._release_slot(req)
 
     def _record_step(self, num_prompt_tokens: int = 0, num_generation_tokens: int = 0,
-                     num_preemptions: int = 0, plan: sched.SchedulerOutput | None = None) -> None:
+                     num_preemptions: int = 0, plan: SchedulerOutput | None = None) -> None:
         if self.metrics is not None:
-            self.metrics.record_step(len(self.state.running), len(self.state.waiting),
-                                     self.state.block_pool.usage, num_prompt_tokens,
+            self.metrics.record_step(len(self.scheduler.running), len(self.scheduler.waiting),
+                                     self.scheduler.block_pool.usage, num_prompt_tokens,
                                      num_generation_tokens, num_preemptions)
             if plan is not None:  # batch occupancy of the step that ran (0, 0 when idle)
                 self.metrics.record_batch(len(plan.scheduled), plan.num_scheduled_tokens)
-            host = self.state.host_pool
-            self.metrics.record_kv_stats(self.state.kv_stats,
+            host = self.scheduler.host_pool
+            self.metrics.record_kv_stats(self.scheduler.kv_stats,
                                          None if host is None else 1 - host.num_free_blocks /
                                          host.num_usable_blocks)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached-free block in both tiers (blocks of running requests are kept),
         e.g. between benchmark runs. Returns how many blocks were dropped."""
-        kv = self.state.kv
+        kv = self.scheduler.kv
         return kv.device.reset_prefix_cache() + (kv.host.reset_prefix_cache() if kv.host else 0)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
-        return sched.has_unfinished(self.state)
+        return self.scheduler.has_unfinished()
 
     @property
     def num_running(self) -> int:
-        return len(self.state.running)
+        return len(self.scheduler.running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.state.waiting)
+        return len(self.scheduler.waiting)
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns outputs of requests with new text or a finish."""
-        preempted_before = self.state.num_preemptions_total
-        self.state, plan = sched.schedule(self.state)
+        preempted_before = self.scheduler.num_preemptions_total
+        plan = self.scheduler.schedule()
         self._copy_blocks(plan)
         if plan.is_empty:
             self._record_step(plan=plan)
@@ -521,7 +522,7 @@ class LLMEngine:
         lp = out.logprobs() if want_lp else None
         row_of = {s.request_id: i for i, s in enumerate(plan.scheduled)}
         sampled = [int(out.ids[i]) if s.sample else None for i, s in enumerate(plan.scheduled)]
-        self.state, result = sched.update(self.state, plan, sampled)
+        result = self.scheduler.update(plan, sampled)
         now = time.monotonic()
         touched: dict[str, _Group] = {}
         for rid, tok in result.new_token_ids.items():
@@ -532,10 +533,10 @@ class LLMEngine:
                 touched[req.group.request_id] = req.group
         outputs = [self._group_output(g, now) for g in touched.values()]
         self._record_step(num_prompt_tokens, len(result.new_token_ids),
-                          self.state.num_preemptions_total - preempted_before, plan)
+                          self.scheduler.num_preemptions_total - preempted_before, plan)
         return outputs
 
-    def _copy_blocks(self, plan: sched.SchedulerOutput) -> None:
+    def _copy_blocks(self, plan: SchedulerOutput) -> None:
         """Run the plan's host-tier copies, offloads then loads, before its forward pass."""
         if plan.offloads:
             self.host_kv.offload(self.runner.kv_cache, plan.offloads)
@@ -594,7 +595,7 @@ class LLMEngine:
             delta = req.detok.add_tokens([token])
             if req.detok.stopped:
                 finish, stop_reason = "stop", req.detok.stop_reason
-                self.state = sched.finish_requests(self.state, [rid], "stop")
+                self.scheduler.finish([rid])
         if finish is not None and not req.detok.stopped:
             delta += req.detok.finish()
         new_ids = req.output_token_ids[req.num_emitted_tokens:]

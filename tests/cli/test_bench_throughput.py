@@ -22,9 +22,9 @@ def test_static_batching_matches_continuous_and_counts_waste(engine) -> None:  #
     lens = [(200, 3), (37, 6), (150, 1), (9, 4), (181, 2)]  # (prompt, output)
     reqs = [StaticRequest(rng.integers(1000, 20000, size=p).tolist(), n, 0.0, i)
             for i, (p, n) in enumerate(lens)]
-    free = engine.state.block_pool.num_free_blocks
+    free = engine.scheduler.block_pool.num_free_blocks
     st = StaticBatchEngine(engine).run(reqs)
-    assert engine.state.block_pool.num_free_blocks == free
+    assert engine.scheduler.block_pool.num_free_blocks == free
     _, cont = run_continuous(engine, reqs)
     assert st.outputs == cont
     assert [len(o) for o in st.outputs] == [n for _, n in lens]
@@ -45,7 +45,7 @@ def test_static_batching_rejects_what_it_cannot_hold(engine) -> None:  # type: i
         StaticBatchEngine(engine).run([StaticRequest([1000] * 1000, 100)])
     with pytest.raises(ValueError, match="num_output_tokens"):
         StaticBatchEngine(engine).run([StaticRequest([1000], 0)])
-    assert engine.state.block_pool.num_free_blocks == engine.num_blocks - 1
+    assert engine.scheduler.block_pool.num_free_blocks == engine.num_blocks - 1
 
 
 def test_bench_throughput_command(tmp_path: Path) -> None:

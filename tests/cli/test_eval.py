@@ -131,10 +131,9 @@ def test_default_set_ships_enough_prose_and_prompts(tokenizer) -> None:
 def _direct_ppl(ids: list[int], window: int, stride: int) -> tuple[float, np.ndarray]:
     """Perplexity and argmaxes over the same windows from one plain prefill per window of the
     same dummy weights (tests/support/prefill.py), outside the engine and its sampler."""
-    from tests.support.prefill import prefill_logits
-
     from jaxserve.loading.load import load_model, resolve_dtype
     from models.registry import get_architecture
+    from tests.support.prefill import prefill_logits
 
     dtype = resolve_dtype("float32")
     mc, params, tok, _ = load_model(TINY, dtype, CONFIG.seed)

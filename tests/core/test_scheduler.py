@@ -17,27 +17,13 @@ from hypothesis.stateful import (
 )
 
 from jaxserve.config import EngineConfig
-from jaxserve.core.scheduler import (
-    SchedulerConfig,
-    SchedulerOutput,
-    SchedulerState,
-    SeqState,
-    UpdateResult,
-    abort_requests,
-    add_request,
-    cdiv,
-    finish_requests,
-    has_unfinished,
-    new_state,
-    num_unfinished,
-    schedule,
-    update,
-)
+from jaxserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, UpdateResult
+from jaxserve.core.sequence import SeqState, cdiv
 
 STOP = 0
 
 
-def make_state(
+def make_scheduler(
     max_num_seqs: int = 4,
     max_num_batched_tokens: int = 64,
     block_size: int = 4,
@@ -47,11 +33,11 @@ def make_state(
     enable_prefix_caching: bool = False,
     num_host_blocks: int = 0,
     preemption_policy: str = "newest",
-) -> SchedulerState:
+) -> Scheduler:
     """A scheduler; prefix caching is off unless asked for, because make_seq's prompts all
     share their start (the plan tests below are about plans without cache hits), and the
     victim policy is "newest" (the preemption tests below are worked out for it)."""
-    return new_state(
+    return Scheduler(
         SchedulerConfig(max_num_seqs, max_num_batched_tokens, block_size, max_model_len, num_blocks,
                         long_prefill_token_threshold, enable_prefix_caching, num_host_blocks,
                         preemption_policy)
@@ -64,20 +50,18 @@ def make_seq(rid: str, prompt_len: int, max_tokens: int = 8, stop: bool = True) 
     return SeqState(rid, prompt, prompt_len, max_tokens, stops)
 
 
-def step(
-    state: SchedulerState, token: int = 7
-) -> tuple[SchedulerState, SchedulerOutput, UpdateResult]:
-    state, out = schedule(state)
-    state, res = update(state, out, [token if s.sample else None for s in out.scheduled])
-    return state, out, res
+def step(sched: Scheduler, token: int = 7) -> tuple[SchedulerOutput, UpdateResult]:
+    out = sched.schedule()
+    res = sched.update(out, [token if s.sample else None for s in out.scheduled])
+    return out, res
 
 
-def by_id(state: SchedulerState, rid: str) -> SeqState:
-    return next(s for s in (*state.running, *state.waiting) if s.request_id == rid)
+def by_id(sched: Scheduler, rid: str) -> SeqState:
+    return next(s for s in (*sched.running, *sched.waiting) if s.request_id == rid)
 
 
-def held(state: SchedulerState) -> int:
-    return state.block_pool.num_usable_blocks - state.block_pool.num_free_blocks
+def held(sched: Scheduler) -> int:
+    return sched.block_pool.num_usable_blocks - sched.block_pool.num_free_blocks
 
 
 # ---------------------------------------------------------------- unit tests on the plan
@@ -97,21 +81,21 @@ def test_from_engine_config() -> None:
 
 
 def test_prefill_then_decode_of_several_requests() -> None:
-    state = make_state()
+    sched = make_scheduler()
     for rid, n in (("a", 5), ("b", 3), ("c", 6)):
-        state = add_request(state, make_seq(rid, n))
-    assert num_unfinished(state) == 3 and [s.arrival_index for s in state.waiting] == [0, 1, 2]
-    state, out = schedule(state)
+        sched.add(make_seq(rid, n))
+    assert sched.num_unfinished() == 3 and [s.arrival_index for s in sched.waiting] == [0, 1, 2]
+    out = sched.schedule()
     assert [s.request_id for s in out.scheduled] == ["a", "b", "c"]
     assert out.num_scheduled_tokens == 14 and out.preempted_ids == () and not out.is_empty
     for s, n in zip(out.scheduled, (5, 3, 6)):
         assert s.start_pos == 0 and s.sample and s.token_ids == tuple(range(100, 100 + n))
         assert len(s.block_ids) == cdiv(n, 4) and 0 not in s.block_ids
-    state, res = update(state, out, [11, 12, 13])
+    res = sched.update(out, [11, 12, 13])
     assert res.new_token_ids == {"a": 11, "b": 12, "c": 13} and res.finished == {}
-    assert by_id(state, "a").output_token_ids == [11]
+    assert by_id(sched, "a").output_token_ids == [11]
 
-    state, out = schedule(state)
+    out = sched.schedule()
     assert [(s.request_id, s.token_ids, s.start_pos, s.sample) for s in out.scheduled] == [
         ("a", (11,), 5, True),
         ("b", (12,), 3, True),
@@ -120,17 +104,17 @@ def test_prefill_then_decode_of_several_requests() -> None:
     assert out.num_scheduled_tokens == 3
     # positions 5, 3, 6: b still fits in one block (cdiv(3 + 1, 4) == 1)
     assert [len(s.block_ids) for s in out.scheduled] == [2, 1, 2]
-    state, res = update(state, out, [21, 22, 23])
-    assert by_id(state, "b").token_ids == [100, 101, 102, 12, 22]
-    assert by_id(state, "b").num_computed_tokens == 4
+    res = sched.update(out, [21, 22, 23])
+    assert by_id(sched, "b").token_ids == [100, 101, 102, 12, 22]
+    assert by_id(sched, "b").num_computed_tokens == 4
 
 
 def test_chunked_prefill_across_steps() -> None:
-    state = make_state(max_num_batched_tokens=8)
-    state = add_request(state, make_seq("long", 20))
+    sched = make_scheduler(max_num_batched_tokens=8)
+    sched.add(make_seq("long", 20))
     expected = [(0, 8, False, 2), (8, 8, False, 4), (16, 4, True, 5)]
     for start, n, sample, nblocks in expected:
-        state, out, res = step(state, token=9)
+        out, res = step(sched, token=9)
         (s,) = out.scheduled
         assert (s.start_pos, len(s.token_ids), s.sample, len(s.block_ids)) == (
             start,
@@ -140,34 +124,34 @@ def test_chunked_prefill_across_steps() -> None:
         )
         assert s.token_ids == tuple(range(100 + start, 100 + start + n))
         assert res.new_token_ids == ({"long": 9} if sample else {})
-    state, out, _ = step(state)
+    out, _ = step(sched)
     (s,) = out.scheduled
     assert (s.token_ids, s.start_pos, s.sample, len(s.block_ids)) == ((9,), 20, True, 6)
 
 
 def test_long_prefill_token_threshold_leaves_room_to_admit_others() -> None:
-    state = new_state(SchedulerConfig(4, 16, 4, 64, 33, long_prefill_token_threshold=6))
-    state = add_request(state, make_seq("long", 30))
-    state, out, _ = step(state)
+    sched = Scheduler(SchedulerConfig(4, 16, 4, 64, 33, long_prefill_token_threshold=6))
+    sched.add(make_seq("long", 30))
+    out, _ = step(sched)
     assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [("long", 6)]
-    state = add_request(state, make_seq("short", 3))
-    state, out, _ = step(state)
+    sched.add(make_seq("short", 3))
+    out, _ = step(sched)
     # without the threshold "long" would take all 16 tokens and "short" would wait
     assert [(s.request_id, len(s.token_ids), s.sample) for s in out.scheduled] == [
         ("long", 6, False), ("short", 3, True)]
 
 
 def test_decode_goes_first_and_prefill_chunks_fill_the_budget() -> None:
-    state = make_state(max_num_batched_tokens=8)
-    state = add_request(state, make_seq("a", 3))
-    state, _, _ = step(state)
-    state = add_request(state, make_seq("b", 12))
-    state, out, _ = step(state)
+    sched = make_scheduler(max_num_batched_tokens=8)
+    sched.add(make_seq("a", 3))
+    step(sched)
+    sched.add(make_seq("b", 12))
+    out, _ = step(sched)
     assert [(s.request_id, s.start_pos, len(s.token_ids), s.sample) for s in out.scheduled] == [
         ("a", 3, 1, True),
         ("b", 0, 7, False),
     ]
-    state, out, _ = step(state)
+    out, _ = step(sched)
     assert [(s.request_id, s.start_pos, len(s.token_ids), s.sample) for s in out.scheduled] == [
         ("a", 4, 1, True),
         ("b", 7, 5, True),
@@ -175,308 +159,322 @@ def test_decode_goes_first_and_prefill_chunks_fill_the_budget() -> None:
 
 
 def test_max_num_seqs_limits_admission() -> None:
-    state = make_state(max_num_seqs=2)
-    state = add_request(state, make_seq("a", 4, max_tokens=1))
-    state = add_request(state, make_seq("b", 4))
-    state = add_request(state, make_seq("c", 4))
-    state, out, res = step(state)
+    sched = make_scheduler(max_num_seqs=2)
+    sched.add(make_seq("a", 4, max_tokens=1))
+    sched.add(make_seq("b", 4))
+    sched.add(make_seq("c", 4))
+    out, res = step(sched)
     assert [s.request_id for s in out.scheduled] == ["a", "b"]
     assert res.finished == {"a": "length"}
-    state, out, _ = step(state)
+    out, _ = step(sched)
     assert [(s.request_id, s.start_pos) for s in out.scheduled] == [("b", 4), ("c", 0)]
 
 
 def test_token_budget_chunks_the_last_admitted() -> None:
-    state = make_state(max_num_batched_tokens=10)
-    state = add_request(state, make_seq("a", 6))
-    state = add_request(state, make_seq("b", 6))
-    state = add_request(state, make_seq("c", 6))
-    state, out = schedule(state)
+    sched = make_scheduler(max_num_batched_tokens=10)
+    sched.add(make_seq("a", 6))
+    sched.add(make_seq("b", 6))
+    sched.add(make_seq("c", 6))
+    out = sched.schedule()
     assert [(s.request_id, len(s.token_ids), s.sample) for s in out.scheduled] == [
         ("a", 6, True),
         ("b", 4, False),
     ]
-    assert out.num_scheduled_tokens == 10 and [s.request_id for s in state.waiting] == ["c"]
+    assert out.num_scheduled_tokens == 10 and [s.request_id for s in sched.waiting] == ["c"]
 
 
 def test_head_of_line_blocks_when_the_pool_is_short() -> None:
-    state = make_state(block_size=4, num_blocks=6, max_model_len=24)  # 5 usable blocks
-    state = add_request(state, make_seq("a", 12, max_tokens=4))  # 3 blocks
-    state = add_request(state, make_seq("b", 12, max_tokens=4))  # needs 3, only 2 left
-    state = add_request(state, make_seq("c", 2, max_tokens=4))  # would fit, must not skip b
-    state, out = schedule(state)
+    sched = make_scheduler(block_size=4, num_blocks=6, max_model_len=24)  # 5 usable blocks
+    sched.add(make_seq("a", 12, max_tokens=4))  # 3 blocks
+    sched.add(make_seq("b", 12, max_tokens=4))  # needs 3, only 2 left
+    sched.add(make_seq("c", 2, max_tokens=4))  # would fit, must not skip b
+    out = sched.schedule()
     assert [s.request_id for s in out.scheduled] == ["a"]
-    assert [s.request_id for s in state.waiting] == ["b", "c"]
+    assert [s.request_id for s in sched.waiting] == ["b", "c"]
 
 
 def test_preempt_newest_then_it_recomputes_prompt_and_outputs() -> None:
-    state = make_state(max_num_seqs=2, block_size=4, num_blocks=5, max_model_len=16)  # 4 usable
-    state = add_request(state, make_seq("a", 4, max_tokens=8))
-    state = add_request(state, make_seq("b", 4, max_tokens=8))
-    state = add_request(state, make_seq("c", 1, max_tokens=1))  # waits: max_num_seqs=2
+    sched = make_scheduler(max_num_seqs=2, block_size=4, num_blocks=5, max_model_len=16)  # 4 usable
+    sched.add(make_seq("a", 4, max_tokens=8))
+    sched.add(make_seq("b", 4, max_tokens=8))
+    sched.add(make_seq("c", 1, max_tokens=1))  # waits: max_num_seqs=2
     preempted_at = None
     for i in range(7):
-        state, out, _ = step(state, token=50 + i)
+        out, _ = step(sched, token=50 + i)
         if out.preempted_ids:
             preempted_at = i
             break
     # both hold 2 blocks after 8 computed tokens; a's position 8 needs a 3rd block
     assert preempted_at == 5 and out.preempted_ids == ("b",)
     assert [s.request_id for s in out.scheduled] == ["a"]
-    assert [s.request_id for s in state.waiting] == ["b", "c"]  # b goes to the front
-    b = state.waiting[0]
+    assert [s.request_id for s in sched.waiting] == ["b", "c"]  # b goes to the front
+    b = sched.waiting[0]
     assert (b.request_id, b.num_computed_tokens, b.block_ids, b.num_preemptions) == ("b", 0, [], 1)
     b_tokens = list(b.token_ids)
     assert b_tokens == [100, 101, 102, 103, 50, 51, 52, 53, 54]
-    assert state.num_preemptions_total == 1 and held(state) == 3
+    assert sched.num_preemptions_total == 1 and held(sched) == 3
     # b waits (it needs 2 blocks, 1 is free) until a finishes and frees its blocks at once
     while True:
-        state, out, res = step(state, token=60)
+        out, res = step(sched, token=60)
         if "a" in res.finished:
             break
         assert [s.request_id for s in out.scheduled] == ["a"]
-    assert res.finished == {"a": "length"} and held(state) == 0
-    state, out, res = step(state, token=61)
+    assert res.finished == {"a": "length"} and held(sched) == 0
+    out, res = step(sched, token=61)
     s = out.scheduled[0]
     assert (s.request_id, s.start_pos, s.token_ids, s.sample) == ("b", 0, tuple(b_tokens), True)
     assert res.new_token_ids == {"b": 61, "c": 61}
-    while has_unfinished(state):
-        state, _, res = step(state, token=62)
-    assert res.finished == {"b": "length"} and held(state) == 0
-    assert not has_unfinished(state) and state.num_preemptions_total == 1
+    while sched.has_unfinished():
+        _, res = step(sched, token=62)
+    assert res.finished == {"b": "length"} and held(sched) == 0
+    assert not sched.has_unfinished() and sched.num_preemptions_total == 1
 
 
 def test_request_being_scheduled_preempts_itself_when_newest() -> None:
-    state = make_state(block_size=4, num_blocks=6, max_model_len=16)  # 5 usable blocks
-    state = add_request(state, make_seq("a", 4, max_tokens=8))
-    state = add_request(state, make_seq("b", 4, max_tokens=8))
+    sched = make_scheduler(block_size=4, num_blocks=6, max_model_len=16)  # 5 usable blocks
+    sched.add(make_seq("a", 4, max_tokens=8))
+    sched.add(make_seq("b", 4, max_tokens=8))
     for _ in range(5):  # prefill (positions 0..3), then decode of positions 4..7
-        state, out, _ = step(state)
+        out, _ = step(sched)
         assert not out.preempted_ids
     # a takes the last free block; b (the newest) then has none and preempts itself
-    state, out, _ = step(state)
+    out, _ = step(sched)
     assert out.preempted_ids == ("b",) and [s.request_id for s in out.scheduled] == ["a"]
-    assert [s.request_id for s in state.running] == ["a"]
-    assert by_id(state, "b").num_computed_tokens == 0
+    assert [s.request_id for s in sched.running] == ["a"]
+    assert by_id(sched, "b").num_computed_tokens == 0
 
 
 def test_stop_token_finishes_and_frees_at_once() -> None:
-    state = make_state()
-    state = add_request(state, make_seq("a", 5))
-    state = add_request(state, make_seq("b", 5, stop=False))
-    state, out = schedule(state)
-    state, res = update(state, out, [STOP, STOP])
+    sched = make_scheduler()
+    sched.add(make_seq("a", 5))
+    sched.add(make_seq("b", 5, stop=False))
+    out = sched.schedule()
+    res = sched.update(out, [STOP, STOP])
     assert res.finished == {"a": "stop"} and res.new_token_ids == {"a": STOP, "b": STOP}
-    assert [s.request_id for s in state.running] == ["b"] and held(state) == 2
+    assert [s.request_id for s in sched.running] == ["b"] and held(sched) == 2
 
 
 def test_length_at_max_model_len() -> None:
-    state = make_state(max_model_len=6)
-    state = add_request(state, make_seq("a", 4, max_tokens=2))
-    state, _, res = step(state)
+    sched = make_scheduler(max_model_len=6)
+    sched.add(make_seq("a", 4, max_tokens=2))
+    _, res = step(sched)
     assert res.finished == {}
-    state, _, res = step(state)
-    assert res.finished == {"a": "length"} and not has_unfinished(state) and held(state) == 0
+    _, res = step(sched)
+    assert res.finished == {"a": "length"} and not sched.has_unfinished() and held(sched) == 0
 
 
 def test_abort_waiting_and_running() -> None:
-    state = make_state(max_num_seqs=1)
-    state = add_request(state, make_seq("run", 5))
-    state = add_request(state, make_seq("wait", 5))
-    state, _, _ = step(state)
-    assert held(state) == 2
-    state, aborted = abort_requests(state, ["wait", "nope"])
-    assert aborted == ["wait"] and not state.waiting
-    state, out = schedule(state)
-    state, aborted = abort_requests(state, ["run"])
-    assert aborted == ["run"] and held(state) == 0
-    state, res = update(state, out, [3])  # the aborted request is skipped
-    assert res == UpdateResult() and not has_unfinished(state)
+    sched = make_scheduler(max_num_seqs=1)
+    sched.add(make_seq("run", 5))
+    sched.add(make_seq("wait", 5))
+    step(sched)
+    assert held(sched) == 2
+    aborted = sched.abort(["wait", "nope"])
+    assert aborted == ["wait"] and not sched.waiting
+    out = sched.schedule()
+    aborted = sched.abort(["run"])
+    assert aborted == ["run"] and held(sched) == 0
+    res = sched.update(out, [3])  # the aborted request is skipped
+    assert res == UpdateResult() and not sched.has_unfinished()
 
 
-def test_finish_requests_frees_blocks() -> None:
-    state = make_state()
-    state = add_request(state, make_seq("a", 9))
-    state = add_request(state, make_seq("b", 9))
-    state, _, _ = step(state)
-    state = finish_requests(state, ["a"], "stop")
-    assert [s.request_id for s in state.running] == ["b"] and held(state) == 3
+def test_finish_frees_blocks() -> None:
+    sched = make_scheduler()
+    sched.add(make_seq("a", 9))
+    sched.add(make_seq("b", 9))
+    step(sched)
+    assert sched.finish(["a", "nope"]) == ["a"]
+    assert [s.request_id for s in sched.running] == ["b"] and held(sched) == 3
 
 
-def test_add_request_validation() -> None:
-    state = make_state(block_size=4, num_blocks=3, max_model_len=16)  # 2 usable blocks
+def test_add_validation() -> None:
+    sched = make_scheduler(block_size=4, num_blocks=3, max_model_len=16)  # 2 usable blocks
     with pytest.raises(ValueError, match="empty prompt"):
-        add_request(state, make_seq("e", 0))
+        sched.add(make_seq("e", 0))
     with pytest.raises(ValueError, match="max_model_len"):
-        add_request(state, make_seq("l", 10, max_tokens=7))
+        sched.add(make_seq("l", 10, max_tokens=7))
     with pytest.raises(ValueError, match="usable"):
-        add_request(state, make_seq("p", 6, max_tokens=3))
+        sched.add(make_seq("p", 6, max_tokens=3))
     with pytest.raises(ValueError, match="max_tokens"):
-        add_request(state, make_seq("z", 2, max_tokens=0))
-    state = add_request(state, make_seq("a", 4, max_tokens=4))
+        sched.add(make_seq("z", 2, max_tokens=0))
+    sched.add(make_seq("a", 4, max_tokens=4))
     with pytest.raises(ValueError, match="already present"):
-        add_request(state, make_seq("a", 4, max_tokens=4))
-    assert num_unfinished(state) == 1
+        sched.add(make_seq("a", 4, max_tokens=4))
+    assert sched.num_unfinished() == 1
 
 
 def test_update_checks_sampled_length() -> None:
-    state = add_request(make_state(), make_seq("a", 3))
-    state, out = schedule(state)
+    sched = make_scheduler()
+    sched.add(make_seq("a", 3))
+    out = sched.schedule()
     with pytest.raises(ValueError, match="len"):
-        update(state, out, [])
+        sched.update(out, [])
     with pytest.raises(ValueError, match="no token"):
-        update(state, out, [None])
-    assert by_id(state, "a").num_computed_tokens == 0  # nothing changed
+        sched.update(out, [None])
+    assert by_id(sched, "a").num_computed_tokens == 0  # nothing changed
 
 
 # ---------------------------------------------------------------- prefix caching, host tier
 
 
-def run_to_end(state: SchedulerState, token: int = 7) -> SchedulerState:
+def run_to_end(sched: Scheduler, token: int = 7) -> None:
     for _ in range(1000):
-        if not has_unfinished(state):
-            return state
-        state, _, _ = step(state, token)
+        if not sched.has_unfinished():
+            return
+        step(sched, token)
     raise AssertionError("not finished")
 
 
 def test_prefix_hit_shares_full_blocks_and_counts_tokens() -> None:
-    state = make_state(block_size=4, enable_prefix_caching=True)
-    state = add_request(state, make_seq("a", 10))
-    state, out, _ = step(state)
+    sched = make_scheduler(block_size=4, enable_prefix_caching=True)
+    sched.add(make_seq("a", 10))
+    out, _ = step(sched)
     a_blocks = out.scheduled[0].block_ids
-    state = add_request(state, make_seq("b", 11))  # same first 10 tokens
-    state, out = schedule(state)
+    sched.add(make_seq("b", 11))  # same first 10 tokens
+    out = sched.schedule()
     b = out.scheduled[1]
     assert (b.request_id, b.start_pos, b.token_ids) == ("b", 8, (108, 109, 110))
     assert b.block_ids[:2] == a_blocks[:2] and b.block_ids[2] not in a_blocks
-    pool = state.block_pool
+    pool = sched.block_pool
     assert [pool.refcount(x) for x in a_blocks] == [2, 2, 1]
-    assert by_id(state, "b").num_cached_tokens == 8
-    st_ = state.kv_stats
+    assert by_id(sched, "b").num_cached_tokens == 8
+    st_ = sched.kv_stats
     assert (st_.prefix_cache_queries, st_.prefix_cache_hits) == (10 + 11, 8)
 
 
 def test_whole_prompt_hit_recomputes_the_last_block() -> None:
-    state = make_state(block_size=4, enable_prefix_caching=True)
-    state = add_request(state, make_seq("a", 8, max_tokens=1))
-    state = run_to_end(state)
-    pool = state.block_pool
+    sched = make_scheduler(block_size=4, enable_prefix_caching=True)
+    sched.add(make_seq("a", 8, max_tokens=1))
+    run_to_end(sched)
+    pool = sched.block_pool
     assert pool.usage == 0.0 and pool.num_cached_blocks == 2  # idle, warm cache
-    state = add_request(state, make_seq("b", 8, max_tokens=1))
-    state, out = schedule(state)
+    sched.add(make_seq("b", 8, max_tokens=1))
+    out = sched.schedule()
     (b,) = out.scheduled
     assert (b.start_pos, b.token_ids, b.sample) == (4, (104, 105, 106, 107), True)
 
 
 def test_no_hits_with_caching_off_or_another_salt() -> None:
     for caching, salt in ((False, None), (True, "tenant-2")):
-        state = make_state(block_size=4, enable_prefix_caching=caching)
-        state = run_to_end(add_request(state, make_seq("a", 9, max_tokens=1)))
+        sched = make_scheduler(block_size=4, enable_prefix_caching=caching)
+        sched.add(make_seq("a", 9, max_tokens=1))
+        run_to_end(sched)
         seq = make_seq("b", 9, max_tokens=1)
         seq.cache_salt = salt
-        state, out = schedule(add_request(state, seq))
+        sched.add(seq)
+        out = sched.schedule()
         assert out.scheduled[0].start_pos == 0
-        assert state.block_pool.num_cached_blocks == (2 if caching else 0)
+        assert sched.block_pool.num_cached_blocks == (2 if caching else 0)
 
 
 def test_cached_blocks_are_evicted_least_recently_used_first() -> None:
-    state = make_state(block_size=4, num_blocks=7, max_model_len=24,
-                       enable_prefix_caching=True)  # 6 usable
+    sched = make_scheduler(block_size=4, num_blocks=7, max_model_len=24,
+                           enable_prefix_caching=True)  # 6 usable
     old = SeqState("old", [1] * 8, 8, 1)
     new = SeqState("new", [2] * 8, 8, 1)
-    state = run_to_end(add_request(state, old))
-    state = run_to_end(add_request(state, new))
-    assert state.block_pool.num_cached_blocks == 4
+    sched.add(old)
+    run_to_end(sched)
+    sched.add(new)
+    run_to_end(sched)
+    assert sched.block_pool.num_cached_blocks == 4
     # 4 fresh blocks are needed: the 2 empty ones, then old's two (freed first)
-    state = run_to_end(add_request(state, SeqState("x", [3] * 13, 13, 1)))
-    assert state.kv_stats.num_evicted_blocks == 2
-    state, out = schedule(add_request(state, SeqState("new2", [2] * 9, 9, 1)))
+    sched.add(SeqState("x", [3] * 13, 13, 1))
+    run_to_end(sched)
+    assert sched.kv_stats.num_evicted_blocks == 2
+    sched.add(SeqState("new2", [2] * 9, 9, 1))
+    out = sched.schedule()
     assert out.scheduled[0].start_pos == 8  # "new"'s blocks survived
-    state = run_to_end(state)
-    state, out = schedule(add_request(state, SeqState("old2", [1] * 9, 9, 1)))
+    run_to_end(sched)
+    sched.add(SeqState("old2", [1] * 9, 9, 1))
+    out = sched.schedule()
     assert out.scheduled[0].start_pos == 0  # "old"'s were evicted
 
 
 def test_evicted_blocks_go_to_the_host_tier_and_are_loaded_back() -> None:
-    state = make_state(block_size=4, num_blocks=5, max_model_len=16, enable_prefix_caching=True,
-                       num_host_blocks=4)  # 4 device, 3 host blocks
-    state = run_to_end(add_request(state, SeqState("a", [1] * 9, 9, 1)))
-    state, out = schedule(add_request(state, SeqState("b", [2] * 13, 13, 1)))
+    sched = make_scheduler(block_size=4, num_blocks=5, max_model_len=16,
+                           enable_prefix_caching=True, num_host_blocks=4)  # 4 device, 3 host blocks
+    sched.add(SeqState("a", [1] * 9, 9, 1))
+    run_to_end(sched)
+    sched.add(SeqState("b", [2] * 13, 13, 1))
+    out = sched.schedule()
     # b's 4 blocks evict a's 2 cached ones, which are copied to the host before the step
     assert len(out.offloads) == 2 and not out.loads
-    state = run_to_end(state)
-    state, out = schedule(add_request(state, SeqState("a2", [1] * 9, 9, 1)))
+    run_to_end(sched)
+    sched.add(SeqState("a2", [1] * 9, 9, 1))
+    out = sched.schedule()
     (a2,) = out.scheduled
     assert a2.start_pos == 8 and len(out.loads) == 2
     assert [d for _, d in out.loads] == list(a2.block_ids[:2])
-    st_ = state.kv_stats
+    st_ = sched.kv_stats
     assert (st_.num_offloaded_blocks, st_.host_cache_hits, st_.prefix_cache_hits) == (2 + 2, 8, 8)
-    state = run_to_end(state)
-    assert state.host_pool.num_free_blocks == state.host_pool.num_usable_blocks
+    run_to_end(sched)
+    assert sched.host_pool.num_free_blocks == sched.host_pool.num_usable_blocks
 
 
 def test_preempted_request_is_swapped_and_resumes_where_it_stopped() -> None:
-    state = make_state(max_num_seqs=2, block_size=4, num_blocks=5, max_model_len=16,
-                       num_host_blocks=8)  # 4 usable device blocks
-    state = add_request(state, make_seq("a", 4, max_tokens=8))
-    state = add_request(state, SeqState("b", [9] * 4, 4, 8, frozenset({STOP})))
+    sched = make_scheduler(max_num_seqs=2, block_size=4, num_blocks=5, max_model_len=16,
+                           num_host_blocks=8)  # 4 usable device blocks
+    sched.add(make_seq("a", 4, max_tokens=8))
+    sched.add(SeqState("b", [9] * 4, 4, 8, frozenset({STOP})))
     for _ in range(10):
-        state, out, _ = step(state, token=50)
+        out, _ = step(sched, token=50)
         if out.preempted_ids:
             break
     assert out.preempted_ids == ("b",) and len(out.offloads) == 2
-    b = state.waiting[0]
+    b = sched.waiting[0]
     assert (b.num_computed_tokens, b.block_ids, len(b.host_block_ids)) == (8, [], 2)
-    assert state.kv_stats.num_swaps == 1 and state.num_preemptions_total == 1
-    while state.running:
-        state, out, _ = step(state, token=60)
-    state, out = schedule(state)
+    assert sched.kv_stats.num_swaps == 1 and sched.num_preemptions_total == 1
+    while sched.running:
+        out, _ = step(sched, token=60)
+    out = sched.schedule()
     (x,) = out.scheduled
     assert (x.request_id, x.start_pos, x.token_ids) == ("b", 8, (50,))
     assert [h for h, _ in out.loads] and [d for _, d in out.loads] == list(x.block_ids[:2])
-    state = run_to_end(update(state, out, [61])[0])
-    assert state.host_pool.num_free_blocks == state.host_pool.num_usable_blocks
+    sched.update(out, [61])
+    run_to_end(sched)
+    assert sched.host_pool.num_free_blocks == sched.host_pool.num_usable_blocks
 
 
 def test_skip_prefix_cache_computes_everything_and_is_never_swapped() -> None:
-    state = make_state(max_num_seqs=2, block_size=4, num_blocks=5, max_model_len=16,
-                       enable_prefix_caching=True, num_host_blocks=8)  # 4 usable, newest first
-    state = run_to_end(add_request(state, make_seq("warm", 8, max_tokens=1)))
-    state = add_request(state, SeqState("b", [9] * 4, 4, 8))
+    sched = make_scheduler(max_num_seqs=2, block_size=4, num_blocks=5, max_model_len=16,
+                           enable_prefix_caching=True, num_host_blocks=8)  # 4 usable, newest first
+    sched.add(make_seq("warm", 8, max_tokens=1))
+    run_to_end(sched)
+    sched.add(SeqState("b", [9] * 4, 4, 8))
     a = make_seq("a", 8, max_tokens=8)
     a.skip_prefix_cache = True
-    state, out = schedule(add_request(state, a))
-    assert out.scheduled[1].start_pos == 0 and state.kv_stats.prefix_cache_queries == 8 + 4
-    state, _ = update(state, out, [7, 7])
+    sched.add(a)
+    out = sched.schedule()
+    assert out.scheduled[1].start_pos == 0 and sched.kv_stats.prefix_cache_queries == 8 + 4
+    sched.update(out, [7, 7])
     for _ in range(10):  # both grow until the newest, a, is preempted
-        state, out, _ = step(state)
+        out, _ = step(sched)
         if out.preempted_ids:
             break
     assert out.preempted_ids == ("a",)  # the host tier had room, yet a was not swapped
-    assert (state.kv_stats.num_swaps, state.kv_stats.num_swapped_out_blocks) == (0, 0)
-    assert by_id(state, "a").num_computed_tokens == 0 and not by_id(state, "a").host_block_ids
+    assert (sched.kv_stats.num_swaps, sched.kv_stats.num_swapped_out_blocks) == (0, 0)
+    assert by_id(sched, "a").num_computed_tokens == 0 and not by_id(sched, "a").host_block_ids
 
 
 def test_least_progress_policy_preempts_the_request_with_fewest_computed_tokens() -> None:
-    state = make_state(max_num_seqs=3, block_size=4, num_blocks=7, max_model_len=24,
-                       preemption_policy="least_progress")  # 6 usable
-    state = add_request(state, make_seq("a", 7, max_tokens=9))  # 2 blocks
-    state, _, _ = step(state)
-    state = add_request(state, make_seq("b", 3, max_tokens=12))  # 1 block
-    state = add_request(state, make_seq("c", 7, max_tokens=9))  # 2 blocks (newest)
+    sched = make_scheduler(max_num_seqs=3, block_size=4, num_blocks=7, max_model_len=24,
+                           preemption_policy="least_progress")  # 6 usable
+    sched.add(make_seq("a", 7, max_tokens=9))  # 2 blocks
+    step(sched)
+    sched.add(make_seq("b", 3, max_tokens=12))  # 1 block
+    sched.add(make_seq("c", 7, max_tokens=9))  # 2 blocks (newest)
     for _ in range(10):
-        state, out, _ = step(state)
+        out, _ = step(sched)
         if out.preempted_ids:
             break
     assert out.preempted_ids == ("b",)  # "newest" would take c
-    with_newest = make_state(max_num_seqs=3, block_size=4, num_blocks=7, max_model_len=24)
-    with_newest = add_request(with_newest, make_seq("a", 7, max_tokens=9))
-    with_newest, _, _ = step(with_newest)
-    with_newest = add_request(with_newest, make_seq("b", 3, max_tokens=12))
-    with_newest = add_request(with_newest, make_seq("c", 7, max_tokens=9))
+    with_newest = make_scheduler(max_num_seqs=3, block_size=4, num_blocks=7, max_model_len=24)
+    with_newest.add(make_seq("a", 7, max_tokens=9))
+    step(with_newest)
+    with_newest.add(make_seq("b", 3, max_tokens=12))
+    with_newest.add(make_seq("c", 7, max_tokens=9))
     for _ in range(10):
-        with_newest, out, _ = step(with_newest)
+        out, _ = step(with_newest)
         if out.preempted_ids:
             break
     assert out.preempted_ids == ("c",)
@@ -485,11 +483,11 @@ def test_least_progress_policy_preempts_the_request_with_fewest_computed_tokens(
 # ---------------------------------------------------------------- properties
 
 
-def check_invariants(state: SchedulerState) -> None:
+def check_invariants(sched: Scheduler) -> None:
     """Block accounting of both tiers (reference counts = table entries, free + held = usable,
     cached-free blocks hold a hash) and the per-request contracts."""
-    cfg, pool, host = state.config, state.block_pool, state.host_pool
-    owned = collections.Counter(b for s in state.running for b in s.block_ids)
+    cfg, pool, host = sched.config, sched.block_pool, sched.host_pool
+    owned = collections.Counter(b for s in sched.running for b in s.block_ids)
     assert 0 not in owned
     for b in range(1, pool.num_blocks):
         assert pool.refcount(b) == owned[b], f"device block {b}"
@@ -500,7 +498,7 @@ def check_invariants(state: SchedulerState) -> None:
     if not cfg.enable_prefix_caching:
         assert cached == 0 and all(pool.block_hash(b) is None for b in owned)
     if host is not None:
-        on_host = collections.Counter(b for s in state.waiting for b in s.host_block_ids)
+        on_host = collections.Counter(b for s in sched.waiting for b in s.host_block_ids)
         assert 0 not in on_host
         for b in range(1, host.num_blocks):
             assert host.refcount(b) == on_host[b], f"host block {b}"
@@ -508,29 +506,29 @@ def check_invariants(state: SchedulerState) -> None:
         assert host.num_cached_blocks == sum(
             host.refcount(b) == 0 and host.block_hash(b) is not None
             for b in range(1, host.num_blocks))
-    assert len(state.running) <= cfg.max_num_seqs
-    for s in state.running:
+    assert len(sched.running) <= cfg.max_num_seqs
+    for s in sched.running:
         assert len(s.block_ids) == cdiv(s.num_computed_tokens, cfg.block_size)
         assert len(set(s.block_ids)) == len(s.block_ids)
         assert s.num_computed_tokens < len(s.token_ids) and not s.host_block_ids
         for i, b in enumerate(s.block_ids[: s.num_registered_blocks]):
             h = pool.block_hash(b)
             assert h is None or h == s.block_hashes[i]
-    for s in state.waiting:
+    for s in sched.waiting:
         assert s.block_ids == []
         assert len(s.host_block_ids) == cdiv(s.num_computed_tokens, cfg.block_size)
-    ids = [s.request_id for s in (*state.running, *state.waiting)]
+    ids = [s.request_id for s in (*sched.running, *sched.waiting)]
     assert len(ids) == len(set(ids))
 
 
-def check_plan(state: SchedulerState, out: SchedulerOutput) -> None:
-    cfg = state.config
+def check_plan(sched: Scheduler, out: SchedulerOutput) -> None:
+    cfg = sched.config
     assert out.num_scheduled_tokens == sum(len(s.token_ids) for s in out.scheduled)
     assert 0 <= out.num_scheduled_tokens <= cfg.max_num_batched_tokens
     assert len(out.scheduled) <= cfg.max_num_seqs
-    running = {s.request_id: s for s in state.running}
+    running = {s.request_id: s for s in sched.running}
     assert [s.request_id for s in out.scheduled] == [
-        s.request_id for s in state.running if s.request_id in {x.request_id for x in out.scheduled}
+        s.request_id for s in sched.running if s.request_id in {x.request_id for x in out.scheduled}
     ]
     for x in out.scheduled:
         seq = running[x.request_id]
@@ -544,11 +542,11 @@ def check_plan(state: SchedulerState, out: SchedulerOutput) -> None:
         assert rid not in running
     # each victim is pushed to the front: the last one preempted is first
     k = len(out.preempted_ids)
-    assert tuple(s.request_id for s in list(state.waiting)[:k]) == out.preempted_ids[::-1]
+    assert tuple(s.request_id for s in list(sched.waiting)[:k]) == out.preempted_ids[::-1]
     # copies: one writer per destination in each batch
     assert len({h for _, h in out.offloads}) == len(out.offloads)
     assert len({d for _, d in out.loads}) == len(out.loads)
-    if state.host_pool is None:
+    if sched.host_pool is None:
         assert not out.offloads and not out.loads
 
 
@@ -562,7 +560,7 @@ class KVContentModel:
         self.device: dict[tuple[int, int], tuple[int, ...]] = {}
         self.host: dict[tuple[int, int], tuple[int, ...]] = {}
 
-    def run(self, state: SchedulerState, out: SchedulerOutput) -> None:
+    def run(self, sched: Scheduler, out: SchedulerOutput) -> None:
         bs = self.bs
         for d, h in out.offloads:
             for o in range(bs):
@@ -570,7 +568,7 @@ class KVContentModel:
         for h, d in out.loads:
             for o in range(bs):
                 self.device[d, o] = self.host.get((h, o), ())
-        seqs = {s.request_id: s for s in state.running}
+        seqs = {s.request_id: s for s in sched.running}
         for x in out.scheduled:
             tokens = seqs[x.request_id].token_ids
             for p in range(x.start_pos):
@@ -613,7 +611,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         num_host_blocks: int,
         policy: str,
     ) -> None:
-        self.state = make_state(
+        self.sched = make_scheduler(
             max_num_seqs, max_num_batched_tokens, block_size, max_model_len, num_blocks,
             long_prefill, caching, num_host_blocks, policy,
         )
@@ -636,7 +634,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         """A request of up to the pool's (or context's) capacity, or rarely one beyond it; its
         first ``shared`` percent of tokens come from the family's fixed text (often all of
         them), the rest are random."""
-        cfg = self.state.config
+        cfg = self.sched.config
         capacity = min(cfg.max_model_len, (cfg.num_blocks - 1) * cfg.block_size)
         if capacity < 2 and not oversize:
             return
@@ -654,33 +652,33 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
         if not fits:
             with pytest.raises(ValueError):
-                add_request(self.state, seq)
+                self.sched.add(seq)
             return
-        self.state = add_request(self.state, seq)
+        self.sched.add(seq)
         self.expected[seq.request_id] = list(seq.token_ids)
 
     @rule(abort_between=st.booleans())
     def step(self, abort_between: bool) -> None:
-        self.state, out = schedule(self.state)
-        check_plan(self.state, out)
-        self.content.run(self.state, out)
-        if has_unfinished(self.state):
+        out = self.sched.schedule()
+        check_plan(self.sched, out)
+        self.content.run(self.sched, out)
+        if self.sched.has_unfinished():
             assert not out.is_empty, "nothing scheduled while requests are pending"
         aborted: set[str] = set()
         if abort_between and out.scheduled:
             victim = self.rng.choice(out.scheduled).request_id
-            self.state, ids = abort_requests(self.state, [victim])
+            ids = self.sched.abort([victim])
             assert ids == [victim]
             aborted.add(victim)
             del self.expected[victim]
         sampled = [self.rng.randrange(0, 12) if s.sample else None for s in out.scheduled]
-        self.state, res = update(self.state, out, sampled)
+        res = self.sched.update(out, sampled)
         want = {s.request_id: t for s, t in zip(out.scheduled, sampled) if s.sample}
         want = {r: t for r, t in want.items() if r not in aborted}
         assert res.new_token_ids == want
         for rid, t in want.items():
             self.expected[rid].append(t)
-        live = {s.request_id: s for s in (*self.state.running, *self.state.waiting)}
+        live = {s.request_id: s for s in (*self.sched.running, *self.sched.waiting)}
         for rid, reason in res.finished.items():
             assert rid not in live and reason in ("stop", "length")
             del self.expected[rid]
@@ -691,36 +689,36 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Several steps in a row: requests grow past the pool and get preempted."""
         for _ in range(n):
             self.step(abort_between=False)
-            check_invariants(self.state)
+            check_invariants(self.sched)
 
     @precondition(lambda self: bool(self.expected))
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(sorted(self.expected)))
-        self.state, ids = abort_requests(self.state, [rid, "unknown"])
+        ids = self.sched.abort([rid, "unknown"])
         assert ids == [rid]
         del self.expected[rid]
 
     @invariant()
     def invariants(self) -> None:
-        if hasattr(self, "state"):
-            check_invariants(self.state)
+        if hasattr(self, "sched"):
+            check_invariants(self.sched)
 
     def teardown(self) -> None:
-        if not hasattr(self, "state"):
+        if not hasattr(self, "sched"):
             return
         if self.rng.random() < 0.5:
-            ids = [s.request_id for s in (*self.state.running, *self.state.waiting)]
-            self.state, _ = abort_requests(self.state, ids)
+            ids = [s.request_id for s in (*self.sched.running, *self.sched.waiting)]
+            self.sched.abort(ids)
         else:
             bound = sum(len(t) + 20 for t in self.expected.values()) + 1
             for _ in range(bound):
-                if not has_unfinished(self.state):
+                if not self.sched.has_unfinished():
                     break
                 self.step(abort_between=False)
-                check_invariants(self.state)
-        assert not has_unfinished(self.state)
-        for pool in (self.state.block_pool, self.state.host_pool):
+                check_invariants(self.sched)
+        assert not self.sched.has_unfinished()
+        for pool in (self.sched.block_pool, self.sched.host_pool):
             if pool is not None:  # nothing leaked in either tier
                 assert pool.num_free_blocks == pool.num_usable_blocks
                 assert all(pool.refcount(b) == 0 for b in range(pool.num_blocks))
@@ -766,8 +764,8 @@ def test_liveness_every_request_finishes(
     last arrival (the request with the most computed tokens is never preempted and gains >= 1
     token a step)."""
     max_model_len = 48
-    state = make_state(max_num_seqs, max_num_batched_tokens, block_size, max_model_len, num_blocks,
-                       0, caching, num_host_blocks, policy)
+    sched = make_scheduler(max_num_seqs, max_num_batched_tokens, block_size, max_model_len,
+                           num_blocks, 0, caching, num_host_blocks, policy)
     usable = num_blocks - 1
     arrivals: dict[int, list[SeqState]] = {}
     total = 0
@@ -781,16 +779,16 @@ def test_liveness_every_request_finishes(
     finished: set[str] = set()
     last_arrival = max(arrivals, default=0)
     steps = 0
-    while steps <= last_arrival or has_unfinished(state):
+    while steps <= last_arrival or sched.has_unfinished():
         for seq in arrivals.get(steps, []):
-            state = add_request(state, seq)
-        state, out = schedule(state)
-        check_plan(state, out)
-        assert out.is_empty == (not has_unfinished(state))
-        state, res = update(state, out, [rng.randrange(1, 50) for _ in out.scheduled])
-        check_invariants(state)
+            sched.add(seq)
+        out = sched.schedule()
+        check_plan(sched, out)
+        assert out.is_empty == (not sched.has_unfinished())
+        res = sched.update(out, [rng.randrange(1, 50) for _ in out.scheduled])
+        check_invariants(sched)
         finished |= res.finished.keys()
         steps += 1
         assert steps <= last_arrival + total + 1, "scheduler made no progress"
     assert finished == {s.request_id for seqs in arrivals.values() for s in seqs}
-    assert state.block_pool.num_free_blocks == state.block_pool.num_usable_blocks
+    assert sched.block_pool.num_free_blocks == sched.block_pool.num_usable_blocks

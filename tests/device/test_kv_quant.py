@@ -359,7 +359,7 @@ def test_smollm2_serves_with_8bit_cache(engine: LLMEngine, goldens: dict,
     print(f"{kv_dtype}: max |dlogprob| {d.max():.4f} mean {d.mean():.5f} top-1 {agree:.4f}")
     assert d.max() < max_tol and d.mean() < mean_tol and agree >= agree_tol
     assert got.outputs[0].token_ids[:2] == base.outputs[0].token_ids[:2]
-    assert eng.state.block_pool.num_free_blocks == eng.state.block_pool.num_usable_blocks
+    assert eng.scheduler.block_pool.num_free_blocks == eng.scheduler.block_pool.num_usable_blocks
 
 
 @pytest.mark.parametrize("dtype,factor", [("float32", 4), ("bfloat16", 2)])
@@ -458,9 +458,9 @@ def test_preemption_swaps_8bit_blocks_without_changing_tokens(tiny_fp8: LLMEngin
     for a, b in zip(small.kv_scales, tiny_fp8.kv_scales):
         np.testing.assert_array_equal(a, b)
     assert _greedy(small, prompts, 24) == want
-    stats = small.state.kv_stats
+    stats = small.scheduler.kv_stats
     assert stats.num_swaps >= 1 and stats.num_swapped_in_blocks > 0
-    pool = small.state.block_pool
+    pool = small.scheduler.block_pool
     assert pool.num_free_blocks == pool.num_usable_blocks
 
 

@@ -95,7 +95,7 @@ def llm(engine: LLMEngine) -> Iterator[LLMEngine]:
     unfinished = [*engine.requests]
     if unfinished:
         engine.abort_request(unfinished)
-    pool = engine.state.block_pool
+    pool = engine.scheduler.block_pool
     assert not unfinished, f"test left requests unfinished: {unfinished}"
     assert not engine.has_unfinished_requests()
     assert pool.num_free_blocks == pool.num_usable_blocks, (
@@ -162,7 +162,7 @@ def test_greedy_batched_matches_golden(llm: LLMEngine, goldens: dict) -> None:
     steps_with_golden_running = []
 
     def on_step(i: int) -> None:
-        running = {s.request_id for s in llm.state.running}
+        running = {s.request_id for s in llm.scheduler.running}
         if running & set(GOLDEN_NAMES) and len(running) > 1:
             steps_with_golden_running.append(i)
 
@@ -280,18 +280,18 @@ def test_preemption_keeps_goldens_and_frees_blocks(llm: LLMEngine, goldens: dict
     """Four 560-token requests and the 220-token golden prompt fill the 159-block pool with
     prompts; decoding then needs more blocks than are left, so the newest request (the golden
     one) is preempted, recomputed later, and still produces its golden continuation."""
-    pool = llm.state.block_pool
+    pool = llm.scheduler.block_pool
     assert pool.num_usable_blocks == 159  # the sizes below are worked out for this pool
     rng = np.random.default_rng(3)
     vocab = llm.tokenizer.vocab_size
     p = _golden(goldens, "long_prose")
-    preemptions_before = llm.state.num_preemptions_total
+    preemptions_before = llm.scheduler.num_preemptions_total
     for i in range(4):  # 4 x 35 prompt blocks, growing to 38 each
         llm.add_request(f"long-{i}", rng.integers(0, vocab, 560).tolist(), _greedy(40))
     llm.add_request("golden", p["prompt_token_ids"], _greedy(len(p["greedy_token_ids"])))
     seq = llm.requests["golden"].seq
     done = _drive(llm)
-    assert llm.state.num_preemptions_total > preemptions_before
+    assert llm.scheduler.num_preemptions_total > preemptions_before
     assert seq.num_preemptions >= 1, "the golden request was never preempted"
     _check_golden(done["golden"], p)
     for i in range(4):
@@ -381,7 +381,7 @@ def test_chat_stops_at_eos_without_special_tokens(llm: LLMEngine, goldens: dict)
 
 
 def test_abort_returns_blocks_and_engine_keeps_serving(llm: LLMEngine, goldens: dict) -> None:
-    pool = llm.state.block_pool
+    pool = llm.scheduler.block_pool
     rng = np.random.default_rng(5)
     vocab = llm.tokenizer.vocab_size
     gold = _golden(goldens, "france_text")

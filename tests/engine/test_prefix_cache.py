@@ -8,34 +8,18 @@ would fail every run, not now and then. Counters prove that each path ran.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 
 import pytest
-from tests.engine.test_engine import _drive, _greedy, llm  # noqa: F401  (llm: the shared-engine fixture)
 
 from jaxserve.config import EngineConfig
-from jaxserve.core.kv_manager import KVManager, KVStats
+from jaxserve.core.kv_manager import KVStats
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.metrics import EngineMetrics
+from tests.engine.test_engine import _drive, _greedy, llm  # noqa: F401  (llm: the shared-engine fixture)
+from tests.support.kv import kv_manager
 
 BLOCK = 16  # the engines' block size (EngineConfig default)
-
-
-@contextlib.contextmanager
-def kv_manager(engine: LLMEngine, *, caching: bool, num_host_blocks: int | None = None
-               ) -> Iterator[KVManager]:
-    """Run an idle engine with a fresh (empty) KV manager: prefix caching on or off, and the
-    engine's host tier used or not (``num_host_blocks=0``). The scheduler is the only reader
-    of these settings, so this is the engine that ``--[no-]enable-prefix-caching`` builds."""
-    assert not engine.has_unfinished_requests()
-    old = engine.state.kv
-    hosts = old.num_host_blocks if num_host_blocks is None else num_host_blocks
-    engine.state.kv = KVManager(old.num_blocks, old.block_size, caching, hosts)
-    try:
-        yield engine.state.kv
-    finally:
-        engine.state.kv = old
 
 
 def expected_hits(prompts: list[list[int]]) -> list[int]:
@@ -112,6 +96,19 @@ def test_prompt_logprobs_and_penalties_bypass_the_cache(llm: LLMEngine, goldens:
     assert len(plp) == len(prompt) and plp[0] is None and all(e is not None for e in plp[1:])
 
 
+def test_swapping_kv_managers_leaves_no_stale_prefix(llm: LLMEngine, goldens: dict) -> None:  # noqa: F811
+    """A manager put back after another one ran finds none of the blocks that one rewrote: a
+    prompt cached before the swap computes the same tokens after it."""
+    by_name = {p["name"]: p["prompt_token_ids"] for p in goldens["prompts"]}
+    prompt, other = by_name["france_chat"], by_name["long_prose"][:3 * BLOCK]
+    with kv_manager(llm, caching=True):  # fresh pool: the prompt's blocks are 1, 2, 3
+        [first] = run_sequentially(llm, [prompt], 8)
+        with kv_manager(llm, caching=False):  # fresh pool: rewrites blocks 1, 2, 3
+            run_sequentially(llm, [other], 8)
+        [again] = run_sequentially(llm, [prompt], 8)
+    assert again == first
+
+
 # -- a small device pool with a host tier ------------------------------------------------------
 
 SMALL_NUM_KV_BLOCKS = 24  # 23 usable blocks: 368 tokens
@@ -171,22 +168,22 @@ def test_small_pool_swaps_and_offloads_without_changing_tokens(
     reqs = _pressure_workload(goldens)
     with kv_manager(llm, caching=True):
         reference = _run(llm, reqs)
-    preempted = small.state.num_preemptions_total
+    preempted = small.scheduler.num_preemptions_total
     with kv_manager(small, caching=True) as kv:
         with_host = _run(small, reqs)
         host_stats = kv.stats
         assert kv.host.num_free_blocks == kv.host.num_usable_blocks  # no host block leaked
     assert with_host == reference
-    assert small.state.num_preemptions_total > preempted
+    assert small.scheduler.num_preemptions_total > preempted
     assert host_stats.num_swaps >= 1 and host_stats.num_swapped_in_blocks > 0
     assert host_stats.num_offloaded_blocks > 0 and host_stats.host_cache_hits > 0
-    preempted = small.state.num_preemptions_total
+    preempted = small.scheduler.num_preemptions_total
     with kv_manager(small, caching=True, num_host_blocks=0) as kv:
         without_host = _run(small, reqs)
         assert kv.stats.num_swaps == 0 and kv.stats.host_cache_hits == 0
     assert without_host == reference
-    assert small.state.num_preemptions_total > preempted
-    pool = small.state.block_pool
+    assert small.scheduler.num_preemptions_total > preempted
+    pool = small.scheduler.block_pool
     assert pool.num_free_blocks == pool.num_usable_blocks and pool.usage == 0.0
     text = small.metrics.render().decode()
     for name in ("num_swaps_total", "host_prefix_cache_hits_total", "kv_offloaded_blocks_total",

@@ -26,7 +26,7 @@ def llm(engine: LLMEngine) -> LLM:
 def _engine_left_idle(engine: LLMEngine):
     yield
     assert not engine.has_unfinished_requests() and not engine.requests and not engine.groups
-    pool = engine.state.block_pool
+    pool = engine.scheduler.block_pool
     assert pool.num_free_blocks == pool.num_usable_blocks
     assert not engine._slot_owner and len(engine._free_slots) == engine.runner.num_penalty_slots
 

@@ -111,5 +111,5 @@ def test_fuzz_real_engine(real_server, engine, path: str) -> None:
             break
         httpx.get(base_url + "/health", timeout=10)
     assert aeng.num_unfinished() == 0 and not engine.has_unfinished_requests()
-    pool = engine.state.block_pool
+    pool = engine.scheduler.block_pool
     assert pool.num_free_blocks == pool.num_usable_blocks

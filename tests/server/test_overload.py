@@ -90,5 +90,5 @@ def test_overload_refuses_with_503_and_completes_the_admitted(engine) -> None:
             assert r.json()["usage"]["completion_tokens"] == MAX_TOKENS
     assert normal.status_code == 200, normal.text
     assert not engine.has_unfinished_requests()
-    pool = engine.state.block_pool
+    pool = engine.scheduler.block_pool
     assert pool.num_free_blocks == pool.num_usable_blocks

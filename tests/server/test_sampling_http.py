@@ -25,11 +25,11 @@ import httpx
 import openai
 import pytest
 
-from jaxserve.core.kv_manager import KVManager
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.server.app import build_app
 from tests.support.http_server import serve_app
+from tests.support.kv import kv_manager
 
 MODEL = "m"
 COMPL, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -41,17 +41,14 @@ def base_url(engine: LLMEngine):
     # Several tests compare two requests' logprobs exactly. With prefix caching the second
     # reuses the first's K/V blocks and computes only the rest, which may change the last
     # float32 bits; these tests are about sampling, so the engine runs with the cache off.
-    assert not engine.has_unfinished_requests()
-    kv = engine.state.kv
-    engine.state.kv = KVManager(kv.num_blocks, kv.block_size, False, kv.num_host_blocks)
-    aeng = AsyncEngine(engine)
-    aeng.start(warmup=False)
-    try:
-        with serve_app(build_app(aeng, MODEL)) as url:
-            yield url
-    finally:
-        aeng.shutdown()
-        engine.state.kv = kv
+    with kv_manager(engine, caching=False):
+        aeng = AsyncEngine(engine)
+        aeng.start(warmup=False)
+        try:
+            with serve_app(build_app(aeng, MODEL)) as url:
+                yield url
+        finally:
+            aeng.shutdown()
     assert not engine.has_unfinished_requests()
 
 

@@ -106,7 +106,7 @@ class StaticBatchEngine:
                 raise ValueError(f"request {i}: needs a non-empty prompt and "
                                  f"num_output_tokens >= 1")
         batch, bs = eng.config.max_num_seqs, eng.config.block_size
-        free = eng.state.block_pool.num_free_blocks
+        free = eng.scheduler.block_pool.num_free_blocks
         for lo in range(0, len(requests), batch):
             rows = requests[lo:lo + batch]
             L = max(len(r.prompt_token_ids) for r in rows)
@@ -124,7 +124,7 @@ class StaticBatchEngine:
     def _run_batch(self, rows: list[StaticRequest], first: int, stats: StaticStats) -> None:
         eng = self.engine
         bs = eng.config.block_size
-        pool = eng.state.block_pool
+        pool = eng.scheduler.block_pool
         p = [len(r.prompt_token_ids) for r in rows]
         n = [r.num_output_tokens for r in rows]
         L, M, B = max(p), max(n), len(rows)
