@@ -8,95 +8,86 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "fp8", "int8")  # pallas_kernels.kv_cache.KV_QUANT_DTYPES + auto
+# copies of names in pallas_kernels and models.quant, which import jax (tests/test_config.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 KV_SCALE_MODES = ("calibrated", "unit")
-# the same names as pallas_kernels.ATTENTION_BACKENDS (not imported here: no jax for the CLI parser)
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas-interpret")
-# the same names as models.quant.METHODS (not imported here: no jax for the CLI parser)
 QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine settings.
-
-    Fields:
-      block_size: tokens per KV-cache block (power of two, 1..256).
-      num_kv_blocks: explicit number of KV blocks (block 0 is reserved, so num_kv_blocks - 1 are
-        usable); overrides both memory settings.
-      kv_cache_memory_gib: explicit KV-cache size in GiB (default on the CPU: 2 GiB).
-      kv_cache_memory_fraction: fraction of free device memory after weights used for the KV
-        cache on accelerators (default 0.8).
-      max_num_seqs: most sequences in one step.
-      max_num_batched_tokens: most tokens (prefill chunks + decode tokens) in one step.
-      long_prefill_token_threshold: when > 0, the most prompt tokens one request computes in a
-        step, so that a long prompt leaves budget to admit others (vLLM's name); 0: off.
-      max_model_len: context window (prompt + output); None: the model's own.
-      enable_prefix_caching: reuse the K/V of full blocks whose chained hash (parent hash +
-        token ids) matches, across requests (on by default).
-      kv_offloading_size: GiB of host memory for a second tier of KV blocks (vLLM's name;
-        pinned host memory): cached blocks evicted from the device are copied there and found
-        again by prefix lookup, and preempted requests are swapped there instead of recomputed.
-        None: no host tier.
-      dtype: activation and weight dtype ("float32", "bfloat16", "float16"); "auto" means
-        float32 on the CPU and bfloat16 on accelerators.
-      kv_cache_dtype: KV-cache storage: "auto" (the activation dtype), "fp8" (float8 e4m3, kept
-        as its bit patterns in uint8 arrays) or "int8" (symmetric), both 1 byte per element with
-        static per-(layer, kv-head) scales, so the same KV memory holds 2x (bfloat16) / 4x
-        (float32) the tokens.
-      kv_calibration_file: a UTF-8 text file prefilled once at start to measure K/V magnitudes
-        (see jaxserve.device.kv_calibration); None: the passage shipped with the package. Only with an
-        8-bit kv_cache_dtype and kv_scale_mode "calibrated".
-      kv_scale_mode: "calibrated" (scales from the calibration pass) or "unit" (every scale
-        1.0; kept to measure what calibration buys).
-      kv_calibration_percentile: the percentile of |K| (|V|) per (layer, kv head) over the
-        calibration tokens that maps to the format's largest value (100: the absolute max).
-      seed: seed for dummy weights and for requests that give none.
-      attention_backend: "auto" (the Pallas kernel on GPUs, the pure-jnp op elsewhere),
-        "reference" (the pure-jnp op), "pallas" (the Pallas Triton kernel), or
-        "pallas-interpret" (that kernel in the Pallas interpreter; for CPU tests, slow).
-      compilation_cache_dir: persistent XLA compilation cache directory ("" disables it).
-      tensor_parallel_size: devices one model is split over (Megatron-style heads / MLP /
-        vocabulary split, see jaxserve.sharding); 1: one device.
-      quantization: weight quantisation at load time (models.quant): "none", "int8"
-        (per-output-channel), "int4" (group-wise asymmetric: an f16 scale and a zero point per
-        group, two values per byte) or "fp8" (e4m3, per channel); every linear of the decoder
-        layers, dequantised on the fly in the serving dtype.
-      quantization_group_size: input rows per int4 scale and zero point (even; must divide
-        the contraction dims of the quantised weights, e.g. 576 and 1536 for SmolLM2; default
-        32, the block of llama.cpp's 4-bit formats).
-      quantize_embeddings: also quantise the embedding table (per-row scales, also serving a
-        tied LM head) and an untied LM head; needs quantization != "none".
+    """Engine settings; each field's ``help`` metadata is its ``--flag`` help.
 
     Raises:
       ValueError: naming the field and value, for invalid settings.
     """
 
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_gib: float | None = None
-    kv_cache_memory_fraction: float = 0.8
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    long_prefill_token_threshold: int = 0
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    kv_offloading_size: float | None = None
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"
-    kv_calibration_file: str | None = None
-    kv_scale_mode: str = "calibrated"
-    kv_calibration_percentile: float = 100.0
-    seed: int = 0
-    attention_backend: str = "auto"
-    compilation_cache_dir: str = "~/.cache/jaxserve/xla"
-    tensor_parallel_size: int = 1
-    quantization: str = "none"
-    quantization_group_size: int = 32
-    quantize_embeddings: bool = False
+    block_size: int = field(default=16, metadata={
+        "help": "tokens per KV-cache block (power of two)"})
+    num_kv_blocks: int | None = field(default=None, metadata={
+        "help": "number of KV-cache blocks (overrides both memory settings; block 0 is reserved)"})
+    kv_cache_memory_gib: float | None = field(default=None, metadata={
+        "help": "KV-cache size in GiB (CPU default when unset: 2 GiB)"})
+    kv_cache_memory_fraction: float = field(default=0.8, metadata={
+        "help": "fraction of free device memory after weights for the KV cache on accelerators"})
+    max_num_seqs: int = field(default=64, metadata={"help": "most sequences in one step"})
+    max_num_batched_tokens: int = field(default=512, metadata={
+        "help": "most tokens (prefill chunks + decode tokens) in one step; the largest compiled "
+                "bucket"})
+    long_prefill_token_threshold: int = field(default=0, metadata={
+        "help": "when > 0, the most prompt tokens one request computes in a step, leaving budget "
+                "to admit others behind a long prompt; 0: off"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "context window, prompt + output tokens (default: the model's)"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "reuse the KV cache of full blocks shared with earlier requests (chained block "
+                "hashes)"})
+    kv_offloading_size: float | None = field(default=None, metadata={
+        "help": "GiB of pinned host memory for a second KV tier: evicted cached blocks go there "
+                "and are found again; preempted requests swap there (default: no host tier)"})
+    dtype: str = field(default="auto", metadata={
+        "help": "weights and activations: auto (float32 on CPU, bfloat16 on accelerators), "
+                "float32, bfloat16, float16"})
+    # fp8 is stored as its bit patterns in uint8 arrays; 1 byte per element either way
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "KV-cache storage: auto (the serving dtype), fp8 (float8 e4m3) or int8, 8-bit "
+                "with per-(layer, kv-head) scales calibrated at start"})
+    # the calibration pass: jaxserve/device/kv_calibration.py
+    kv_calibration_file: str | None = field(default=None, metadata={
+        "help": "text file whose K/V magnitudes set the 8-bit KV scales (default: a short passage "
+                "shipped with jaxserve)"})
+    kv_scale_mode: str = field(default="calibrated", metadata={
+        "help": "advanced: calibrated (scales from the calibration text) or unit (every scale "
+                "1.0, the accuracy-losing default of some engines; for comparison)"})
+    kv_calibration_percentile: float = field(default=100.0, metadata={
+        "help": "advanced: percentile of |K|, |V| per (layer, head) that maps to the 8-bit "
+                "maximum (100: the absolute maximum)"})
+    seed: int = field(default=0, metadata={
+        "help": "seed for dummy weights and for requests without one"})
+    attention_backend: str = field(default="auto", metadata={
+        "help": "auto (Pallas kernel on GPUs, pure-jnp op elsewhere), reference, pallas, or "
+                "pallas-interpret (the kernel in the Pallas interpreter; CPU tests)"})
+    compilation_cache_dir: str = field(default="~/.cache/jaxserve/xla", metadata={
+        "help": "persistent XLA compilation cache directory ('' disables it)"})
+    # the split: jaxserve/sharding.py
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "devices one model is split over (heads, MLP and vocabulary); must divide "
+                "num_heads"})
+    # the formats: models/quant.py; weights are dequantised on the fly in the serving dtype
+    quantization: str = field(default="none", metadata={
+        "help": "weight quantisation at load time: none, int8 (per output channel), int4 "
+                "(group-wise asymmetric, two per byte) or fp8 (e4m3, per channel); every linear "
+                "of the decoder layers"})
+    # default 32: the block of llama.cpp's 4-bit formats
+    quantization_group_size: int = field(default=32, metadata={
+        "help": "input rows per int4 scale and zero point; must divide the quantised weights' "
+                "input dims (576 and 1536 for SmolLM2)"})
+    quantize_embeddings: bool = field(default=False, metadata={
+        "help": "also quantise the embedding table and the LM head (needs --quantization)"})
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -199,29 +190,31 @@ class LoadConfig:
             raise ValueError(f"{self.load_format=} must be 'auto', 'gguf' or 'dummy'")
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
+API_KEY_ENV = "JAXSERVE_API_KEY"
+"""Where ``jaxserve serve`` reads the API key from when ``--api-key`` is not given."""
 
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """Caps on one request, checked before the work they bound (``serve`` and ``run-batch``).
-
-    Fields:
-      max_request_body_bytes: the largest request body (an HTTP body, or one batch-file line),
-        checked before it is parsed: 413 over HTTP (the ``Content-Length`` header, else while
-        reading), an error line in ``run-batch``.
-      max_num_messages: the most chat messages in one request (chat completions and /tokenize),
-        checked before the chat template runs and anything is tokenised; 400 naming
-        ``messages``.
-      max_n: the largest ``n`` (choices per request); a larger one is 400 naming ``n``.
+    """Caps on one request, checked before the work they bound (``serve`` and ``run-batch``);
+    each field's ``help`` metadata is its ``--flag`` help.
 
     Raises:
       ValueError: naming the field and value, for a cap below 1.
     """
 
-    max_request_body_bytes: int = 8 * 1024 * 1024
-    max_num_messages: int = 1024
-    max_n: int = 16
+    # HTTP: 413 from the Content-Length header, else while reading; run-batch: an error line
+    max_request_body_bytes: int = field(default=8 * 1024 * 1024, metadata={
+        "help": "largest request body (or batch line) in bytes, refused before it is parsed "
+                "(413)"})
+    # chat completions and /tokenize: 400 naming ``messages``, before the chat template runs
+    max_num_messages: int = field(default=1024, metadata={
+        "help": "most chat messages in one request, refused before tokenising (400)"})
+    # 400 naming ``n``
+    max_n: int = field(default=16, metadata={
+        "help": "largest n (choices per request) accepted (400 above it)"})
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -232,34 +225,33 @@ class RequestLimits:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """HTTP server settings (``jaxserve serve`` flags that are not engine fields).
-
-    Fields:
-      host / port: where to listen (port 0: any free port).
-      api_key: when set, every ``/v1/*``, ``/tokenize`` and ``/detokenize`` request needs
-        ``Authorization: Bearer <api_key>`` (else 401); ``/health``, ``/metrics`` and
-        ``/openapi.json`` stay open.
-      max_waiting_requests: a generation request arriving while the engine holds this many
-        requests not yet running gets 503 with ``Retry-After``.
-      request_timeout_s: a generation request still unfinished this long after it arrived is
-        aborted (504, or an error event in a stream); None: no limit.
-      drain_timeout_s: on SIGTERM, how long in-flight requests may take to finish before they
-        are aborted.
-      log_level: "debug", "info", "warning" or "error".
-      log_format: "text" or "json" (one object per line).
+    """HTTP server settings (``jaxserve serve`` flags that are not engine fields); each field's
+    ``help`` metadata is its ``--flag`` help, ``choices`` its allowed values.
 
     Raises:
       ValueError: naming the field and value, for invalid settings.
     """
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    max_waiting_requests: int = 1024
-    request_timeout_s: float | None = None
-    drain_timeout_s: float = 30.0
-    log_level: str = "info"
-    log_format: str = "text"
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=8000, metadata={"help": "port to listen on (0: any free)"})
+    # else 401; /health, /metrics and /openapi.json stay open
+    api_key: str | None = field(default=None, metadata={
+        "help": f"require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize; when "
+                f"not given, ${API_KEY_ENV} if set"})
+    # counts requests accepted by the engine and not yet running
+    max_waiting_requests: int = field(default=1024, metadata={
+        "help": "answer 503 (Retry-After) to new generation requests while this many are "
+                "waiting to run"})
+    # counted from arrival; a started stream ends with an error event instead
+    request_timeout_s: float | None = field(default=None, metadata={
+        "help": "abort a generation request unfinished after this many seconds (504); None: no "
+                "limit"})
+    drain_timeout_s: float = field(default=30.0, metadata={
+        "help": "on SIGTERM, seconds in-flight requests get to finish before they are aborted"})
+    log_level: str = field(default="info", metadata={"help": "log level", "choices": LOG_LEVELS})
+    log_format: str = field(default="text", metadata={
+        "help": "text, or json: one object per line (time, level, logger, message, request_id)",
+        "choices": LOG_FORMATS})
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -272,7 +264,7 @@ class ServerConfig:
             raise ValueError(f"{self.request_timeout_s=} must be > 0")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"{self.drain_timeout_s=} must be >= 0")
-        if self.log_level not in ("debug", "info", "warning", "error"):
+        if self.log_level not in LOG_LEVELS:
             raise ValueError(f"{self.log_level=} must be debug, info, warning or error")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"{self.log_format=} must be one of {LOG_FORMATS}")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from tqdm import tqdm
+
 from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
@@ -138,7 +140,6 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
-            from tqdm import tqdm
             bar = tqdm(total=len(reqs), desc="generating", unit="req")
         try:
             while eng.has_unfinished_requests():

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from jaxserve.errors import InvalidRequest
+
 MAX_LOGPROBS = 20
 """Most alternatives ``logprobs`` / ``prompt_logprobs`` may ask for (vLLM's default
 ``max_logprobs``; OpenAI's ``top_logprobs`` limit). The step program computes this many."""
@@ -29,7 +31,8 @@ class SamplingParams:
       top_k: keep the k most likely tokens; 0 or -1 disables it, and so does any k at or above
         the vocabulary size.
       seed: per-request RNG seed, any 64-bit integer (negative ones are taken modulo 2**64);
-        the random stream depends only on (seed, output position), never on batch-mates. ``None`` draws a fresh seed for the request.
+        the random stream depends only on (seed, output position), never on batch-mates.
+        ``None`` draws a fresh seed for the request.
       stop: strings that end generation when they appear in the output text; the stop string
         is cut off unless ``include_stop_str_in_output``.
       stop_token_ids: token ids that end generation, in addition to EOS.
@@ -57,7 +60,7 @@ class SamplingParams:
         after the first (the first has no logprob: ``None``).
 
     Raises:
-      ValueError: naming the field, for any out-of-range value.
+      InvalidRequest: for any out-of-range value, ``param`` naming the field.
     """
 
     max_tokens: int | None = 16
@@ -85,66 +88,78 @@ class SamplingParams:
         for name in ("stop", "stop_token_ids"):
             value = getattr(self, name)
             if not isinstance(value, (list, tuple)):
-                raise ValueError(f"{name} must be a list, got {value!r}")
+                raise InvalidRequest(f"{name} must be a list, got {value!r}", param=name)
             setattr(self, name, list(value))
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise InvalidRequest(f"{name} must be a bool, got {getattr(self, name)!r}",
+                                     param=name)
         self.validate()
 
     def validate(self) -> None:
-        """Check every field; raise ValueError naming the first bad one."""
+        """Check every field.
+
+        Raises:
+          InvalidRequest: for the first bad field, ``param`` naming it.
+        """
         if self.max_tokens is not None:
             if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-                raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+                raise InvalidRequest(f"max_tokens must be an integer, got {self.max_tokens!r}",
+                                     param="max_tokens")
             if self.max_tokens < 1:
-                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+                raise InvalidRequest(f"max_tokens must be at least 1, got {self.max_tokens}",
+                                     param="max_tokens")
         if not _finite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise InvalidRequest(f"temperature must be a finite number >= 0, got "
+                                 f"{self.temperature!r}", param="temperature")
         if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+            raise InvalidRequest(f"top_k must be -1, 0 (off) or a positive integer, got "
+                                 f"{self.top_k!r}", param="top_k")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
             or not -(2**63) <= self.seed < 2**64
         ):
-            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+            raise InvalidRequest(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}",
+                                 param="seed")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+                raise InvalidRequest(f"stop must hold non-empty strings, got {s!r}", param="stop")
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise ValueError(f"stop_token_ids must hold non-negative integers, got {t!r}")
+                raise InvalidRequest(f"stop_token_ids must hold non-negative integers, got {t!r}",
+                                     param="stop_token_ids")
         if not _int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+            raise InvalidRequest(f"n must be an integer >= 1, got {self.n!r}", param="n")
         if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p!r}", param="min_p")
         if not _finite(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(
-                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+            raise InvalidRequest(f"repetition_penalty must be in (0, 2], got "
+                                 f"{self.repetition_penalty!r}", param="repetition_penalty")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _finite(v) or not -2.0 <= v <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+                raise InvalidRequest(f"{name} must be in [-2, 2], got {v!r}", param=name)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise ValueError(f"logit_bias must be a dict of token id -> bias, got "
-                                 f"{self.logit_bias!r:.80}")
+                raise InvalidRequest(f"logit_bias must be a dict of token id -> bias, got "
+                                     f"{self.logit_bias!r:.80}", param="logit_bias")
             if len(self.logit_bias) > MAX_LOGIT_BIAS:
-                raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most "
-                                 f"{MAX_LOGIT_BIAS} are allowed")
+                raise InvalidRequest(f"logit_bias has {len(self.logit_bias)} entries; at most "
+                                     f"{MAX_LOGIT_BIAS} are allowed", param="logit_bias")
             for t, b in self.logit_bias.items():
                 if not _int(t) or t < 0:
-                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {t!r}")
+                    raise InvalidRequest(f"logit_bias keys must be token ids >= 0, got {t!r}",
+                                         param="logit_bias")
                 if not _finite(b) or not -100.0 <= b <= 100.0:
-                    raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} "
-                                     f"for token {t}")
+                    raise InvalidRequest(f"logit_bias values must be in [-100, 100], got {b!r} "
+                                         f"for token {t}", param="logit_bias")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not _int(v) or not 0 <= v <= MAX_LOGPROBS):
-                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, "
-                                 f"got {v!r}")
+                raise InvalidRequest(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or "
+                                     f"None, got {v!r}", param=name)
 
     @property
     def greedy(self) -> bool:

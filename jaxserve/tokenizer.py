@@ -139,7 +139,7 @@ class Tokenizer:
           ValueError: the file has no tokenizer, or a tokenizer model other than ``gpt2``
             (byte-level BPE) or, for Gemma architectures, ``llama`` (SentencePiece).
         """
-        from models.gguf_reader import GGUFFile  # a file-format layer, not the engine core
+        from models.gguf_reader import GGUFFile  # lazy: models/ imports jax; this module does not
 
         fields = (reader if reader is not None else GGUFFile(path)).fields
 
@@ -350,7 +350,8 @@ class Tokenizer:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str | None:
-        """The vocabulary string of one id (byte-level form, e.g. ``'Ġworld'``), None if unknown."""
+        """The vocabulary string of one id (byte-level form, e.g. ``'Ġworld'``); None if
+        unknown."""
         return self.backend.id_to_token(int(token_id))
 
     def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes:

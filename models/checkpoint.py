@@ -39,6 +39,17 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from models.quant import (
+    INT4_FORMAT,
+    QuantConfig,
+    QuantizedWeight,
+    quantization_of,
+    quantized_shapes,
+)
+from models.registry import get_architecture
 
 CONFIG_FILE = "config.json"
 KV_SCALES_FILE = "kv_scales.json"
@@ -75,10 +86,6 @@ def save_checkpoint(path: str, cfg, params, dtype: jnp.dtype | None = None) -> N
     target = os.path.join(os.path.abspath(path), PARAMS_DIR)
     if os.path.exists(target):
         raise ValueError(f"{target} exists already; choose a new destination directory")
-    import orbax.checkpoint as ocp
-
-    from models.quant import INT4_FORMAT, QuantizedWeight, quantization_of
-
     if dtype is not None:
         params = jax.tree_util.tree_map(
             lambda x: x if isinstance(x, QuantizedWeight) else jnp.asarray(x, dtype), params,
@@ -121,8 +128,6 @@ def read_kv_scales(path: str) -> dict | None:
     Raises:
       ValueError: an unreadable file, a missing key, or scales that are not finite and > 0.
     """
-    import numpy as np
-
     file = os.path.join(path, KV_SCALES_FILE)
     if not os.path.isfile(file):
         return None
@@ -163,9 +168,6 @@ def read_quantization(path: str):
 
 
 def _read(path: str):
-    from models.quant import INT4_FORMAT, QuantConfig
-    from models.registry import get_architecture
-
     try:
         with open(os.path.join(path, CONFIG_FILE), encoding="utf-8") as fh:
             data = json.load(fh)
@@ -212,11 +214,6 @@ def load_checkpoint(path: str, dtype: jnp.dtype, shardings=None):
     Raises:
       ValueError: the stored tree's paths or shapes differ from the model's (naming the path).
     """
-    import orbax.checkpoint as ocp
-
-    from models.quant import quantized_shapes
-    from models.registry import get_architecture
-
     cfg, qcfg = _read(path)
     arch = get_architecture(cfg.architecture)
     model = arch.model(cfg, dtype)
@@ -245,8 +242,6 @@ def load_checkpoint(path: str, dtype: jnp.dtype, shardings=None):
 def stored_params(path: str):
     """The stored params tree of the checkpoint at ``path`` as ``jax.ShapeDtypeStruct`` leaves
     (shapes and stored dtypes, from the metadata; nothing read)."""
-    import orbax.checkpoint as ocp
-
     params_dir = os.path.join(os.path.abspath(path), PARAMS_DIR)
     ckpt = ocp.StandardCheckpointer()
     try:

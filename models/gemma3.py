@@ -41,6 +41,7 @@ from models.llama import (
     cache_scales,
     kv_scale_kwargs,
 )
+from models.loader import gguf_tensor_getter, stack_layers
 from models.quant import embed_lookup, qmatmul, weight
 from pallas_kernels import KVCache, ragged_paged_attention, write_kv
 
@@ -151,7 +152,7 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM:
-    """The model protocol of design.md over a ``Gemma3Model`` (as ``LlamaForCausalLM``)."""
+    """``models/interface.py:CausalLM`` over a ``Gemma3Model`` (as ``LlamaForCausalLM``)."""
 
     def __init__(self, cfg: Gemma3Config, dtype: jnp.dtype = jnp.float32,
                  attention_fn: AttentionFn = ragged_paged_attention) -> None:
@@ -248,8 +249,6 @@ def gemma3_gguf_params(reader, cfg: Gemma3Config, dtype: jnp.dtype) -> dict:
     Raises:
       ValueError: a missing tensor.
     """
-    from models.loader import gguf_tensor_getter, stack_layers
-
     get = gguf_tensor_getter(reader)
     per_layer = []
     for i in range(cfg.num_layers):

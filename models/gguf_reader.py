@@ -22,6 +22,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+import gguf
 import numpy as np
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
@@ -65,8 +66,6 @@ class GGUFFile:
     """
 
     def __init__(self, path: str) -> None:
-        import gguf  # quant block sizes and type names
-
         self.path = path
         mm = np.memmap(path, dtype=np.uint8, mode="r")
         buf = memoryview(mm)

@@ -29,9 +29,13 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  (numpy learns the name "bfloat16" for bf16 slices)
 import numpy as np
+from safetensors import safe_open
+from tqdm import tqdm
 
 from models.config import ModelConfig, RopeScaling
+from models.registry import get_architecture
 
 CONFIG_FILE = "config.json"
 
@@ -53,8 +57,6 @@ class SafetensorsDir:
     """
 
     def __init__(self, path: str, progress: bool = True) -> None:
-        from safetensors import safe_open
-
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
         if not files:
             raise ValueError(f"{path} has no *.safetensors file")
@@ -68,8 +70,6 @@ class SafetensorsDir:
                 self._where[name] = i
         self._bar = None
         if progress:
-            from tqdm import tqdm
-
             self._bar = tqdm(total=len(self._where), desc="loading tensors", unit="tensor",
                              leave=False)
 
@@ -108,8 +108,6 @@ class SafetensorsDir:
         Raises:
           ValueError: no tensor of that name.
         """
-        import ml_dtypes  # noqa: F401  (numpy learns the name "bfloat16" for bf16 slices)
-
         if name not in self._where:
             raise ValueError(f"{self.path} lacks tensor {name}")
         return self._files[self._where[name]].get_slice(name)[tuple(index)]
@@ -144,8 +142,6 @@ def load_hf_params(path: str, dtype: jnp.dtype, progress: bool = True):
       ValueError: an unregistered architecture or one without an HF loader, an unsupported
         config value (naming the key), or a missing tensor.
     """
-    from models.registry import get_architecture
-
     data = read_hf_config(path)
     arch = get_architecture(str(data["architectures"][0]))
     if arch.hf_config is None or arch.hf_params is None:
@@ -230,7 +226,7 @@ def llama_hf_config(data: dict) -> ModelConfig:
         sliding_window=None if sliding is None else int(sliding), name=family)
 
 
-_LAYER_TENSORS = {  # our path in layers/ -> (HF name under model.layers.{i}., transpose)
+LAYER_TENSORS = {
     ("attn_norm", "weight"): ("input_layernorm.weight", False),
     ("mlp_norm", "weight"): ("post_attention_layernorm.weight", False),
     ("wq",): ("self_attn.q_proj.weight", True),
@@ -241,6 +237,8 @@ _LAYER_TENSORS = {  # our path in layers/ -> (HF name under model.layers.{i}., t
     ("w_up",): ("mlp.up_proj.weight", True),
     ("w_down",): ("mlp.down_proj.weight", True),
 }
+"""A Llama-family decoder layer's tensors: our path under ``params["layers"]`` -> (HF name under
+``model.layers.{i}.``, whether HF stores it transposed: ``[out, in]`` against our ``[in, out]``)."""
 _BIAS_TENSORS = {("bq",): "self_attn.q_proj.bias", ("bk",): "self_attn.k_proj.bias",
                  ("bv",): "self_attn.v_proj.bias"}
 
@@ -299,7 +297,7 @@ def llama_hf_sources(tensors: SafetensorsDir, cfg: ModelConfig) -> dict:
         return HFLeaf(tensors, tuple(names), stacked, transpose,
                       (len(names), *one) if stacked else one)
 
-    spec = dict(_LAYER_TENSORS)
+    spec = dict(LAYER_TENSORS)
     if cfg.qkv_bias:
         spec.update({path: (hf, False) for path, hf in _BIAS_TENSORS.items()})
     layers: dict = {}

@@ -11,10 +11,10 @@ place; passing it as scan xs/ys would slice and re-stack (copy) it. An 8-bit cac
 ``write_kv`` and the attention op as ``k_scale`` / ``v_scale`` (not passed for a float cache, so
 attention functions that know no scales keep working).
 
-Features: GQA, optional sliding-window attention (Mistral), RoPE (rotate-half layout of HF transformers; GGUF q/k rows are un-permuted at load
-time) with theta and Llama-3 frequency scaling, RMSNorm, SwiGLU, tied or untied embeddings,
-optional q/k/v bias. Source: Touvron et al. 2023 (arXiv:2302.13971) and HF transformers'
-``modeling_llama.py``.
+Features: GQA, optional sliding-window attention (Mistral), RoPE (rotate-half layout of HF
+transformers; GGUF q/k rows are un-permuted at load time) with theta and Llama-3 frequency scaling,
+RMSNorm, SwiGLU, tied or untied embeddings, optional q/k/v bias. Source: Touvron et al. 2023
+(arXiv:2302.13971) and HF transformers' ``modeling_llama.py``.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM:
-    """The model protocol of design.md over a ``LlamaModel``.
+    """``models/interface.py:CausalLM`` over a ``LlamaModel``.
 
     ``forward(params, token_ids i32[T], positions i32[T], kv_cache, md) -> (hidden [T, hidden],
     kv_cache)`` and ``compute_logits(params, hidden [L, hidden]) -> f32[L, vocab]``. Any Flax

@@ -13,11 +13,14 @@ from __future__ import annotations
 import re
 import zlib
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig, RopeScaling
+from models.gguf_reader import GGUFFile
+from models.registry import Architecture, get_architecture
 
 
 def dummy_params(model, seed: int, shardings=None):
@@ -97,7 +100,7 @@ def gguf_model_config(reader) -> ModelConfig:
         max_position_embeddings=int(get("context_length", 8192)), name=str(name))
 
 
-def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation (its convert script interleaves the two RoPE halves
     of each head for GGML's interleaved RoPE); rows ``[n_heads * head_dim, ...]``."""
     rows = w.shape[0]
@@ -112,8 +115,6 @@ def gguf_tensor_getter(reader, path: str = "GGUF file"):
     Raises (from ``get``):
       ValueError: the file lacks that tensor.
     """
-    import gguf
-
     tensors = {t.name: t for t in reader.tensors}
 
     def get(name: str) -> np.ndarray:
@@ -153,13 +154,13 @@ def llama_gguf_params(reader, cfg: ModelConfig, dtype: jnp.dtype) -> dict:
         for ours, theirs in names.items():
             w = get(p + theirs + ".weight")  # [out, in]
             if ours == "wq":
-                w = _unpermute(w, cfg.num_heads)
+                w = unpermute_qk(w, cfg.num_heads)
             elif ours == "wk":
-                w = _unpermute(w, cfg.num_kv_heads)
+                w = unpermute_qk(w, cfg.num_kv_heads)
             layer[ours] = w.T
         if cfg.qkv_bias:
-            layer["bq"] = _unpermute(get(p + "attn_q.bias"), cfg.num_heads)
-            layer["bk"] = _unpermute(get(p + "attn_k.bias"), cfg.num_kv_heads)
+            layer["bq"] = unpermute_qk(get(p + "attn_q.bias"), cfg.num_heads)
+            layer["bk"] = unpermute_qk(get(p + "attn_k.bias"), cfg.num_kv_heads)
             layer["bv"] = get(p + "attn_v.bias")
         per_layer.append(layer)
     params = {"embed": put(get("token_embd.weight")), "layers": stack_layers(per_layer, dtype),
@@ -178,16 +179,28 @@ def load_gguf_params(path: str, dtype: jnp.dtype, reader: object = None):
     Raises:
       ValueError: an unregistered architecture, one without a GGUF loader, or a missing tensor.
     """
-    from models.gguf_reader import GGUFFile  # file formats are a layer above the core
-    from models.registry import get_architecture
-
     reader = reader if reader is not None else GGUFFile(path)
+    arch = gguf_architecture(reader, path)
+    cfg = arch.gguf_config(reader)
+    return cfg, arch.gguf_params(reader, cfg, dtype)
+
+
+def gguf_architecture(reader: GGUFFile, path: str) -> Architecture:
+    """The registered architecture a GGUF file names in ``general.architecture``; its
+    ``gguf_config`` and ``gguf_params`` are set.
+
+    Args:
+      reader: the open file.
+      path: its path, for messages.
+
+    Raises:
+      ValueError: an unregistered architecture, or one without a GGUF loader.
+    """
     name = _field(reader, "general.architecture")
     arch = get_architecture(str(name))
     if arch.gguf_config is None or arch.gguf_params is None:
         raise ValueError(f"{path}: architecture {name!r} has no GGUF loader")
-    cfg = arch.gguf_config(reader)
-    return cfg, arch.gguf_params(reader, cfg, dtype)
+    return arch
 
 
 def gguf_name(path: str) -> str:

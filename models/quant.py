@@ -4,11 +4,11 @@ dequantises on the fly inside the jitted step.
 Data flow: a checkpoint loads in the serving dtype (any format) -> ``quantize_params`` replaces
 each listed weight, one leaf at a time on its device, by a ``QuantizedWeight`` (``q``,
 ``scale`` and, for int4, ``zero``) and frees the float leaf -> the model's layers call
-``qmatmul`` / ``embed_lookup``, which take plain arrays too, so a model written against them serves both. Stacked layer
-weights keep the layer axis first (``q [L, in, out]``, ``scale [L, G, out]``), so ``nn.scan``
-slices them like any other param. A checkpoint written by ``jaxserve convert --quantization``
-holds the quantised leaves and loads without quantising again (``quantized_shapes`` gives
-orbax its restore target by shape arithmetic alone).
+``qmatmul`` / ``embed_lookup``, which take plain arrays too, so a model written against them serves
+both. Stacked layer weights keep the layer axis first (``q [L, in, out]``, ``scale [L, G, out]``),
+so ``nn.scan`` slices them like any other param. A checkpoint written by
+``jaxserve convert --quantization`` holds the quantised leaves and loads without quantising again
+(``quantized_shapes`` gives orbax its restore target by shape arithmetic alone).
 
 Formats (``w`` is a weight whose *contraction axis* ``axis`` has length ``n``; a linear weight
 ``[in, out]`` contracts over ``in`` (axis -2), an embedding table ``[vocab, hidden]`` used as a
@@ -36,9 +36,9 @@ tied LM head contracts over ``hidden`` (axis -1), so its scales are per row):
   skewed group), and llama.cpp's 4-bit files (Q4_0/Q4_1, and Q4_K's sub-blocks) quantise
   blocks of 32 input rows, so re-quantising such a checkpoint lands on its own grid (measured
   with ``jaxserve eval``, table in the README: SmolLM2's Q4_1 GGUF, +0.29% perplexity at group
-  32, +29.5% at group 64, +44% with the earlier symmetric format at group 64). A ``group_size`` that does not divide ``n`` is
-  refused (ValueError naming ``quantization_group_size`` and the numbers): padding would need
-  the activations padded too.
+  32, +29.5% at group 64, +44% with the earlier symmetric format at group 64). A ``group_size`` that
+  does not divide ``n`` is refused (ValueError naming ``quantization_group_size`` and the numbers):
+  padding would need the activations padded too.
 - ``fp8``: ``float8_e4m3fn`` (Micikevicius et al. 2022, "FP8 formats for deep learning",
   arXiv:2209.05433), one scale per output channel, ``scale = amax / 448``; round to nearest
   even, so ``|w - deq| <= max(|w| * 2**-4, scale * 2**-10)`` (3 mantissa bits; the second term
@@ -504,9 +504,9 @@ def param_bytes(params) -> dict[str, int | float]:
 
     Returns:
       ``total_bytes`` (everything as stored), ``quantized_bytes`` (``q``, ``scale`` and
-      ``zero`` of the quantised leaves), ``quantized_float32_bytes`` (what those leaves take as float32),
-      ``quantized_ratio`` (the two before, 0 when nothing is quantised), ``other_bytes`` (the
-      remaining leaves as stored) and ``total_float32_bytes`` (the whole tree as float32).
+      ``zero`` of the quantised leaves), ``quantized_float32_bytes`` (what those leaves take as
+      float32), ``quantized_ratio`` (the two before, 0 when nothing is quantised), ``other_bytes``
+      (the remaining leaves as stored) and ``total_float32_bytes`` (the whole tree as float32).
     """
     total = qbytes = qf32 = f32 = 0
     for leaf in jax.tree_util.tree_leaves(params, is_leaf=_is_qw):

@@ -1,8 +1,9 @@
 """Attention kernels and the paged KV-cache layout; importable with jax alone.
 
-``ragged_paged_attention`` / ``write_kv`` have one signature (design.md) and, per backend, one
-implementation: the pure-jnp one (``ragged_paged_attention``) runs everywhere; the Pallas Triton
-kernel (``ragged_paged_attention_pallas``) runs on NVIDIA GPUs and, in interpret mode, on the CPU.
+``ragged_paged_attention`` / ``write_kv`` have one signature (``pallas_kernels/
+ragged_paged_attention.py``) and, per backend, one implementation: the pure-jnp one
+(``ragged_paged_attention``) runs everywhere; the Pallas Triton kernel
+(``ragged_paged_attention_pallas``) runs on NVIDIA GPUs and, in interpret mode, on the CPU.
 ``attention_fn_for_backend`` maps the engine's ``attention_backend`` setting onto one of them.
 """
 

@@ -1,14 +1,15 @@
 """The paged KV cache layout, defined once for the kernels and the engine.
 
 One K and one V array, each ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``.
-A token at position ``p`` of a sequence with block table ``bt`` lives at block ``bt[p // block_size]``,
-offset ``p % block_size``; its flat *slot* is ``block_id * block_size + offset``. Block 0 is
-reserved: padding tokens write to slot 0.. of block 0 and padded block-table entries point at it,
-so kernels need no branch for padding.
+A token at position ``p`` of a sequence with block table ``bt`` lives at block
+``bt[p // block_size]``, offset ``p % block_size``; its flat *slot* is
+``block_id * block_size + offset``.
+Block 0 is reserved: padding tokens write to slot 0.. of block 0 and padded block-table entries
+point at it, so kernels need no branch for padding.
 
 The cache is a pytree carried through the layer scan and donated across steps: it is updated in
-place and never copied (the benchmark ``scripts/bench_kv_size.py`` checks that decode step time
-does not depend on ``num_blocks``).
+place and never copied (``jaxserve bench step`` with ``--num-kv-blocks 256`` and 4096 shows the
+decode step time does not depend on ``num_blocks``).
 
 Quantised cache (``kv_cache_dtype`` "fp8" / "int8"): K and V are stored at 8 bits, float8 e4m3
 (its bit patterns in a ``uint8`` array, see below) or ``int8``, with static symmetric scales per
@@ -17,8 +18,8 @@ Quantised cache (``kv_cache_dtype`` "fp8" / "int8"): K and V are stored at 8 bit
 ``write_kv`` divides by the scale, rounds (int8) and saturates to the format's range
 (``QUANT_MAX``: 448 for e4m3, 127 for int8); attention folds the K scale into the scores and
 the V scale into the output, so a page is read at 1 byte per element. Scales are static (fixed
-at engine start by calibration, see ``jaxserve.device.kv_calibration``), so moving blocks (host tier,
-swap) moves only the pages. Per-tensor-static scaling follows vLLM's FP8 KV cache and
+at engine start by calibration, see ``jaxserve.device.kv_calibration``), so moving blocks (host
+tier, swap) moves only the pages. Per-tensor-static scaling follows vLLM's FP8 KV cache and
 TensorRT-LLM's INT8/FP8 KV cache; per-head granularity is finer than their per-tensor default.
 
 Why fp8 pages are ``uint8`` arrays (as vLLM's torch cache is): XLA's CPU backend converts a

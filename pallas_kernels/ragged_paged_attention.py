@@ -13,8 +13,8 @@ same signature is ``ragged_paged_attention_triton.ragged_paged_attention_pallas`
 the online-softmax recurrence of FlashAttention (Dao et al., 2022, arXiv:2205.14135) over
 chunks of KV pages, as in vLLM's PagedAttention (Kwon et al., 2023, arXiv:2309.06180).
 
-An 8-bit cache (float8 e4m3 bits in ``uint8``, or ``int8``; see ``kv_cache``) comes with ``k_scale`` /
-``v_scale`` ``f32[num_layers, num_kv_heads]``: ``write_kv`` quantises, and attention reads the
+An 8-bit cache (float8 e4m3 bits in ``uint8``, or ``int8``; see ``kv_cache``) comes with ``k_scale``
+/ ``v_scale`` ``f32[num_layers, num_kv_heads]``: ``write_kv`` quantises, and attention reads the
 8-bit pages, folding the per-head K scale into the queries (``q . (s_k k) = (s_k q) . k``) and the
 V scale into the output (``sum_j p_j s_v v_j = s_v sum_j p_j v_j``), which is exact and costs
 no per-element multiply.

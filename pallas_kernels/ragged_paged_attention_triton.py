@@ -1,6 +1,6 @@
 """Ragged paged attention as a Pallas GPU kernel (Triton backend).
 
-Same contract as ``pallas_kernels.ragged_paged_attention`` (design.md "Attention op"): ``T``
+Same contract as ``pallas_kernels/ragged_paged_attention.py:ragged_paged_attention``: ``T``
 flattened query tokens of ``S`` sequences (prefill chunks and decode tokens mixed), each sequence's
 context read from the paged KV cache ``[num_layers, num_blocks, block_size, num_kv_heads,
 head_dim]`` through its block-table row; causal within the sequence, optional sliding window and

@@ -1,8 +1,8 @@
 """Random ragged paged-attention inputs for tests and the GPU check (numpy only).
 
-Shared by tests/kernels/test_attention.py, tests/kernels/test_pallas_attention.py and scripts/gpu_check.py, so
-all three exercise the same adversarial layout: permuted block tables, NaN in every page and
-slot no sequence owns, padding sequences and tokens.
+Shared by tests/kernels/test_attention.py, tests/kernels/test_pallas_attention.py and
+scripts/gpu_check.py, so all three exercise the same adversarial layout: permuted block tables, NaN
+in every page and slot no sequence owns, padding sequences and tokens.
 """
 
 from __future__ import annotations

@@ -309,11 +309,7 @@ def check_engine(rep: Report, model_name: str, batch: int, context: int, backend
                          vocab_limit=None)
     bucket = next(b for b in make_buckets(max(8, batch), batch) if b.num_tokens >= batch)
     # compile only the bucket this check runs (warmup would compile every bucket)
-    lay = runner.layouts[bucket]
-    jitted = jax.jit(runner._step_fn(lay), donate_argnums=(1, 2))
-    runner.compiled[bucket] = jitted.lower(
-        runner.params, runner.kv_cache, runner.penalty_state,
-        jax.ShapeDtypeStruct((lay.size,), jnp.int32)).compile()
+    runner.compile_bucket(bucket)
     setup_s = time.perf_counter() - t0
     rows = [RowParams(0.0, 0, 1.0, i, 0) for i in range(batch)]
     blocks = [list(range(1 + i * bps, 1 + (i + 1) * bps)) for i in range(batch)]

@@ -26,17 +26,20 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import subprocess
 import sys
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_goldens import LONG_PROSE, TOKENIZER_CASES, topk_pairs
+from golden_reference import (
+    LONG_PROSE,
+    TOKENIZER_CASES,
+    greedy,
+    load_gguf_reference,
+    topk_pairs,
+    versions,
+)
 
 N_GREEDY = 32
 TOP_K_FIRST = 64
@@ -79,39 +82,16 @@ def find_gguf(arg: str | None) -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
-def greedy(model: Any, prompt_ids: list[int]) -> tuple[list[int], list[Any]]:
-    """N_GREEDY argmax tokens with a KV cache, ignoring EOS; returns ids and each step's logits."""
-    import torch
-
-    ids, rows = [], []
-    with torch.no_grad():
-        out = model(torch.tensor([prompt_ids]), use_cache=True)
-        for _ in range(N_GREEDY):
-            row = out.logits[0, -1].float()
-            rows.append(row)
-            nxt = int(row.argmax())
-            ids.append(nxt)
-            out = model(torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
-    return ids, rows
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", help="path to gemma-3-270m-q4_k_m.gguf")
     ap.add_argument("--out-dir", default="tests/goldens")
     args = ap.parse_args()
 
-    import tokenizers
     import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.manual_seed(0)
     path = find_gguf(args.gguf)
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager")
-    model.eval()
+    tok, model = load_gguf_reference(path)
     cfg = model.config
     eos_id = int(tok.eos_token_id)
 
@@ -121,7 +101,7 @@ def main() -> None:
         ids = tok(p["text"]).input_ids
         rec["tokenization"] = "tokenizer(text).input_ids (default add_special_tokens=True)"
         rec["prompt_token_ids"] = ids
-        gen, rows = greedy(model, ids)
+        gen, rows = greedy(model, ids, N_GREEDY)
         with torch.no_grad():  # one full forward over prompt + generated: the same argmaxes
             tf = model(torch.tensor([ids + gen[:-1]])).logits[0, len(ids) - 1:].float()
         assert tf.argmax(-1).tolist() == gen, f"{p['name']}: cached vs full-forward argmax differ"
@@ -148,9 +128,7 @@ def main() -> None:
                        "attention; produced by scripts/make_gemma3_goldens.py",
         "gguf_file": path.name,
         "gguf_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-        "versions": {"transformers": transformers.__version__, "torch": torch.__version__,
-                     "gguf": metadata.version("gguf"), "tokenizers": tokenizers.__version__,
-                     "numpy": np.__version__, "python": platform.python_version()},
+        "versions": versions(),
         "config": {
             "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
             "num_hidden_layers": cfg.num_hidden_layers,

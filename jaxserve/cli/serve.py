@@ -9,8 +9,19 @@ import sys
 import time
 import typing
 
+import jax
+
 from jaxserve.cli.args import engine_config_from_args, limits_from_args, server_config_from_args
+from jaxserve.cli.multihost import initialize
 from jaxserve.config import EngineConfig, LoadConfig
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.data_parallel import build_data_parallel
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.metrics import EngineMetrics
+from jaxserve.server.app import OpenAIServer, build_app
+from jaxserve.server.batch import read_lines, run_batch_file
+from jaxserve.server.gate import run_server
+from jaxserve.server.logs import configure_logging
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -26,12 +37,8 @@ def check_port_free(host: str, port: int) -> None:
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-def start_engine(cfg: EngineConfig, load: LoadConfig, out: typing.TextIO):  # -> AsyncEngine
+def start_engine(cfg: EngineConfig, load: LoadConfig, out: typing.TextIO) -> AsyncEngine:
     """Load the model and compile every step program, printing progress to ``out``."""
-    from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.engine.llm_engine import LLMEngine
-    from jaxserve.engine.metrics import EngineMetrics
-
     t0 = time.perf_counter()
     engine = LLMEngine(cfg, load, metrics=EngineMetrics())
     print(f"loaded {engine.model_name} in {engine.load_s:.1f} s ({engine.weights_summary()}, "
@@ -48,25 +55,14 @@ def start_engine(cfg: EngineConfig, load: LoadConfig, out: typing.TextIO):  # ->
 
 def serve(ns: argparse.Namespace) -> None:
     """Load, compile, then serve until SIGTERM has drained the server or SIGINT stops it."""
-    from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.engine.llm_engine import LLMEngine
-    from jaxserve.engine.metrics import EngineMetrics
-    from jaxserve.server.app import build_app
-    from jaxserve.server.gate import run_server
-    from jaxserve.server.logs import configure_logging
-
     if ns.model and ns.model_opt and ns.model != ns.model_opt:
         raise ValueError(f"MODEL {ns.model!r} and --model {ns.model_opt!r} disagree")
     server_cfg = server_config_from_args(ns)
     limits = limits_from_args(ns)
-    from jaxserve.cli.multihost import initialize
-
     multi = initialize(ns.coordinator_address, ns.num_processes, ns.process_id)
     if multi and ns.data_parallel_size > 1:
         raise ValueError("--data-parallel-size > 1 with --num-processes > 1 is not supported")
     if multi:
-        import jax
-
         tp = engine_config_from_args(ns).tensor_parallel_size
         if tp != len(jax.devices()):
             raise ValueError(
@@ -79,8 +75,6 @@ def serve(ns: argparse.Namespace) -> None:
     load = LoadConfig(ns.model or ns.model_opt, ns.load_format, ns.served_model_name)
     t0 = time.perf_counter()
     if ns.data_parallel_size > 1:
-        from jaxserve.engine.data_parallel import build_data_parallel
-
         aeng = build_data_parallel(cfg, load, ns.data_parallel_size)
         engine = aeng.replicas[0].engine
     else:
@@ -111,10 +105,6 @@ def serve(ns: argparse.Namespace) -> None:
 def run_batch(ns: argparse.Namespace) -> None:
     """Read the input, load and compile, run every line, write the output (stdout stays free
     of progress output: load and compile lines, the bars and the summary go to stderr)."""
-    from jaxserve.server.app import OpenAIServer
-    from jaxserve.server.batch import read_lines, run_batch_file
-    from jaxserve.server.logs import configure_logging
-
     limits = limits_from_args(ns)
     cfg = engine_config_from_args(ns)
     if ns.max_in_flight is not None and ns.max_in_flight < 1:

@@ -53,7 +53,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     num_host_blocks: int = 0  # host-tier blocks including its reserved block 0; 0: no host tier
     # victim when the pool is short: "newest" (latest admitted) or "least_progress" (fewest
-    # computed tokens); default: least work lost (measured by scripts/bench_preemption_policy.py)
+    # computed tokens); default: least work lost (experiments/2026-12-01-preemption-policy)
     preemption_policy: str = "least_progress"
 
     def __post_init__(self) -> None:

@@ -23,11 +23,13 @@ difference.
 from __future__ import annotations
 
 import importlib.resources
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import checkpoint
 from models.interface import AttentionMetadata
 from pallas_kernels.kv_cache import KV_QUANT_DTYPES, QUANT_MAX, allocate_kv_cache
 
@@ -38,7 +40,7 @@ AMAX_FLOOR = 1e-4
 # The calibrated max |x| maps to QUANT_MAX / HEADROOM, so values up to HEADROOM times what the
 # calibration text produced still fit instead of saturating. For e4m3 (a float format: the same
 # 3-bit relative precision from 2^-6 of its max up) headroom costs almost nothing; for int8 the
-# step grows with it. Chosen by scripts/bench_kv_quant.py (see the README).
+# step grows with it. Chosen by experiments/2026-12-01-kv-quant-scales.
 HEADROOM: dict[jnp.dtype, float] = {
     KV_QUANT_DTYPES["fp8"]: 1.0,
     jnp.dtype(jnp.int8): 1.0,
@@ -140,10 +142,6 @@ def checkpoint_kv_scales(path: str, num_layers: int, num_kv_heads: int,
       ValueError: an unreadable file, an unknown stored format, or a shape that does not fit
         ``[num_layers, a divisor of num_kv_heads]``.
     """
-    import os
-
-    from models import checkpoint
-
     if not os.path.isdir(path) or not checkpoint.is_checkpoint(path):
         return None
     data = checkpoint.read_kv_scales(path)

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
+from tqdm import tqdm
 
 from jaxserve.device.buckets import Bucket, make_buckets, pick_bucket
 from jaxserve.device.sampler import (
@@ -39,8 +41,7 @@ from jaxserve.device.sampler import (
     zero_logprobs,
 )
 from jaxserve.sampling_params import MAX_LOGPROBS
-from models.interface import AttentionMetadata
-from models.llama import LlamaForCausalLM
+from models.interface import AttentionMetadata, CausalLM
 from pallas_kernels import KVCache
 from pallas_kernels.kv_cache import PADDING_SLOT
 
@@ -121,7 +122,7 @@ class ModelRunner:
     """Owns params, the KV cache and the compiled step programs.
 
     Args:
-      model: the model (``forward`` / ``compute_logits`` protocol).
+      model: the model (``models/interface.py:CausalLM``).
       params: its params pytree, on the device.
       kv_cache: the paged cache; donated to every step and replaced by the result.
       max_num_batched_tokens, max_num_seqs: bucket limits.
@@ -138,7 +139,7 @@ class ModelRunner:
     FLAG_LOGPROBS = 1
     FLAG_PROMPT_LOGPROBS = 2
 
-    def __init__(self, model: LlamaForCausalLM, params, kv_cache: KVCache, *,
+    def __init__(self, model: CausalLM, params, kv_cache: KVCache, *,
                  max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
                  vocab_limit: int | None = None, num_penalty_slots: int | None = None,
                  mesh: jax.sharding.Mesh | None = None) -> None:
@@ -229,21 +230,28 @@ class ModelRunner:
         todo = [b for b in self.buckets if b not in self.compiled]
         bar = None
         if progress:
-            from tqdm import tqdm
             bar = tqdm(total=len(todo), desc="compiling step programs", unit="program")
         for b in todo:
-            lay = self.layouts[b]
-            jitted = jax.jit(self._step_fn(lay), donate_argnums=(1, 2))
-            packed = jax.ShapeDtypeStruct((lay.size,), jnp.int32, sharding=self._replicated)
-            self.compiled[b] = jitted.lower(self.params, self.kv_cache, self.penalty_state,
-                                            packed).compile()
-            self.num_compiles += 1
+            self.compile_bucket(b)
             if bar is not None:
                 bar.update(1)
         if bar is not None:
             bar.close()
         return {"num_programs": float(len(self.buckets) + 1),
                 "compile_s": time.perf_counter() - t0}
+
+    def compile_bucket(self, bucket: Bucket) -> None:
+        """Compile one bucket's step program (``warmup`` compiles them all).
+
+        Args:
+          bucket: one of ``self.buckets``; compiled again if it already is.
+        """
+        lay = self.layouts[bucket]
+        jitted = jax.jit(self._step_fn(lay), donate_argnums=(1, 2))
+        packed = jax.ShapeDtypeStruct((lay.size,), jnp.int32, sharding=self._replicated)
+        self.compiled[bucket] = jitted.lower(self.params, self.kv_cache, self.penalty_state,
+                                             packed).compile()
+        self.num_compiles += 1
 
     def set_logit_bias(self, slot: int, bias: dict[int, float]) -> None:
         """Write a penalty slot's logit_bias row (zeros but for ``bias``; ids must be in range).
@@ -372,8 +380,6 @@ class ModelRunner:
         if prog is None:
             raise RuntimeError(f"bucket {bucket} was not compiled; call warmup() first")
         if self._multiprocess:  # process 0 drives; the followers run the same program
-            from jax.experimental import multihost_utils
-
             multihost_utils.broadcast_one_to_all(
                 np.array([self.buckets.index(bucket)], np.int32))
             packed = multihost_utils.broadcast_one_to_all(packed)
@@ -399,8 +405,6 @@ class ModelRunner:
     def follow(self) -> int:
         """On processes other than 0: run every step process 0 broadcasts, until it calls
         ``stop_followers``. Returns the number of steps run. Programs must be warm."""
-        from jax.experimental import multihost_utils
-
         steps = 0
         while True:
             idx = int(multihost_utils.broadcast_one_to_all(np.zeros(1, np.int32))[0])
@@ -415,8 +419,6 @@ class ModelRunner:
     def stop_followers(self) -> None:
         """On process 0: release the processes blocked in ``follow``."""
         if self._multiprocess:
-            from jax.experimental import multihost_utils
-
             multihost_utils.broadcast_one_to_all(np.array([-1], np.int32))
 
 

@@ -15,10 +15,14 @@ from __future__ import annotations
 import threading
 from collections.abc import AsyncIterator, Sequence
 
+import jax
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 
+from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.metrics import EngineMetrics
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -152,7 +156,8 @@ class DataParallelEngine:
             self.replicas[i].abort(request_id)
 
 
-def build_data_parallel(config, load, data_parallel_size: int, *, with_metrics: bool = True,
+def build_data_parallel(config: EngineConfig, load: LoadConfig, data_parallel_size: int, *,
+                        with_metrics: bool = True,
                         devices: Sequence | None = None) -> DataParallelEngine:
     """Load ``data_parallel_size`` engines, replica ``i`` on devices
     ``[i * tp, (i + 1) * tp)`` of ``devices`` (default: ``jax.devices()``), unstarted.
@@ -161,11 +166,6 @@ def build_data_parallel(config, load, data_parallel_size: int, *, with_metrics: 
     Raises:
       ValueError: if ``data_parallel_size < 1`` or there are fewer than ``dp * tp`` devices.
     """
-    import jax
-
-    from jaxserve.engine.llm_engine import LLMEngine
-    from jaxserve.engine.metrics import EngineMetrics
-
     dp, tp = data_parallel_size, config.tensor_parallel_size
     if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
         raise ValueError(f"data_parallel_size must be a positive integer, got {dp!r}")

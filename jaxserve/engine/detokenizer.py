@@ -14,14 +14,13 @@ step; what comes back is the text that is safe to send to a streaming client now
    ``tokenizers.decoders.DecodeStream`` is the same algorithm in Rust. The last few prompt ids
    seed the window, so the first output token's leading space is decoded in context; when the
    prompt ends partway through a character, its trailing U+FFFD is not counted as prompt text,
-   so the character that the output completes is emitted whole and no prompt text leaks
-   (serving cases 1-3); U+FFFDs of stray prompt bytes that the output does not change stay
-   the prompt's.
+   so the character that the output completes is emitted whole and no prompt text leaks;
+   U+FFFDs of stray prompt bytes that the output does not change stay the prompt's.
 2. Stop strings, on the emitted text. Text is held back while a suffix of it could still grow
    into a stop string (the longest suffix that is a proper prefix of one); when a stop string
    appears, the text is cut at the stop occurrence that ends first (earliest start on a tie),
-   the stop string is kept only with ``include_stop_str_in_output``, and nothing more is emitted
-   (serving cases 4-7). The cut does not depend on how the text was split into tokens or chunks.
+   the stop string is kept only with ``include_stop_str_in_output``, and nothing more is emitted.
+   The cut does not depend on how the text was split into tokens or chunks.
 
 Invariant (``S == NS``): the concatenation of every ``add_tokens`` delta and ``finish()`` is the
 final ``text``; without stop strings it equals the text of all output ids decoded in the prompt's

@@ -31,8 +31,6 @@ to histograms):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -42,8 +40,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-if TYPE_CHECKING:
-    from jaxserve.core.kv_manager import KVStats
+from jaxserve.core.kv_manager import KVStats
 
 PREFIX = "jaxserve:"
 

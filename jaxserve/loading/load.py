@@ -1,15 +1,63 @@
-"""Model loading: a LoadConfig to (model config, params, tokenizer, served name)."""
+"""Model loading: a LoadConfig in, a ``LoadedModel`` (config, params, tokenizer, name) out.
+
+``load_model`` is the one place that tells the formats apart:
+
+  dummy -> random weights of a built-in config, with the SmolLM2 tokenizer
+  a directory -> an orbax checkpoint written by ``jaxserve convert``, or HF safetensors;
+                 the tokenizer files beside it
+  a .gguf file -> weights (dequantised) and tokenizer from the file
+
+then, if asked, quantises the weights (``models.quant.apply_quantization``). Without a mesh the
+params land on the default device; with one, ``jaxserve.loading.sharded`` reads each device's
+own slice where the format allows and places the params in the layout of ``jaxserve.sharding``.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
+from jaxserve import sharding
 from jaxserve.config import LoadConfig
+from jaxserve.loading import sharded
+from jaxserve.loading.model_files import default_gguf_path
+from jaxserve.loading.sharded import LoadReport
 from jaxserve.tokenizer import Tokenizer
-from models.config import ModelConfig
+from models import checkpoint, hf
+from models.config import ModelConfig, builtin_config
+from models.gguf_reader import GGUFFile
+from models.loader import dummy_params, gguf_name, load_gguf_params
+from models.quant import QuantConfig, apply_quantization
+from models.registry import get_architecture
+
+log = logging.getLogger("jaxserve.engine.llm_engine")  # the load report is start-up output
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """Weights ready to serve and what came with them.
+
+    Fields:
+      model_config: the model's own config; on a mesh the params follow
+        ``sharding.sharded_config(model_config, tp)`` (kv heads replicated up to tp if fewer).
+      params: the params pytree in the serving dtype (quantised leaves where asked), on the
+        default device or placed on the mesh.
+      tokenizer: from the same source as the weights.
+      name: the default served name: the built-in config's, the directory's, or the GGUF
+        file's without its quantisation suffix.
+      report: per-device figures of a load onto a mesh; None without one.
+    """
+
+    model_config: ModelConfig
+    params: object
+    tokenizer: Tokenizer
+    name: str
+    report: LoadReport | None = None
 
 
 def setup_compilation_cache(cache_dir: str) -> None:
@@ -30,51 +78,84 @@ def resolve_dtype(name: str) -> jnp.dtype:
     return jnp.dtype(name)
 
 
-def load_model(load: LoadConfig, dtype: jnp.dtype, seed: int
-               ) -> tuple[ModelConfig, object, Tokenizer, str]:
-    """(model config, params, tokenizer, served name) for a LoadConfig.
+def load_model(load: LoadConfig, dtype: jnp.dtype, seed: int, mesh: Mesh | None = None, *,
+               quantization: QuantConfig | None = None) -> LoadedModel:
+    """Load the model ``load`` names, in ``dtype``, onto one device or ``mesh``.
 
-    GGUF: weights and tokenizer from the file. A directory: an orbax checkpoint written by
-    ``jaxserve convert`` or an HF safetensors directory, with the tokenizer files beside it.
-    Dummy: random weights of a built-in config with the SmolLM2 tokenizer. Raises ValueError /
-    FileNotFoundError with the reason.
+    Args:
+      load: where the weights come from (module doc); ``load.model`` "" is the packaged
+        SmolLM2 GGUF (the "smollm2-135m" config with dummy weights).
+      dtype: the serving dtype of the float params.
+      seed: the dummy weights' seed.
+      mesh: a ``("tp",)`` mesh (``sharding.make_mesh``) to place the params on; logs the
+        per-device report at INFO.
+      quantization: quantise the float weights as asked, or check that a quantised checkpoint
+        matches it; None keeps the params as stored.
+
+    Raises:
+      ValueError: a path that is no model, an architecture without a loader for its format,
+        a model the mesh cannot split (before any weight is read), or quantisation the model
+        does not support or a quantised checkpoint does not match (naming the settings).
+      FileNotFoundError: a missing .gguf file, or the default model's package not installed.
     """
-    from jaxserve.loading.model_files import default_gguf_path
-    from models.config import builtin_config
-    from models.gguf_reader import GGUFFile
-    from models.loader import dummy_params, gguf_name, load_gguf_params
-    from models.registry import get_architecture
-
+    report = None
     if load.load_format == "dummy":
         cfg = builtin_config(load.model or "smollm2-135m")
-        params = dummy_params(get_architecture(cfg.architecture).model(cfg, dtype), seed)
-        return cfg, params, Tokenizer.from_gguf(default_gguf_path()), cfg.name
-    path = load.model or default_gguf_path()
-    if os.path.isdir(path):
-        return _load_model_dir(path, dtype)
-    if not path.lower().endswith(".gguf"):
-        raise ValueError(
-            f"model {path!r} is not a GGUF file or a model directory; serve a .gguf file, an HF "
-            f"safetensors directory, an orbax checkpoint from 'jaxserve convert', or a built-in "
-            f"config with --load-format dummy")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"model file {path!r} does not exist")
-    reader = GGUFFile(path)  # opened once for the weights and the tokenizer
-    cfg, params = load_gguf_params(path, dtype, reader)
-    return cfg, params, Tokenizer.from_gguf(path, reader), gguf_name(path)
-
-
-def _load_model_dir(path: str, dtype: jnp.dtype) -> tuple[ModelConfig, object, Tokenizer, str]:
-    """An orbax checkpoint written by ``jaxserve convert``, or an HF safetensors directory."""
-    from models import checkpoint, hf
-
-    if checkpoint.is_checkpoint(path):
-        cfg, params = checkpoint.load_checkpoint(path, dtype)
-    elif hf.is_hf_dir(path):
-        cfg, params = hf.load_hf_params(path, dtype)
+        if mesh is None:
+            params = dummy_params(get_architecture(cfg.architecture).model(cfg, dtype), seed)
+        else:
+            params, report = sharded.load_dummy_sharded(cfg, dtype, seed, mesh)
+        tokenizer, name = Tokenizer.from_gguf(default_gguf_path()), cfg.name
+    elif os.path.isdir(path := load.model or default_gguf_path()):
+        cfg, params, report = _load_dir(path, dtype, mesh)
+        tokenizer = Tokenizer.from_pretrained_dir(path)
+        name = os.path.basename(os.path.normpath(path))
     else:
-        raise ValueError(f"directory {path!r} is neither an orbax checkpoint written by "
-                         f"'jaxserve convert' (config.json with format {checkpoint.FORMAT!r} and "
-                         f"params/) nor an HF safetensors directory (config.json, *.safetensors)")
-    tokenizer = Tokenizer.from_pretrained_dir(path)
-    return cfg, params, tokenizer, os.path.basename(os.path.normpath(path))
+        if not path.lower().endswith(".gguf"):
+            raise ValueError(
+                f"model {path!r} is not a GGUF file or a model directory; serve a .gguf file, an "
+                f"HF safetensors directory, an orbax checkpoint from 'jaxserve convert', or a "
+                f"built-in config with --load-format dummy")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"model file {path!r} does not exist")
+        reader = GGUFFile(path)  # opened once for the weights and the tokenizer
+        if mesh is None:
+            cfg, params = load_gguf_params(path, dtype, reader)
+        else:
+            cfg, params, report = sharded.load_gguf_sharded(path, reader, dtype, mesh)
+        tokenizer, name = Tokenizer.from_gguf(path, reader), gguf_name(path)
+    if report is not None:
+        log.info("loaded %s weights (%s, %s) over %d devices in %.2f s:\n%s", report.source,
+                 report.method, report.timing, len(report.devices), report.total_s,
+                 report.table())
+    if quantization is not None:
+        params = _quantize(params, cfg, quantization, mesh)
+    return LoadedModel(cfg, params, tokenizer, name, report)
+
+
+def _load_dir(path: str, dtype: jnp.dtype, mesh: Mesh | None
+              ) -> tuple[ModelConfig, object, LoadReport | None]:
+    """(config, params, report) of an orbax checkpoint or an HF safetensors directory."""
+    if checkpoint.is_checkpoint(path):
+        if mesh is None:
+            return *checkpoint.load_checkpoint(path, dtype), None
+        return sharded.load_orbax_sharded(path, dtype, mesh)
+    if hf.is_hf_dir(path):
+        if mesh is None:
+            return *hf.load_hf_params(path, dtype), None
+        return sharded.load_hf_sharded(path, dtype, mesh)
+    raise ValueError(f"directory {path!r} is neither an orbax checkpoint written by "
+                     f"'jaxserve convert' (config.json with format {checkpoint.FORMAT!r} and "
+                     f"params/) nor an HF safetensors directory (config.json, *.safetensors)")
+
+
+def _quantize(params, cfg: ModelConfig, qcfg: QuantConfig, mesh: Mesh | None):
+    """Load-time weight quantisation; the float leaves are freed as they are replaced. On a
+    mesh the quantised leaves are laid out on their own partition specs rather than whatever
+    XLA propagated through the quantisation."""
+    arch = get_architecture(cfg.architecture)
+    params = apply_quantization(params, arch.quant_targets, qcfg, arch.name, delete_source=True)
+    if mesh is not None and qcfg.method != "none":
+        served = sharding.sharded_config(cfg, mesh.shape[sharding.TP_AXIS])
+        params = sharding.place_params(params, served, mesh)
+    return params

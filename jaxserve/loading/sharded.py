@@ -1,13 +1,15 @@
 """Tensor-parallel loading: each device reads only its own slice of every weight.
 
-``load_sharded(load, dtype, seed, mesh)`` is the tensor-parallel twin of
-``jaxserve.loading.load.load_model``: the params come back already placed on ``mesh`` in the layout of
-``jaxserve.sharding`` (``param_partition_specs`` of the ``sharded_config``), and with a
-``LoadReport`` of what each device read and how long that took. Per format:
+The per-format readers ``jaxserve.loading.load.load_model`` uses when it is given a mesh. Each
+returns the params already placed on the mesh in the layout of ``jaxserve.sharding``
+(``param_partition_specs`` of the ``sharded_config``), with a ``LoadReport`` of what each device
+read and how long that took:
 
 - orbax (``jaxserve convert``): one ``StandardCheckpointer.restore`` into
   ``jax.ShapeDtypeStruct(..., sharding=NamedSharding)`` targets; orbax/tensorstore read
-  ``array[index]`` for each device's index, so no replicated host copy is made.
+  ``array[index]`` for each device's index, so no replicated host copy is made. A quantised
+  checkpoint (``{q, scale}`` leaves have no per-device read plan yet) is restored whole, then
+  split.
 - HF safetensors: for every leaf and every addressable device, ``HFLeaf.read(index)`` reads the
   device's region with ``safe_open(...).get_slice(name)[...]`` (the transpose to ``[in, out]`` and
   the layer stacking are applied per region: a transposed region is the transposed slice of the
@@ -36,24 +38,23 @@ Multi-process meshes (``jaxserve.cli.multihost``): every index map used here is
 
 from __future__ import annotations
 
-import logging
-import os
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tensorstore as ts
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from tqdm import tqdm
 
 from jaxserve import sharding
-from jaxserve.config import LoadConfig
-from jaxserve.tokenizer import Tokenizer
+from models import checkpoint, hf
 from models.config import ModelConfig
-
-log = logging.getLogger("jaxserve.engine.llm_engine")
+from models.gguf_reader import GGUFFile
+from models.loader import dummy_params, gguf_architecture
+from models.registry import get_architecture
 
 
 @dataclass
@@ -84,7 +85,7 @@ class LoadReport:
     """Per-device figures of one load (this process's devices).
 
     Fields:
-      source: ``"orbax"``, ``"hf"``, ``"dummy"`` or ``"gguf"``.
+      source: ``"orbax"``, ``"orbax-quantized"``, ``"hf"``, ``"dummy"`` or ``"gguf"``.
       method: ``"sharded"`` (each device read its slice) or ``"full-then-shard"``.
       timing: ``"per-device"`` (each device's own read time) or ``"ready"`` (time until its
         shards were ready; the reads of all devices overlap, so these are not additive).
@@ -123,18 +124,6 @@ class LoadReport:
         return "\n".join(rows)
 
 
-@dataclass
-class ShardedLoad:
-    """What ``load_sharded`` returns: ``cfg`` is the model's own config (unreplicated; the
-    engine runs ``sharding.sharded_config(cfg, tp)``), ``params`` placed on the mesh."""
-
-    cfg: ModelConfig
-    params: object
-    tokenizer: Tokenizer
-    name: str
-    report: LoadReport
-
-
 def check_shardable(cfg: ModelConfig, tp: int) -> None:
     """Refuse a model the TP layout cannot split, before any weight is read.
 
@@ -164,8 +153,6 @@ def target_shardings(cfg: ModelConfig, dtype: jnp.dtype, mesh: Mesh, stored=None
       ValueError: as ``check_shardable``; a leaf whose stored and served shapes differ other
         than by kv-head replication on the last axis.
     """
-    from models.registry import get_architecture
-
     tp = mesh.shape[sharding.TP_AXIS]
     check_shardable(cfg, tp)
     arch = get_architecture(cfg.architecture)
@@ -237,8 +224,6 @@ def _ready_report(params, mesh: Mesh, t0: float, **kw) -> LoadReport:
 
 def tensorstore_bytes_read() -> int:
     """tensorstore's process-wide count of bytes read from files."""
-    import tensorstore as ts
-
     metrics = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
     return sum(v.get("value", 0) for m in metrics for v in m.get("values", []))
 
@@ -246,15 +231,18 @@ def tensorstore_bytes_read() -> int:
 def load_orbax_sharded(path: str, dtype: jnp.dtype, mesh: Mesh) -> tuple[ModelConfig, object,
                                                                           LoadReport]:
     """(config, params on ``mesh``, report) of an orbax checkpoint, each device restoring only
-    its slice (``models.checkpoint.load_checkpoint`` with the read shardings).
+    its slice (``models.checkpoint.load_checkpoint`` with the read shardings); a quantised one
+    is restored whole, then split (module doc).
 
     Raises:
       ValueError: as ``target_shardings`` and ``load_checkpoint``.
     """
-    from models import checkpoint
-
     t0 = time.perf_counter()
     cfg = checkpoint.read_config(path)
+    if checkpoint.read_quantization(path).method != "none":
+        check_shardable(cfg, mesh.shape[sharding.TP_AXIS])
+        cfg, params = checkpoint.load_checkpoint(path, dtype)
+        return cfg, *shard_loaded(params, cfg, mesh, t0, "orbax-quantized")
     targets, reads = target_shardings(cfg, dtype, mesh)
     stored = checkpoint.stored_params(path)
     before = tensorstore_bytes_read()
@@ -299,9 +287,6 @@ def load_hf_sharded(path: str, dtype: jnp.dtype, mesh: Mesh, progress: bool = Tr
       ValueError: as ``models.hf.load_hf_params`` and ``target_shardings``; a tensor whose shape
         differs from the model's (naming the param).
     """
-    from models import hf
-    from models.registry import get_architecture
-
     t0 = time.perf_counter()
     data = hf.read_hf_config(path)
     arch = get_architecture(str(data["architectures"][0]))
@@ -326,8 +311,6 @@ def load_hf_sharded(path: str, dtype: jnp.dtype, mesh: Mesh, progress: bool = Tr
     flat, treedef = jax.tree_util.tree_flatten(sources)
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=len(flat), desc="loading shards", unit="param", leave=False)
     out = []
     for src, target, read in zip(flat, treedef.flatten_up_to(targets),
@@ -354,71 +337,33 @@ def shard_loaded(params, cfg: ModelConfig, mesh: Mesh, t0: float, source: str
                                  full_read_leaves=names)
 
 
-def load_sharded(load: LoadConfig, dtype: jnp.dtype, seed: int, mesh: Mesh) -> ShardedLoad:
-    """Config, params placed on ``mesh`` (the TP layout of ``jaxserve.sharding``), tokenizer,
-    served name and per-device report for a LoadConfig -- ``load_model``'s formats,
-    each device reading only its slice where the format allows (module doc). Logs the report
-    at INFO.
+def load_dummy_sharded(cfg: ModelConfig, dtype: jnp.dtype, seed: int, mesh: Mesh
+                       ) -> tuple[object, LoadReport]:
+    """(params on ``mesh``, report) of ``cfg``'s dummy weights, each device drawing only its
+    slice (``models.loader.dummy_params`` under the read shardings; the values equal the
+    single-device ones of the same seed).
 
     Raises:
-      ValueError / FileNotFoundError: as ``load_model``; a model the mesh cannot split
-        (before any weight is read).
+      ValueError: as ``target_shardings``.
     """
-    from jaxserve.loading.load import load_model
-    from jaxserve.loading.model_files import default_gguf_path
-    from models import checkpoint, hf
-    from models.config import builtin_config
-    from models.loader import dummy_params, gguf_name
-
     t0 = time.perf_counter()
-    path = load.model or ("" if load.load_format == "dummy" else default_gguf_path())
-    if load.load_format == "dummy":
-        from models.registry import get_architecture
-
-        cfg = builtin_config(load.model or "smollm2-135m")
-        targets, reads = target_shardings(cfg, dtype, mesh)
-        model = get_architecture(cfg.architecture).model(cfg, dtype)
-        params = jax.tree_util.tree_map(_as_target, dummy_params(model, seed, reads), targets)
-        report = _ready_report(params, mesh, t0, source="dummy", method="sharded")
-        tok, name = Tokenizer.from_gguf(default_gguf_path()), cfg.name
-    elif (os.path.isdir(path) and checkpoint.is_checkpoint(path)
-          and checkpoint.read_quantization(path).method != "none"):
-        # quantised leaves ({q, scale}) have no per-device read plan yet: restore whole, split
-        cfg = checkpoint.read_config(path)
-        check_shardable(cfg, mesh.shape[sharding.TP_AXIS])
-        cfg, params = checkpoint.load_checkpoint(path, dtype)
-        params, report = shard_loaded(params, cfg, mesh, t0, "orbax-quantized")
-        tok, name = Tokenizer.from_pretrained_dir(path), os.path.basename(os.path.normpath(path))
-    elif os.path.isdir(path) and (checkpoint.is_checkpoint(path) or hf.is_hf_dir(path)):
-        load_fn: Callable = (load_orbax_sharded if checkpoint.is_checkpoint(path)
-                             else load_hf_sharded)
-        cfg, params, report = load_fn(path, dtype, mesh)
-        tok, name = Tokenizer.from_pretrained_dir(path), os.path.basename(os.path.normpath(path))
-    elif os.path.isfile(path) and path.lower().endswith(".gguf"):
-        cfg, params, report, tok = _load_gguf(path, dtype, mesh, t0)
-        name = gguf_name(path)
-    else:  # anything else: load_model raises the reason
-        cfg, params, tok, name = load_model(load, dtype, seed)
-        check_shardable(cfg, mesh.shape[sharding.TP_AXIS])
-        params, report = shard_loaded(params, cfg, mesh, t0, "other")
-    log.info("loaded %s weights (%s, %s) over %d devices in %.2f s:\n%s", report.source,
-             report.method, report.timing, len(report.devices), report.total_s, report.table())
-    return ShardedLoad(cfg, params, tok, name, report)
+    targets, reads = target_shardings(cfg, dtype, mesh)
+    model = get_architecture(cfg.architecture).model(cfg, dtype)
+    params = jax.tree_util.tree_map(_as_target, dummy_params(model, seed, reads), targets)
+    return params, _ready_report(params, mesh, t0, source="dummy", method="sharded")
 
 
-def _load_gguf(path: str, dtype: jnp.dtype, mesh: Mesh, t0: float):
-    """GGUF: config checked first, then the whole file dequantised and sharded (module doc)."""
-    from models.gguf_reader import GGUFFile
-    from models.loader import _field
-    from models.registry import get_architecture
+def load_gguf_sharded(path: str, reader: GGUFFile, dtype: jnp.dtype, mesh: Mesh
+                      ) -> tuple[ModelConfig, object, LoadReport]:
+    """(config, params on ``mesh``, report) of a GGUF file (``reader``: it opened): the config
+    checked against the mesh first, then the whole file dequantised and split (module doc).
 
-    reader = GGUFFile(path)
-    name = _field(reader, "general.architecture")
-    arch = get_architecture(str(name))
-    if arch.gguf_config is None or arch.gguf_params is None:
-        raise ValueError(f"{path}: architecture {name!r} has no GGUF loader")
+    Raises:
+      ValueError: an architecture without a GGUF loader; as ``check_shardable``.
+    """
+    t0 = time.perf_counter()
+    arch = gguf_architecture(reader, path)
     cfg = arch.gguf_config(reader)
     check_shardable(cfg, mesh.shape[sharding.TP_AXIS])
     params = arch.gguf_params(reader, cfg, dtype)
-    params, report = shard_loaded(params, cfg, mesh, t0, "gguf")
-    return cfg, params, report, Tokenizer.from_gguf(path, reader)
+    return cfg, *shard_loaded(params, cfg, mesh, t0, "gguf")

@@ -6,8 +6,8 @@
     chat: the chat template, encoded without special tokens)─> ``GenerationJob``
     ─> ``engine.generate(ids, params, request_id)``.
   The first output is awaited before any response byte is sent, so engine validation errors
-  (empty prompt, prompt >= max_model_len, token id out of range: ValueError) become 400s, for
-  streaming requests too. Then either
+  (empty prompt, prompt >= max_model_len, token id out of range: ``InvalidRequest``) become
+  400s naming ``exc.param``, for streaming requests too. Then either
     - stream=false: ``OpenAIServer.respond`` (GenerationJob -> response body, the path that
       ``jaxserve run-batch`` shares) runs in a task raced against the client's
       ``http.disconnect``; a disconnect cancels the task (closing the engine's generator aborts
@@ -21,7 +21,7 @@
       ``data: {"error": {...}}`` then ``data: [DONE]``. On disconnect Starlette cancels the
       stream; the body iterator is always closed, which closes the engine's generator (abort).
 
-Before any endpoint, ``server_ops.GateMiddleware`` picks the request id (``X-Request-Id`` or a
+Before any endpoint, ``gate.GateMiddleware`` picks the request id (``X-Request-Id`` or a
 random hex id; echoed in the response header and carried by every log line of the request),
 checks the API key, refuses requests while draining or while the waiting queue is full (503),
 and gives generation requests a ``RequestBudget``: every engine output is awaited under it, and a
@@ -52,6 +52,7 @@ from starlette.types import Receive, Scope, Send
 
 from jaxserve.config import RequestLimits, ServerConfig
 from jaxserve.engine.metrics import EngineMetrics
+from jaxserve.errors import InvalidRequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server import protocol as p
@@ -99,18 +100,10 @@ class EngineClient(Protocol):
         ...
 
 
-_ENGINE_FIELDS = ("logit_bias", "stop_token_ids")
-
-
-def _param_of(message: str, chat: bool) -> str | None:
-    """The request field an engine validation message is about (a chat prompt is built from
-    ``messages``)."""
-    head = message.split(" ", 1)[0]
-    if head in _ENGINE_FIELDS:
-        return head
-    if "prompt" in message:
-        return "messages" if chat else "prompt"
-    return None
+def _request_param(param: str | None, chat: bool) -> str | None:
+    """The request field an engine ``InvalidRequest.param`` is about (a chat prompt is built
+    from ``messages``)."""
+    return "messages" if chat and param == "prompt" else param
 
 
 class _StreamState:
@@ -321,12 +314,12 @@ class OpenAIServer:
 
     async def _first(self, gen: AsyncIterator[RequestOutput], job: GenerationJob
                      ) -> RequestOutput:
-        """The first engine output; the engine's ValueError (checked before anything is queued)
-        becomes a 400 naming the field."""
+        """The first engine output; the engine's InvalidRequest (checked before anything is
+        queued) becomes a 400 naming the field."""
         try:
             return await anext(gen)
-        except ValueError as exc:
-            raise p.RequestError(str(exc), param=_param_of(str(exc), job.chat)) from None
+        except InvalidRequest as exc:
+            raise p.RequestError(str(exc), param=_request_param(exc.param, job.chat)) from None
         except StopAsyncIteration:
             raise RuntimeError("the engine produced no output") from None
 
@@ -544,7 +537,7 @@ def build_app(
     (Prometheus text), GET /openapi.json. ``config`` supplies the API key, queue bound and
     timeouts (default: ``ServerConfig()``), ``limits`` the per-request caps (default:
     ``RequestLimits()``); ``app.state.gate`` is the admission state that
-    ``server_ops.run_server`` drains.
+    ``gate.run_server`` drains.
     """
     config = config or ServerConfig()
     install_request_id()

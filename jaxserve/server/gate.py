@@ -258,7 +258,7 @@ class _DrainingServer(uvicorn.Server):
 
 
 def run_server(app: Starlette) -> None:
-    """Serve ``app`` (made by ``server.build_app``) with uvicorn on its ServerConfig's host and
+    """Serve ``app`` (made by ``app.build_app``) with uvicorn on its ServerConfig's host and
     port until a SIGTERM has drained it (then return normally) or SIGINT stops it. Logging is
     left as configured (``logs.configure_logging``); uvicorn's loggers propagate to it."""
     gate: Gate = app.state.gate

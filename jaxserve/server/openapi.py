@@ -53,7 +53,11 @@ def _generation(summary: str, body: type, response: type, chunk: type) -> dict:
     name = chunk.__name__
     ok = _json(response, f"the completion; with stream=true, server-sent events "
                          f"`data: <{name}>` ending with `data: [DONE]`")
-    ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+    # before OpenAPI 3.2 (no itemSchema) the schema of an event stream describes one event
+    event = {"type": "object", "required": ["data"], "properties": {
+        "data": {"type": "string", "description": f"a JSON {name}, or [DONE] last"},
+        "event": {"type": "string"}, "id": {"type": "string"}}}  # fmt: skip
+    ok["content"]["text/event-stream"] = {"schema": event}
     return _op(summary, ok, body, ("400", "404", "413", "503", "504"))
 
 

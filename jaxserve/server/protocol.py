@@ -9,8 +9,8 @@ any other check and before anything is tokenised. Every client mistake becomes a
 ``RequestError``, which the server turns into an OpenAI-style error body with a 4xx status.
 
 Responses are Structs encoded with ``msgspec.json.encode``; fields left ``UNSET`` are omitted
-(a chat finish chunk's ``delta`` encodes as ``{}``, and ``usage`` is absent from stream chunks unless
-``stream_options.include_usage`` asked for it).
+(a chat finish chunk's ``delta`` encodes as ``{}``, and ``usage`` is absent from stream chunks
+unless ``stream_options.include_usage`` asked for it).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from jaxserve.config import RequestLimits
+from jaxserve.errors import InvalidRequest
 from jaxserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from jaxserve.sampling_params import SamplingParams
 
@@ -423,20 +424,21 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest) -> Sampli
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
-    except ValueError as exc:
-        msg = str(exc)
-        param = msg.split(" ", 1)[0]
-        if param in ("logprobs", "prompt_logprobs") and isinstance(req, ChatCompletionRequest):
-            param = "top_logprobs"
-            msg = "top_logprobs" + msg[len(msg.split(" ", 1)[0]):]
+    except InvalidRequest as exc:
+        # the engine's field name -> the request's (the message starts with the field name)
+        param, msg = exc.param, str(exc)
+        chat = isinstance(req, ChatCompletionRequest)
+        if param in ("logprobs", "prompt_logprobs") and chat:
+            rename = "top_logprobs"
         elif param == "prompt_logprobs":
-            param = "logprobs"
-            msg = "logprobs" + msg[len("prompt_logprobs"):]
-        if param == "max_tokens" and isinstance(req, ChatCompletionRequest) \
-                and req.max_completion_tokens is not None:
-            param = "max_completion_tokens"
-            msg = msg.replace("max_tokens", param, 1)
-        raise RequestError(msg, param=param if param.isidentifier() else None) from exc
+            rename = "logprobs"
+        elif param == "max_tokens" and chat and req.max_completion_tokens is not None:
+            rename = "max_completion_tokens"
+        else:
+            rename = param
+        if param is not None and rename != param:
+            msg = msg.replace(param, rename, 1)
+        raise RequestError(msg, param=rename) from exc
 
 
 def random_id() -> str:

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from jaxserve.cli.args import engine_config_from_args
 from jaxserve.cli.main import build_parser, main
 from jaxserve.cli.serve import check_port_free
+from jaxserve.config import EngineConfig, RequestLimits, ServerConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cfg(tmp_path, text: str, *flags: str):
@@ -69,3 +76,18 @@ def test_busy_port_is_refused_before_loading() -> None:
         with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port}"):
             check_port_free("127.0.0.1", port)
     check_port_free("127.0.0.1", 0)
+
+
+@pytest.mark.parametrize("cls", [EngineConfig, ServerConfig, RequestLimits])
+def test_every_config_field_has_its_flag_help(cls: type) -> None:
+    """A field's ``help`` metadata is its flag's only help text."""
+    missing = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("help")]
+    assert not missing, f"{cls.__name__} fields without help: {missing}"
+
+
+def test_importing_the_cli_imports_no_jax() -> None:
+    """The subcommands that need jax import it when they run (``jaxserve.cli.main``)."""
+    code = "import sys, jaxserve.cli.main; print(sorted(m for m in sys.modules if m == 'jax'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=REPO_ROOT).stdout
+    assert out.strip() == "[]"

@@ -136,7 +136,8 @@ def _direct_ppl(ids: list[int], window: int, stride: int) -> tuple[float, np.nda
     from tests.support.prefill import prefill_logits
 
     dtype = resolve_dtype("float32")
-    mc, params, tok, _ = load_model(TINY, dtype, CONFIG.seed)
+    loaded = load_model(TINY, dtype, CONFIG.seed)
+    mc, params, tok = loaded.model_config, loaded.params, loaded.tokenizer
     model = get_architecture(mc.architecture).model(mc, dtype)
     wins = ev.eval_windows(len(ids), window, stride)
     logits = prefill_logits(model, params, [ids[s:e] for s, _, e in wins])

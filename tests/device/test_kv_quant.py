@@ -28,6 +28,7 @@ from jaxserve.device.kv_calibration import (
     scales_from_amax,
 )
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.loading.load import LoadedModel
 from jaxserve.sampling_params import SamplingParams
 from models.config import builtin_config
 from models.interface import AttentionMetadata
@@ -292,22 +293,24 @@ def _drive(engine: LLMEngine) -> dict:
 
 
 def _engine_with(loaded, config: EngineConfig) -> LLMEngine:
-    """An engine on already-loaded ``(config, params, tokenizer, name)`` (building the
-    tokenizer from the GGUF or loading SmolLM2 again costs seconds each time)."""
+    """An engine on an already-loaded ``LoadedModel`` (or a loader of one per dtype): building
+    the tokenizer from the GGUF or loading SmolLM2 again costs seconds each time."""
     import jaxserve.engine.llm_engine as engine_module
     from jaxserve.loading import sharded as sharded_load
 
     load = loaded if callable(loaded) else (lambda *a: loaded)
 
-    def load_onto_mesh(load_config, dtype, seed, mesh):  # the tensor-parallel load path
-        cfg, params, tok, name = load(load_config, dtype, seed)
-        sharded_load.check_shardable(cfg, mesh.shape["tp"])
-        placed, report = sharded_load.shard_loaded(params, cfg, mesh, 0.0, "test")
-        return sharded_load.ShardedLoad(cfg, placed, tok, name, report)
+    def load_model(load_config, dtype, seed, mesh=None, *, quantization=None) -> LoadedModel:
+        assert quantization is None or quantization.method == "none"  # float weights as given
+        m = load(load_config, dtype, seed)
+        if mesh is None:
+            return m
+        sharded_load.check_shardable(m.model_config, mesh.shape["tp"])  # the mesh load path
+        placed, report = sharded_load.shard_loaded(m.params, m.model_config, mesh, 0.0, "test")
+        return dataclasses.replace(m, params=placed, report=report)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(engine_module, "load_model", load)
-        mp.setattr(sharded_load, "load_sharded", load_onto_mesh)
+        mp.setattr(engine_module, "load_model", load_model)
         return LLMEngine(config)
 
 
@@ -321,14 +324,14 @@ def _tiny_loader(tokenizer):
         if "f32" not in _TINY_PARAMS:
             _TINY_PARAMS["f32"] = dummy_params(LlamaForCausalLM(TINY), 0)
         params = jax.tree_util.tree_map(lambda a: a.astype(dtype), _TINY_PARAMS["f32"])
-        return TINY, params, tokenizer, "tiny"
+        return LoadedModel(TINY, params, tokenizer, "tiny")
     return load
 
 
 # SmolLM2, the 220-token prose prompt, prompt logprobs of every token vs the float32 cache
 # (max |d logprob|, mean |d logprob|, top-1 agreement). Measured (deterministic: fixed weights
 # and text): fp8 0.449 / 0.066 / 0.964, int8 0.330 / 0.052 / 0.959; bounds about twice the
-# error. Unit scales with int8 give a mean of ~2.3 (scripts/bench_kv_quant.py).
+# error. Unit scales with int8 give a mean of ~2.3 (experiments/2026-12-01-kv-quant-scales).
 SMOLLM2_TOL = {"fp8": (1.0, 0.13, 0.92), "int8": (0.7, 0.1, 0.92)}
 
 
@@ -342,12 +345,13 @@ def test_smollm2_serves_with_8bit_cache(engine: LLMEngine, goldens: dict,
     sp = SamplingParams(prompt_logprobs=1, max_tokens=4, temperature=0.0, ignore_eos=True)
     engine.add_request("base", prompt, sp)  # the shared float32 engine
     base = _drive(engine)["base"]
-    loaded = (engine.model_config, engine.runner.params, engine.tokenizer, engine.model_name)
+    loaded = LoadedModel(engine.model_config, engine.runner.params, engine.tokenizer,
+                         engine.model_name)
     eng = _engine_with(loaded, EngineConfig(
         kv_cache_dtype=kv_dtype, max_model_len=256, num_kv_blocks=20, max_num_seqs=1,
         max_num_batched_tokens=8, compilation_cache_dir=engine.config.compilation_cache_dir))
     assert eng.runner.kv_cache.k.dtype == KV_QUANT_DTYPES[kv_dtype]
-    assert eng.kv_calibration_tokens > 500
+    assert eng.kv_layout.calibration_tokens > 500
     eng.warmup(progress=False)
     eng.add_request("q", prompt, sp)
     got = _drive(eng)["q"]
@@ -377,8 +381,8 @@ def test_block_capacity_grows_under_the_same_memory(tokenizer, dtype: str, facto
     assert base.num_blocks == int(0.01 * 2 ** 30 // per_block)
     for kv in FORMATS:
         eng = make(kv)
-        assert eng.kv_bytes_per_token * factor == base.kv_bytes_per_token
-        assert eng.kv_bytes_per_token == 2 * TINY.num_layers * TINY.num_kv_heads * TINY.head_dim
+        assert eng.kv_layout.bytes_per_token * factor == base.kv_layout.bytes_per_token
+        assert eng.kv_layout.bytes_per_token == 2 * TINY.num_layers * TINY.num_kv_heads * TINY.head_dim
         assert factor * base.num_blocks <= eng.num_blocks < factor * (base.num_blocks + 1)
         cache = eng.runner.kv_cache
         assert cache.k.nbytes + cache.v.nbytes <= 0.01 * 2 ** 30
@@ -419,7 +423,7 @@ def test_tensor_parallel_splits_scales_with_the_cache(tiny_fp8: LLMEngine, token
     assert cache.k.sharding.spec == sharding.kv_cache_spec()
     assert cache.k_scale.sharding.spec == sharding.kv_scale_spec()
     assert isinstance(cache.k_scale.sharding, NamedSharding)
-    for a, b in zip(eng.kv_scales, tiny_fp8.kv_scales):
+    for a, b in zip(eng.kv_layout.scales, tiny_fp8.kv_layout.scales):
         np.testing.assert_allclose(a, b, rtol=1e-5)
     assert _greedy(eng, prompts, 5) == want
 
@@ -455,7 +459,7 @@ def test_preemption_swaps_8bit_blocks_without_changing_tokens(tiny_fp8: LLMEngin
     prompts = [rng.integers(100, 40000, 20).tolist() for _ in range(4)]
     want = _greedy(tiny_fp8, prompts, 24)
     small = _tiny_fp8_engine(tokenizer, num_kv_blocks=10, kv_offloading_size=0.001)
-    for a, b in zip(small.kv_scales, tiny_fp8.kv_scales):
+    for a, b in zip(small.kv_layout.scales, tiny_fp8.kv_layout.scales):
         np.testing.assert_array_equal(a, b)
     assert _greedy(small, prompts, 24) == want
     stats = small.scheduler.kv_stats
@@ -473,17 +477,18 @@ def test_convert_stores_kv_scales_and_serving_uses_them(tokenizer, tiny_fp8: LLM
     from models import checkpoint
 
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
-    checkpoint.save_checkpoint(src, TINY, _tiny_loader(tokenizer)(None, jnp.float32, 0)[1])
+    checkpoint.save_checkpoint(src, TINY, _tiny_loader(tokenizer)(None, jnp.float32, 0).params)
     tokenizer.save_pretrained(src)
     times = convert(src, dst, "float32", kv_cache_dtype="fp8")
     assert times["calibrate_s"] > 0
     data = checkpoint.read_kv_scales(dst)
     assert data["kv_cache_dtype"] == "fp8" and data["num_tokens"] > 500
-    for key, calibrated in zip(("k_scale", "v_scale"), tiny_fp8.kv_scales):
+    for key, calibrated in zip(("k_scale", "v_scale"), tiny_fp8.kv_layout.scales):
         np.testing.assert_allclose(data[key], calibrated, rtol=1e-5)
     stored = LLMEngine(EngineConfig(kv_cache_dtype="int8", max_model_len=64, num_kv_blocks=8,
                                     compilation_cache_dir=""), LoadConfig(dst))
-    assert stored.kv_scales_source == "checkpoint" and stored.kv_calibration_tokens == 0
+    assert stored.kv_layout.scales_source == "checkpoint"
+    assert stored.kv_layout.calibration_tokens == 0
     assert stored.runner.kv_cache.k.dtype == jnp.int8
-    np.testing.assert_allclose(stored.kv_scales[0], data["k_scale"] * 448 / 127, rtol=1e-6)
-    np.testing.assert_allclose(stored.kv_scales[1], data["v_scale"] * 448 / 127, rtol=1e-6)
+    np.testing.assert_allclose(stored.kv_layout.scales[0], data["k_scale"] * 448 / 127, rtol=1e-6)
+    np.testing.assert_allclose(stored.kv_layout.scales[1], data["v_scale"] * 448 / 127, rtol=1e-6)

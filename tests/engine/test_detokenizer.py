@@ -1,5 +1,7 @@
 """IncrementalDetokenizer: exact streaming text (S == NS) and stop strings, on the real SmolLM2
-byte-level BPE tokenizer and on small SentencePiece-style tokenizers built here (serving cases 1-7).
+byte-level BPE tokenizer and on small SentencePiece-style tokenizers built here: characters split
+across tokens and across the prompt's end, SentencePiece leading spaces, and stop strings cut
+wherever they fall.
 """
 
 from __future__ import annotations
@@ -226,7 +228,7 @@ def test_empty_stop_rejected(tokenizer: Tokenizer) -> None:
         IncrementalDetokenizer(tokenizer, [], stop=[""])
 
 
-# ---- SentencePiece family (serving case 3) --------------------------------------------------
+# ---- SentencePiece family: a token's leading space depends on what precedes it ---------------
 
 SENTENCES = [
     "The engineers spent the morning locating logs and exploring the cluster.",

@@ -16,6 +16,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.kv_manager import KVStats
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.metrics import EngineMetrics
+from jaxserve.loading.load import LoadedModel
 from tests.engine.test_engine import _drive, _greedy, llm  # noqa: F401  (llm: the shared-engine fixture)
 from tests.support.kv import kv_manager
 
@@ -121,8 +122,9 @@ def small(engine: LLMEngine, monkeypatch_module) -> LLMEngine:
     weights (the loader is patched to hand them over: loading again costs ~10-30 s here)."""
     import jaxserve.engine.llm_engine as engine_module
 
-    loaded = (engine.model_config, engine.runner.params, engine.tokenizer, engine.model_name)
-    monkeypatch_module.setattr(engine_module, "load_model", lambda *a: loaded)
+    loaded = LoadedModel(engine.model_config, engine.runner.params, engine.tokenizer,
+                         engine.model_name)
+    monkeypatch_module.setattr(engine_module, "load_model", lambda *a, **kw: loaded)
     eng = LLMEngine(
         EngineConfig(max_model_len=512, num_kv_blocks=SMALL_NUM_KV_BLOCKS,
                      max_num_batched_tokens=128, max_num_seqs=8,

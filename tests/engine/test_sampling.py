@@ -1,6 +1,8 @@
 """Sampling features through the offline API on the real model (the shared session engine):
-serving cases 9, 10, 11, 12, 17 and 22 of the project's list, logit_bias, and prompt logprobs
-(echo) checked against the logprobs of generated tokens. Semantics as README "Sampling".
+greedy four ways, a seeded request independent of its batch-mates, n choices distinct and
+reproducible, the penalties' semantics, logprob entries that agree with the tokens, many choices
+finishing, logit_bias, and prompt logprobs (echo) checked against the logprobs of generated
+tokens. Semantics as README "Sampling".
 """
 
 from __future__ import annotations
@@ -28,14 +30,14 @@ def _engine_left_idle(engine: LLMEngine):
     assert not engine.has_unfinished_requests() and not engine.requests and not engine.groups
     pool = engine.scheduler.block_pool
     assert pool.num_free_blocks == pool.num_usable_blocks
-    assert not engine._slot_owner and len(engine._free_slots) == engine.runner.num_penalty_slots
+    assert not engine.slots.holders and len(engine.slots.free) == engine.runner.num_penalty_slots
 
 
 def _ids(llm: LLM, prompt, sp: SP) -> list[int]:
     return llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
 
 
-def test_case9_argmax_four_ways(llm: LLM) -> None:
+def test_argmax_four_ways(llm: LLM) -> None:
     """temperature 0 == (T=1, top_k=1) == (T=0.7, top_p=1e-9) == min_p=1, each alone."""
     n = 12
     greedy = _ids(llm, PROMPT, SP(temperature=0, max_tokens=n, ignore_eos=True))
@@ -48,7 +50,7 @@ def test_case9_argmax_four_ways(llm: LLM) -> None:
         SP(top_p=0.0)  # top_p = 0 is refused (HTTP 400), not read as greedy
 
 
-def test_case10_seeded_request_ignores_its_batch_mates(llm: LLM) -> None:
+def test_seeded_request_ignores_its_batch_mates(llm: LLM) -> None:
     a = SP(temperature=0.8, seed=42, max_tokens=8, ignore_eos=True)
     runs = []
     for b_seed, b_prompt in ((None, "Hi"), (7, PROMPT * 3), (8, "Tell me a story about a cat")):
@@ -59,7 +61,7 @@ def test_case10_seeded_request_ignores_its_batch_mates(llm: LLM) -> None:
     assert all(r == runs[0] for r in runs), runs
 
 
-def test_case11_n_choices_distinct_and_reproducible(llm: LLM) -> None:
+def test_n_choices_distinct_and_reproducible(llm: LLM) -> None:
     sp = SP(n=8, temperature=1.0, max_tokens=8, ignore_eos=True, seed=123)
     out = llm.generate([PROMPT], sp, use_tqdm=False)[0]
     assert [c.index for c in out.outputs] == list(range(8))
@@ -78,7 +80,7 @@ def test_case11_n_choices_distinct_and_reproducible(llm: LLM) -> None:
 BANANA = "banana banana banana banana. The fruit I like best is"
 
 
-def test_case12_penalty_semantics(llm: LLM) -> None:
+def test_penalty_semantics(llm: LLM) -> None:
     base = _ids(llm, BANANA, SP(temperature=0, max_tokens=1))
     for kw in ({"presence_penalty": 2.0}, {"frequency_penalty": 2.0},
                {"presence_penalty": -2.0}):
@@ -119,7 +121,7 @@ def test_logit_bias_forces_and_bans_tokens(llm: LLM) -> None:
         llm.generate([PROMPT], SP(logit_bias={tok.vocab_size: 1.0}), use_tqdm=False)
 
 
-def test_case17_logprob_entries_agree_with_the_tokens(llm: LLM) -> None:
+def test_logprob_entries_agree_with_the_tokens(llm: LLM) -> None:
     tok = llm.get_tokenizer()
     out = llm.generate([PROMPT], SP(temperature=0, max_tokens=16, logprobs=5),
                        use_tqdm=False)[0].outputs[0]
@@ -166,7 +168,7 @@ def test_prompt_logprobs_match_generation_logprobs_across_chunks(llm: LLM,
     assert all(len(e) in (2, 3) and all(v.logprob <= 0 for v in e.values()) for e in plp[1:])
 
 
-def test_case22_many_choices_finish(llm: LLM, engine: LLMEngine) -> None:
+def test_many_choices_finish(llm: LLM, engine: LLMEngine) -> None:
     """n above max_num_seqs: the choices queue like requests and all finish, in a number of
     steps proportional to the work (no hang)."""
     n = engine.config.max_num_seqs + 16

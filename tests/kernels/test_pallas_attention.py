@@ -33,7 +33,7 @@ TOL = {  # (rtol, atol) against the float64 reference of the same (rounded) inpu
     "float16": (5e-3, 5e-3),
 }
 TRITON_CALL = "__gpu$xla.gpu.triton"
-# JAX 0.11 deprecates the Pallas Triton backend (design.md: still present in 0.11.2)
+# JAX 0.11 deprecates the Pallas Triton backend (still present in 0.11.2)
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
@@ -217,7 +217,7 @@ MODEL_SHAPES = [
 def lower_for_h200(num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads: int,
                    head_dim: int, num_layers: int, num_blocks: int, dtype, max_blocks: int,
                    block_size: int = 16, **kw) -> str:
-    """StableHLO text of the kernel exported for CUDA on an abstract H200 (design.md recipe)."""
+    """StableHLO text of the kernel exported for CUDA on an abstract H200."""
     f = jax.jit(functools.partial(ragged_paged_attention_pallas, sm_scale=head_dim ** -0.5,
                                   **kw))
     cache = jax.ShapeDtypeStruct((num_layers, num_blocks, block_size, num_kv_heads, head_dim),

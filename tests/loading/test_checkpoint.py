@@ -32,8 +32,9 @@ def test_convert_then_load_is_bit_identical_to_the_gguf(engine, tmp_path) -> Non
     bitwise the same params, the same logits, and a tokenizer that encodes and renders alike."""
     dst = str(tmp_path / "smollm2")
     assert cli_main(["convert", default_gguf_path(), dst, "--dtype", "float32"]) == 0
-    cfg, params, tok, name = load_model(LoadConfig(dst), engine.dtype, seed=0)
-    assert name == "smollm2"
+    loaded = load_model(LoadConfig(dst), engine.dtype, seed=0)
+    cfg, params, tok = loaded.model_config, loaded.params, loaded.tokenizer
+    assert loaded.name == "smollm2"
     assert cfg == engine.model_config
     assert _bitwise_equal(params, engine.runner.params)
     seqs = [engine.tokenizer.encode("The capital city of France is"), [1, 2, 3, 500, 40000]]

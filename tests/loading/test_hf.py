@@ -38,7 +38,8 @@ def goldens() -> dict:
 
 
 def _logits(name: str, cfg_changes: dict | None = None, path: Path | None = None):
-    cfg, params, tok, served = load_model(LoadConfig(str(path or HF_DIR / name)), jnp.float32, 0)
+    loaded = load_model(LoadConfig(str(path or HF_DIR / name)), jnp.float32, 0)
+    cfg, params, tok, served = loaded.model_config, loaded.params, loaded.tokenizer, loaded.name
     if cfg_changes:
         cfg = cfg.replace(**cfg_changes)
     model = get_architecture(cfg.architecture).model(cfg, jnp.float32)

@@ -107,7 +107,8 @@ def test_hf_reads_only_each_devices_regions(name: str, tp: int, monkeypatch) -> 
     files, TP 4 with the 2 kv heads replicated. No tensor is read whole; q_proj is read in row
     blocks of ``out / tp`` (columns of our ``[in, out]``) and o_proj in column blocks."""
     path = str(HF_DIR / name)
-    cfg, full, _, _ = load_model(LoadConfig(path), jnp.float32, seed=0)
+    loaded = load_model(LoadConfig(path), jnp.float32, seed=0)
+    cfg, full = loaded.model_config, loaded.params
     mesh = sharding.make_mesh(tp)
     want = sharding.shard_params(full, cfg, mesh)
 
@@ -159,7 +160,7 @@ def test_dummy_weights_drawn_per_shard_equal_the_single_device_ones(tiny_orbax) 
     dummy weights of the same seed, sharded."""
     _, params = tiny_orbax
     mesh = sharding.make_mesh(8)
-    loaded = sharded_load.load_sharded(LoadConfig("tiny", "dummy"), jnp.float32, 0, mesh)
+    loaded = load_model(LoadConfig("tiny", "dummy"), jnp.float32, 0, mesh)
     want = sharding.shard_params(params, TINY, mesh)
     _assert_placed_like(loaded.params, want, mesh, sharding.sharded_config(TINY, 8))
-    assert loaded.report.method == "sharded" and loaded.cfg == TINY
+    assert loaded.report.method == "sharded" and loaded.model_config == TINY

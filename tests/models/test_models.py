@@ -14,7 +14,7 @@ from models import builtin_config
 from models.config import RopeScaling
 from models.interface import AttentionMetadata
 from models.llama import LlamaForCausalLM, rope_frequencies
-from models.loader import _unpermute, dummy_params
+from models.loader import dummy_params, unpermute_qk
 from pallas_kernels import allocate_kv_cache
 
 
@@ -84,12 +84,12 @@ def test_qkv_bias_variant_runs_and_uses_the_bias() -> None:
     assert np.all(np.isfinite(np.asarray(h0))) and not np.allclose(h0, h1)
 
 
-def test_unpermute_inverts_llama_cpp_rope_permutation() -> None:
+def testunpermute_qk_inverts_llama_cpp_rope_permutation() -> None:
     """llama.cpp's converter interleaves the two RoPE halves of each head's rows."""
     heads, head_dim, cols = 3, 8, 5
     w = np.random.default_rng().standard_normal((heads * head_dim, cols))
     permuted = w.reshape(heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(w.shape)
-    np.testing.assert_array_equal(_unpermute(permuted, heads), w)
+    np.testing.assert_array_equal(unpermute_qk(permuted, heads), w)
     assert not np.array_equal(permuted, w)
 
 

@@ -1,4 +1,4 @@
-"""``jaxserve run-batch`` (issue 3, item 3): OpenAI Batch files through the engine.
+"""``jaxserve run-batch``: OpenAI Batch files through the engine.
 
 Against the fake engine (fast, in-process): a file mixing completions, chat and bad lines gives
 one output line per input line in input order, lines run concurrently (at most

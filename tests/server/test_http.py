@@ -270,7 +270,7 @@ PROSE = "Once upon a time, in a small village by the sea,"
         ("A: Ask me a question.\nB: What colour is the sky on Mars", {"max_tokens": 8,
                                                                       "stop": ["\n"]}),
     ],
-    ids=["prose60", "france", "case7-stop-newline"],
+    ids=["prose60", "france", "stop-newline"],
 )
 def test_completions_stream_equals_nonstream(client, prompt, kw):
     ns, ns_finish, usage = _comp(client, prompt, **kw)
@@ -300,7 +300,7 @@ def test_chat_stream_equals_nonstream(client, question):
 # ---- case 1: prompt ids ending inside a multi-byte character ----------------------------------
 
 
-def test_case1_token_id_prompt_ending_mid_emoji(client, tok):
+def test_token_id_prompt_ending_mid_emoji(client, tok):
     ids = tok.encode("Hello world 😀")
     prompt = ids[:-1]  # drop the emoji's last token: the prompt ends inside its UTF-8 bytes
     assert tok.decode(prompt).startswith("Hello world")
@@ -332,7 +332,7 @@ def _check_stream_prefixes(deltas: list[str], ns: str) -> None:
     ("Repeat exactly: A 世ab 😀 x 🌶 y", None),  # the case's literal prompt (model answers ASCII)
     ('Repeat exactly this text: "A 世ab 😀 x 🌶 y"', "A 世ab 😀 x 🌶 y"),  # does echo CJK+emoji
 ])
-def test_case2_multibyte_stream(client, question, expect):
+def test_multibyte_stream(client, question, expect):
     ns, ns_finish, _ = _chat(client, question, max_tokens=64)
     deltas, s_finish = _chat_stream(client, question, max_tokens=64)
     s = "".join(deltas)
@@ -343,7 +343,7 @@ def test_case2_multibyte_stream(client, question, expect):
         assert expect in s
 
 
-def test_case2_completion_emoji_run_cut_by_length(client):
+def test_completion_emoji_run_cut_by_length(client):
     """The model repeats multi-byte text and max_tokens cuts a character: deltas never contain
     U+FFFD except the final flushed tail, and S == NS byte for byte."""
     prompt = "A 世ab 😀 x 🌶 y\nA 世ab 😀 x 🌶 y\nA 世ab 😀 x 🌶 y\n"
@@ -361,7 +361,7 @@ ALPHA = "Here is the English alphabet: ABC"  # greedy: "DEFGHIJKLMNOPQRSTUVWXYZ\
 
 
 @pytest.mark.parametrize("stop", ["DEFGHIJ", "MNOPQ", "XYZ"])
-def test_case4_stop_string_not_leaked(client, stop):
+def test_stop_string_not_leaked(client, stop):
     full, _, _ = _comp(client, ALPHA, max_tokens=16)
     assert stop in full, full
     ns, ns_finish, _ = _comp(client, ALPHA, max_tokens=16, stop=[stop])
@@ -376,7 +376,7 @@ def test_case4_stop_string_not_leaked(client, stop):
 
 
 @pytest.mark.parametrize("stop", ["DEFGHIJ", "MNOPQ"])
-def test_case4_include_stop_str_in_output(client, stop):
+def test_include_stop_str_in_output(client, stop):
     extra = {"include_stop_str_in_output": True}
     ns, ns_finish, _ = _comp(client, ALPHA, max_tokens=16, stop=[stop], extra_body=extra)
     deltas, s_finish = _comp_stream(client, ALPHA, max_tokens=16, stop=[stop], extra_body=extra)
@@ -414,7 +414,7 @@ def _token_ends(tok, prompt: str, text: str) -> set[int]:
     ("Stat", False),  # ends inside " States"
     ("millio", False),
 ])
-def test_case5_stop_not_token_aligned(client, tok, france_full, stop, aligned):
+def test_stop_not_token_aligned(client, tok, france_full, stop, aligned):
     full = france_full
     assert stop in full, full
     cut = full.index(stop)
@@ -432,7 +432,7 @@ def test_case5_stop_not_token_aligned(client, tok, france_full, stop, aligned):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_case6_chat_stop_seven(client, stream):
+def test_chat_stop_seven(client, stream):
     q = "Say the numbers 1 to 10 separated by commas"
     # greedy: "The numbers 1 to 10 separated by commas are: 1, 2, 3, 4, 5, 6, 7, 8, 9,"
     if stream:
@@ -449,7 +449,7 @@ def test_case6_chat_stop_seven(client, stream):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_case8_stop_strings_keep_eos(client, stream):
+def test_stop_strings_keep_eos(client, stream):
     q, stop = "What is 2+2?", ["\nNeverAppearsHere"]
     if stream:
         r = client.chat.completions.create(
@@ -476,7 +476,7 @@ def test_case8_stop_strings_keep_eos(client, stream):
     ("/v1/completions", {"prompt": "", "stream": True}),
     ("/v1/chat/completions", {"messages": []}),
 ])
-def test_case18_empty_prompt_400(http, path, body):
+def test_empty_prompt_400(http, path, body):
     r = http.post(path, json={"model": MODEL, "max_tokens": 4, **body})
     _assert_error(r, 400)
     ok = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
@@ -490,7 +490,7 @@ def test_case18_empty_prompt_400(http, path, body):
 
 @pytest.mark.parametrize("n", [MAX_MODEL_LEN + 1, 2 * MAX_MODEL_LEN, 10 * MAX_MODEL_LEN])
 @pytest.mark.parametrize("stream", [False, True])
-def test_case19_prompt_too_long_400(http, client, tok, n, stream):
+def test_prompt_too_long_400(http, client, tok, n, stream):
     before = _metrics(http)
     ids = (tok.encode("hello world ") * (n // 2 + 1))[:n]
     assert len(ids) == n
@@ -515,7 +515,7 @@ def test_case19_prompt_too_long_400(http, client, tok, n, stream):
 # ---- case 20: prompt + max_tokens beyond the window: clamp --------------------------------------
 
 
-def test_case20_clamp_long_prompt(client, tok):
+def test_clamp_long_prompt(client, tok):
     ids = _ulp_prompt(tok, MAX_MODEL_LEN - 10)
     _, finish, usage = _comp(client, ids, max_tokens=100, extra_body={"ignore_eos": True})
     assert finish == "length"
@@ -529,10 +529,10 @@ def test_case20_clamp_long_prompt(client, tok):
     assert usage.prompt_tokens + usage.completion_tokens == MAX_MODEL_LEN
 
 
-def test_case20_huge_max_tokens_short_prompt_accepted(http):
+def test_huge_max_tokens_short_prompt_accepted(http):
     """max_tokens > max_model_len with a short prompt is accepted (clamped, not a 400).
     Running it to the window would take ~100 s on this CPU, so read a few chunks and hang up;
-    the exact clamp arithmetic is asserted by test_case20_clamp_long_prompt."""
+    the exact clamp arithmetic is asserted by test_clamp_long_prompt."""
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 5 * MAX_MODEL_LEN,
             "ignore_eos": True, "temperature": 0, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as r:
@@ -546,7 +546,7 @@ def test_case20_huge_max_tokens_short_prompt_accepted(http):
     assert all(e["choices"][0]["finish_reason"] is None for e in events)
 
 
-def test_case20_chat_max_tokens_omitted(client):
+def test_chat_max_tokens_omitted(client):
     content, finish, usage = _chat(client, "What is the capital of France?",
                                    extra_body={"ignore_eos": False})
     assert finish == "stop"
@@ -571,7 +571,7 @@ _MSGS = [{"role": "user", "content": "Hi"}]
      400),
 ], ids=["invalid-json", "array", "null", "number", "string", "empty", "no-content-type",
         "completions-truncated-json", "completions-text-plain"])
-def test_case21_malformed_raw_bodies(http, path, content, headers, status):
+def test_malformed_raw_bodies(http, path, content, headers, status):
     r = http.post(path, content=content, headers=headers)
     _assert_error(r, status)
 
@@ -591,14 +591,14 @@ def test_case21_malformed_raw_bodies(http, path, content, headers, status):
     ("stream_options", {"include_usage": True}, 400),  # only allowed with stream=true
     ("model", "gpt-4o", 404),
 ])
-def test_case21_bad_fields(http, field, value, status):
+def test_bad_fields(http, field, value, status):
     body = {"model": MODEL, "messages": _MSGS, "max_tokens": 2, field: value}
     err = _assert_error(http.post("/v1/chat/completions", json=body), status)
     if status == 404:
         assert err["type"] == "not_found_error"
 
 
-def test_case21_unknown_route_and_method(http):
+def test_unknown_route_and_method(http):
     _assert_error(http.post("/v1/nonexistent", json={"model": MODEL}), 404)
     _assert_error(http.get("/v2/models"), 404)
     _assert_error(http.get("/v1/chat/completions"), 405)
@@ -610,7 +610,7 @@ def test_case21_unknown_route_and_method(http):
         c.chat.completions.create(model=MODEL, messages=_MSGS, max_tokens=2, temperature=-1)
 
 
-def test_case21_server_healthy_after(http, client):
+def test_server_healthy_after(http, client):
     assert http.get("/health").status_code == 200
     _, finish, _ = _chat(client, "Hi", max_tokens=3)
     assert finish in ("stop", "length")
@@ -651,7 +651,7 @@ def _settle(client) -> None:
     _comp(client, "Hi", max_tokens=1)
 
 
-def test_case30_stream_disconnect_aborts(base_url, http, client):
+def test_stream_disconnect_aborts(base_url, http, client):
     _settle(client)
     idle = _metrics(http)
     assert idle["jaxserve:kv_cache_usage_perc"] == 0
@@ -671,7 +671,7 @@ def test_case30_stream_disconnect_aborts(base_url, http, client):
     assert m["jaxserve:kv_cache_usage_perc"] == 0, m
 
 
-def test_case30_gauges_return_to_idle_without_new_traffic(base_url, http, client):
+def test_gauges_return_to_idle_without_new_traffic(base_url, http, client):
     _settle(client)
     _stream_and_hang_up(base_url)
     m, polls = _wait_idle(http)
@@ -679,7 +679,7 @@ def test_case30_gauges_return_to_idle_without_new_traffic(base_url, http, client
     assert m["jaxserve:kv_cache_usage_perc"] == 0, (m, polls)
 
 
-def test_case30_nonstream_client_timeout_aborts(base_url, http, client):
+def test_nonstream_client_timeout_aborts(base_url, http, client):
     before = _metrics(http)["jaxserve:num_aborted_requests_total"]
     body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 900,
             "ignore_eos": True, "temperature": 0}
@@ -695,7 +695,7 @@ def test_case30_nonstream_client_timeout_aborts(base_url, http, client):
     assert m["jaxserve:num_requests_running"] == 0 and m["jaxserve:kv_cache_usage_perc"] == 0, m
 
 
-def test_case30_repeated_aborts_leak_no_blocks(base_url, http, client):
+def test_repeated_aborts_leak_no_blocks(base_url, http, client):
     _settle(client)
     before = _metrics(http)
     for _ in range(20):
@@ -719,7 +719,7 @@ def test_case30_repeated_aborts_leak_no_blocks(base_url, http, client):
     ({"prompt": PROSE, "max_tokens": 20}, "length"),
     ({"prompt": ALPHA, "max_tokens": 16, "stop": ["MNOPQ"]}, "stop"),
 ])
-def test_case34_36_completions_sse(http, kw, finish):
+def test_completions_sse(http, kw, finish):
     events = _sse(http, "/v1/completions", {"temperature": 0, **kw})
     assert events
     finishes = [i for i, e in enumerate(events) if e["choices"][0]["finish_reason"] is not None]
@@ -740,7 +740,7 @@ def test_case34_36_completions_sse(http, kw, finish):
     ({"messages": _msgs("What is the capital of France?"), "max_tokens": 40}, "stop"),
     ({"messages": _msgs("Write a poem about the sea."), "max_tokens": 6}, "length"),
 ])
-def test_case34_chat_sse(http, kw, finish):
+def test_chat_sse(http, kw, finish):
     events = _sse(http, "/v1/chat/completions", {"temperature": 0, **kw})
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     finishes = [i for i, e in enumerate(events) if e["choices"][0]["finish_reason"] is not None]
@@ -776,7 +776,7 @@ def _check_usage_stream(events: list, ns_usage: dict) -> dict:
                               "max_tokens": 40}),
     ("/v1/completions", {"prompt": PROSE, "max_tokens": 12}),
 ])
-def test_case35_include_usage(http, path, kw):
+def test_include_usage(http, path, kw):
     body = {"temperature": 0, **kw}
     events = _sse(http, path, {**body, "stream_options": {"include_usage": True}})
     ns = http.post(path, json={"model": MODEL, **body}).json()
@@ -787,7 +787,7 @@ def test_case35_include_usage(http, path, kw):
     assert all("usage" not in e for e in off)
 
 
-def test_case37_usage_with_chunked_prefill(http, tok):
+def test_usage_with_chunked_prefill(http, tok):
     ids = _ulp_prompt(tok, 700)  # > max_num_batched_tokens (512): prefilled in two steps
     text = tok.decode(ids)
     n = len(tok.encode(text))
@@ -800,7 +800,7 @@ def test_case37_usage_with_chunked_prefill(http, tok):
     assert u["completion_tokens"] == 5 and u["total_tokens"] == n + 5
 
 
-def test_case37_chat_prompt_tokens_match_template(client, tok):
+def test_chat_prompt_tokens_match_template(client, tok):
     msgs = _msgs("What is the capital of France?")
     rendered = tok.apply_chat_template(msgs, add_generation_prompt=True)
     n = len(tok.encode(rendered, add_special_tokens=False))
@@ -814,7 +814,7 @@ def test_case37_chat_prompt_tokens_match_template(client, tok):
 
 @pytest.mark.parametrize("max_tokens", [1, 5])
 @pytest.mark.parametrize("stream", [False, True])
-def test_case38_length(client, http, max_tokens, stream):
+def test_length(client, http, max_tokens, stream):
     body = {"model": MODEL, "prompt": PROSE, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True}
     if stream:
@@ -828,7 +828,7 @@ def test_case38_length(client, http, max_tokens, stream):
         assert finish == "length" and usage.completion_tokens == max_tokens
 
 
-def test_case38_eos_is_stop(client):
+def test_eos_is_stop(client):
     content, finish, usage = _chat(client, "What is the capital of France?", max_tokens=64)
     assert finish == "stop"
     assert usage.completion_tokens < 64

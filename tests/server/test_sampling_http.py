@@ -1,6 +1,8 @@
-"""Sampling and logprobs over HTTP on the real model: serving cases 10, 11, 13, 14, 15, 16, 17
-and 23 of the project's list, against a real uvicorn on 127.0.0.1 serving the shared session
-engine (``AsyncEngine`` over it), driven with httpx and the official ``openai`` client.
+"""Sampling and logprobs over HTTP on the real model: seeded requests independent of concurrent
+ones, n choices, peaked top logprobs as strict JSON, zero alternatives, echo with logprobs, the
+count and raw values of top logprobs, entries that are the output, top_k and invalid numbers;
+against a real uvicorn on 127.0.0.1 serving the shared session engine (``AsyncEngine`` over it),
+driven with httpx and the official ``openai`` client.
 
 Semantics asserted (README "Sampling" and "Logprobs"):
 - Logprobs are of the raw model distribution (log-softmax of the logits before logit_bias,
@@ -113,7 +115,7 @@ def _all_finite(entries: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("kw", [{"top_p": 0.3}, {"temperature": 0.01}])
-def test_case13_peaked_top_logprobs_are_strict_json(http, kw) -> None:
+def test_peaked_top_logprobs_are_strict_json(http, kw) -> None:
     body = {"messages": WET, "logprobs": True, "top_logprobs": 20, "max_tokens": 1, **kw}
     ns = _post(http, CHAT, body)
     entries = ns["choices"][0]["logprobs"]["content"]
@@ -128,7 +130,7 @@ def test_case13_peaked_top_logprobs_are_strict_json(http, kw) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_case14_zero_alternatives(http, stream) -> None:
+def test_zero_alternatives(http, stream) -> None:
     body = {"prompt": "The sky is", "logprobs": 0, "max_tokens": 5, "temperature": 0}
     if stream:
         events = _sse(http, COMPL, {**body, "stream_options": {"include_usage": True}})
@@ -160,7 +162,7 @@ def test_case14_zero_alternatives(http, stream) -> None:
 
 
 @pytest.mark.parametrize("kw", [{"top_k": 1}, {"top_p": 0.1}, {"min_p": 0.9}])
-def test_case15_echo_with_logprobs(http, kw) -> None:
+def test_echo_with_logprobs(http, kw) -> None:
     prompt = "one two three four"
     body = {"prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 4, "temperature": 1,
             **kw}
@@ -185,7 +187,7 @@ def test_case15_echo_with_logprobs(http, kw) -> None:
 # ---- case 16: exactly N alternatives, raw values ----------------------------------------------
 
 
-def test_case16_top_logprobs_count_and_raw_values(http) -> None:
+def test_top_logprobs_count_and_raw_values(http) -> None:
     seen = []
     for i, kw in enumerate(({"top_p": 0.5}, {"top_p": 1.0}, {"temperature": 0.5},
                             {"temperature": 1.0})):
@@ -202,7 +204,7 @@ def test_case16_top_logprobs_count_and_raw_values(http) -> None:
 # ---- case 17: each entry is its token ----------------------------------------------------------
 
 
-def test_case17_entries_are_the_output(http) -> None:
+def test_entries_are_the_output(http) -> None:
     body = {"messages": [{"role": "user", "content": "Write a short sentence about tea. 茶"}],
             "logprobs": True, "top_logprobs": 5, "max_tokens": 16, "temperature": 0}
     r = _post(http, CHAT, body)
@@ -220,7 +222,7 @@ def test_case17_entries_are_the_output(http) -> None:
 # ---- cases 10, 11: seeds and n over HTTP -------------------------------------------------------
 
 
-def test_case11_n_choices_over_http(http, client) -> None:
+def test_n_choices_over_http(http, client) -> None:
     body = {"prompt": "My favourite colour is", "n": 8, "temperature": 1.0, "max_tokens": 6,
             "seed": 7, "ignore_eos": True}
     r = _post(http, COMPL, body)
@@ -247,7 +249,7 @@ def test_case11_n_choices_over_http(http, client) -> None:
     assert sorted(c.index for c in chat.choices) == [0, 1, 2]
 
 
-def test_case10_seed_is_independent_of_concurrent_requests(http) -> None:
+def test_seed_is_independent_of_concurrent_requests(http) -> None:
     a = {"prompt": "The weather today", "temperature": 0.8, "seed": 42, "max_tokens": 6,
          "ignore_eos": True}
     others = [{"prompt": "Hi", "max_tokens": 8},
@@ -266,7 +268,7 @@ def test_case10_seed_is_independent_of_concurrent_requests(http) -> None:
 # ---- case 23: top_k beyond the vocabulary, invalid numbers -------------------------------------
 
 
-def test_case23_top_k_and_invalid_numbers(http, engine: LLMEngine) -> None:
+def test_top_k_and_invalid_numbers(http, engine: LLMEngine) -> None:
     vocab = engine.tokenizer.vocab_size
     body = {"prompt": "Once upon a time", "temperature": 1.0, "seed": 5, "max_tokens": 6,
             "ignore_eos": True}

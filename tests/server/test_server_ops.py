@@ -1,7 +1,7 @@
-"""Operating the server (issue 3, item 4) against the fake engine: API key, the bounded waiting
-queue, per-request timeouts, the SIGTERM drain (a subprocess serving the fake engine through
-``server_ops.run_server``, as ``jaxserve serve`` does), request ids in log records and JSON logs,
-/tokenize and /detokenize, and /openapi.json.
+"""Operating the server against the fake engine: API key, the bounded waiting queue, per-request
+timeouts, the SIGTERM drain (a subprocess serving the fake engine through
+``jaxserve.server.gate.run_server``, as ``jaxserve serve`` does), request ids in log records and
+JSON logs, /tokenize and /detokenize, and /openapi.json.
 
 Semantics chosen (README "Behaviour"): a wrong or missing key is 401; a full queue or a draining
 server is 503 with ``Retry-After``; a timed-out request is 504 (``timeout_error``) or, once a
@@ -471,8 +471,9 @@ def test_openapi_document(api_key: str | None) -> None:
 def test_gate_counts_admitted_requests_not_yet_queued() -> None:
     """A simultaneous burst: requests the gate let in that are still reading their body or
     tokenising (not yet handed to the engine) count against --max-waiting-requests, so the
-    burst cannot all pass before any of it reaches the engine (found by scripts/bench_overload.py:
-    200 simultaneous requests against a cap of 8 were all admitted)."""
+    burst cannot all pass before any of it reaches the engine (found by
+    experiments/2026-12-01-overload: 200 simultaneous requests against a cap of 8 were all
+    admitted)."""
     from jaxserve.server.gate import Gate, RequestBudget
 
     class Idle:

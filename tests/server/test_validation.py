@@ -1,4 +1,4 @@
-"""Request validation (issue 3, item 2) against the fake engine: the configured caps (body size,
+"""Request validation against the fake engine: the configured caps (body size,
 message count, n), a range check naming the field for every numeric field the API accepts,
 unknown fields ignored, and features we do not have refused with 400.
 

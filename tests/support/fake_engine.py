@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from jaxserve.engine.metrics import EngineMetrics
+from jaxserve.errors import InvalidRequest
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -99,16 +100,19 @@ class FakeEngine:
     ) -> AsyncIterator[RequestOutput]:
         n = len(prompt_token_ids)
         if n == 0:
-            raise ValueError("prompt is empty")
+            raise InvalidRequest("prompt is empty", param="prompt")
         if n >= self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens; max_model_len is {self.max_model_len}")
+            raise InvalidRequest(f"prompt has {n} tokens; max_model_len is {self.max_model_len}",
+                                 param="prompt")
         for t in prompt_token_ids:
             if not 0 <= t < self.tokenizer.vocab_size:
-                raise ValueError(
-                    f"prompt token id {t} is out of range [0, {self.tokenizer.vocab_size})")
+                raise InvalidRequest(
+                    f"prompt token id {t} is out of range [0, {self.tokenizer.vocab_size})",
+                    param="prompt")
         for t in sampling_params.stop_token_ids:
             if t >= self.tokenizer.vocab_size:
-                raise ValueError(f"stop_token_ids holds {t}, outside the vocabulary")
+                raise InvalidRequest(f"stop_token_ids holds {t}, outside the vocabulary",
+                                     param="stop_token_ids")
         window = self.max_model_len - n
         max_tokens = (
             window

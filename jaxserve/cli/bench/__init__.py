@@ -9,6 +9,10 @@ Modules:
   serve         ``jaxserve bench serve``: flags (vLLM's names), the run, the saved JSON.
   static_batch  the static-batching baseline on an engine's own runner.
   throughput    ``jaxserve bench throughput``: offline, continuous against static batching.
+  step          ``jaxserve bench step``: one engine step per batch size and sampling mode.
+  prefix_cache  ``jaxserve bench prefix-cache``: a shared system prompt, caching off and on.
+  startup       ``jaxserve bench startup``: launch to /health 200, cold and warm.
+  common        the in-process commands' model flags, percentiles and JSON file.
   sweep         ``jaxserve sweep``: concurrency (and engine-setting) sweep, knee, SLO limit,
                 plots and recommended ``--config`` files.
 """

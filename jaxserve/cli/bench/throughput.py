@@ -15,6 +15,12 @@ token slots, so ``padding_s = prefill_s * prefill_padding / prefill_slots`` and
 ``idle_slots_s = decode_s * decode_idle / decode_slots``. How much of the continuous-over-static
 gap those explain is printed beside the gap itself. Figures include host time (Python scheduling,
 packing), as a server's would.
+
+Each mode's useful work is also given as model FLOP/s and as a fraction of this device's float32
+matmul rate (a ``--matmul-ceiling-size``-cubed dot, measured here). Model FLOPs count 2 x the
+linear-layer parameters per processed token (every prompt token and every output token but the
+last), 2 x hidden x vocab per output token (the LM head), and 4 x context x heads x head_dim per
+token and layer (attention scores and values); static batching's padding is not useful work.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     add_dataset_args(p, num_prompts=128)
     a("--mode", default="both", choices=MODES, help="which batching modes to run")
     a("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
+    a("--matmul-ceiling-size", type=int, default=2048,
+      help="N of the float32 N x N x N dot whose measured rate is the ceiling")
     a("--output-json", default=None, help="write the results here")
     add_engine_args(p)  # its --seed also seeds the workload and the requests' sampling
 
@@ -77,6 +85,34 @@ def run_continuous(engine: Any, requests: list[StaticRequest]) -> tuple[float, l
                 outs[o.request_id] = list(o.outputs[0].token_ids)
     elapsed = time.perf_counter() - t0
     return elapsed, [outs[f"tput-{i}"] for i in range(len(requests))]
+
+
+def matmul_ceiling_gflops(n: int, reps: int = 5) -> float:
+    """Measured float32 ``[n, n] @ [n, n]`` rate of the default device, in GFLOP/s."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        f(a).block_until_ready()
+    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
+
+
+def model_flops(mc: Any, requests: list[StaticRequest]) -> float:
+    """The useful FLOPs of generating ``requests`` with a model of config ``mc`` (see the
+    module docstring for what is counted)."""
+    linear = mc.num_layers * (mc.hidden_size * mc.head_dim * (2 * mc.num_heads
+                                                               + 2 * mc.num_kv_heads)
+                              + 3 * mc.hidden_size * mc.intermediate_size)
+    lengths = [len(r.prompt_token_ids) + r.num_output_tokens for r in requests]
+    num_out = sum(r.num_output_tokens for r in requests)
+    # a request of n tokens processes n - 1 of them, attending to 1 .. n - 1 positions
+    attn = 4 * mc.num_heads * mc.head_dim * mc.num_layers * sum(n * (n - 1) // 2 for n in lengths)
+    return (2 * linear * (sum(lengths) - len(requests)) + 2 * mc.hidden_size * mc.vocab_size
+            * num_out + attn)
 
 
 def _rates(elapsed: float, num_requests: int, num_input: int, num_output: int) -> dict[str, Any]:
@@ -116,6 +152,8 @@ def run(ns: argparse.Namespace) -> int:
         "engine_config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
         "num_kv_blocks": engine.num_blocks, "compile_s": warm["compile_s"],
         "total_input_tokens": num_in, "total_output_tokens": num_out,
+        "model_flops": model_flops(engine.model_config, requests),
+        "matmul_ceiling_gflops": matmul_ceiling_gflops(ns.matmul_ceiling_size),
     }
     static = StaticBatchEngine(engine)
     if ns.mode in ("both", "static"):
@@ -144,6 +182,11 @@ def run(ns: argparse.Namespace) -> int:
             "prefill_s": st.prefill_s, "decode_s": st.decode_s,
             "padding_s": padding_s, "idle_slots_s": idle_s,
         }
+    for m in MODES[1:]:
+        if m in result:
+            r = result[m]
+            r["model_gflops_per_s"] = result["model_flops"] / r["elapsed_time"] / 1e9
+            r["fraction_of_ceiling"] = r["model_gflops_per_s"] / result["matmul_ceiling_gflops"]
     if cont_out is not None and static_out is not None:
         c, s = result["continuous"], result["static"]
         gap = s["elapsed_time"] - c["elapsed_time"]
@@ -168,12 +211,14 @@ def format_table(result: dict[str, Any]) -> str:
              f"{result['total_input_tokens']} prompt + {result['total_output_tokens']} output "
              f"tokens, max_num_seqs {result['engine_config']['max_num_seqs']}"),
              (f"{'mode':<12}{'elapsed s':>10}{'cpu s':>9}{'req/s':>9}{'out tok/s':>11}"
-              f"{'tot tok/s':>11}")]
+              f"{'tot tok/s':>11}{'GFLOP/s':>9}{'of ceiling':>11}")]
     for m in modes:
         r = result[m]
         lines.append(f"{m:<12}{r['elapsed_time']:>10.2f}{r.get('process_cpu_s', 0.0):>9.1f}"
                      f"{r['requests_per_second']:>9.3f}"
-                     f"{r['output_tokens_per_second']:>11.1f}{r['tokens_per_second']:>11.1f}")
+                     f"{r['output_tokens_per_second']:>11.1f}{r['tokens_per_second']:>11.1f}"
+                     f"{r['model_gflops_per_s']:>9.1f}{r['fraction_of_ceiling']:>11.1%}")
+    lines.append(f"float32 matmul ceiling {result['matmul_ceiling_gflops']:.1f} GFLOP/s")
     if "static" in result:
         s = result["static"]
         pad = s["prefill_padding_tokens"] / max(s["prefill_slots"], 1)

@@ -21,7 +21,7 @@ host memory too, so the placed weights (513 MiB) are part of every figure; what 
 full host copy and the one-device copy of the load-then-shard path. Prints one per-device table
 per run, a summary table, and writes JSON.
 
-Usage: .venv/bin/python scripts/bench_sharded_load.py [--tp 1 3] [--out results/...json]
+Usage: .venv/bin/python experiments/2026-12-01-sharded-load/sharded_load.py [--tp 1 3] [--out results/...json]
            [--workdir DIR]
 """
 
@@ -135,7 +135,7 @@ def write_checkpoints(workdir: str) -> tuple[str, str, float]:
 
     from models import checkpoint
     from models.config import builtin_config
-    from models.hf import _LAYER_TENSORS  # our layer path -> (HF name, transposed)
+    from models.hf import LAYER_TENSORS  # our layer path -> (HF name, transposed)
     from models.llama import LlamaForCausalLM
     from models.loader import dummy_params
 
@@ -149,7 +149,7 @@ def write_checkpoints(workdir: str) -> tuple[str, str, float]:
     os.makedirs(hf_dir)
     tensors = {"model.embed_tokens.weight": np.asarray(params["embed"]),
                "model.norm.weight": np.asarray(params["final_norm"]["weight"])}
-    for path, (name, transpose) in _LAYER_TENSORS.items():
+    for path, (name, transpose) in LAYER_TENSORS.items():
         leaf = params["layers"]
         for key in path:
             leaf = leaf[key]
@@ -237,5 +237,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     main()

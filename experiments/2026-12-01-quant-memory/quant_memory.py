@@ -5,7 +5,7 @@ For each method (int8, int4 at ``--group-size``, fp8), with and without
 (the issue's goals: <= 0.27x for int8, <= 0.15x for int4), and the whole model against float32
 and bfloat16 (float leaves such as norms stay in the serving dtype; here float32).
 
-Usage: python scripts/quant_memory.py [--models smollm2-135m,llama-3.1-8b] [--group-size 32]
+Usage: PYTHONPATH=. python experiments/2026-12-01-quant-memory/quant_memory.py [--models smollm2-135m,llama-3.1-8b] [--group-size 32]
            [--out results/quant_memory.json]
 """
 

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The benchmark figures of issue 6 (benchmark client and configuration sweep), rerunnable.
+# The benchmark client and configuration sweep figures, rerunnable.
 # CPU figures on a shared machine are noisy; run one part at a time, nothing else running.
-#   bash scripts/bench_issue6.sh throughput|sweep|aiperf|all      (results under results/issue6/)
+#   bash experiments/2026-12-01-bench-client/run.sh throughput|sweep|aiperf|all   (results under results/bench-client/)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
-OUT=results/issue6
+OUT=results/bench-client
 mkdir -p "$OUT"
 part=${1:-all}
 
@@ -28,5 +28,5 @@ fi
 if [[ $part == aiperf || $part == all ]]; then
   # an independent load tool on the same server and workload (AIPerf in its own venv)
   AIPERF=${AIPERF:-/tmp/aiperf-venv/bin/aiperf}
-  "$PY" scripts/bench_vs_aiperf.py --aiperf "$AIPERF" --out "$OUT/aiperf" | tee "$OUT/aiperf.txt"
+  PYTHONPATH=. "$PY" experiments/2026-12-01-bench-client/vs_aiperf.py --aiperf "$AIPERF" --out "$OUT/aiperf" | tee "$OUT/aiperf.txt"
 fi

@@ -14,7 +14,7 @@ the decode step time at batch 64.
 
 Prints a table and writes JSON (``--output``). On a shared, loaded machine the timings are noisy;
 the perplexities are not.
-Usage: python scripts/bench_kv_quant.py [--configs auto,fp8,int8,fp8-unit,int8-unit]
+Usage: python experiments/2026-12-01-kv-quant-scales/kv_quant.py [--configs auto,fp8,int8,fp8-unit,int8-unit]
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 
 import numpy as np
 
-TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jaxserve",
-                    "bench", "data", "pride_and_prejudice_ch1-12.txt")
+TEXT = os.path.join(ROOT, "jaxserve", "cli", "bench", "data", "pride_and_prejudice_ch1-12.txt")
 
 
 def parse_config(name: str) -> tuple[dict, float | None]:
@@ -79,7 +79,7 @@ def prompt_logprobs(cfg_fields: dict, ids: list[int], model: str | None,
                 out = o
     lp = np.array([d[t].logprob for t, d in zip(ids[1:], out.prompt_logprobs[1:])])
     top1 = np.array([next(iter(d)) for d in out.prompt_logprobs[1:]])
-    res = {"logprobs": lp, "top1": top1, "kv_bytes_per_token": eng.kv_bytes_per_token,
+    res = {"logprobs": lp, "top1": top1, "kv_bytes_per_token": eng.kv_layout.bytes_per_token,
            "setup_s": setup_s, "summary": eng.kv_cache_summary()}
     del eng
     gc.collect()
@@ -89,7 +89,6 @@ def prompt_logprobs(cfg_fields: dict, ids: list[int], model: str | None,
 def decode_step_ms(kv_dtype: str, batch: int, context: int, steps: int) -> float:
     """Median wall time of one decode step of the dummy SmolLM2 (float32, reference attention)
     at ``batch`` x ``context`` through ``ModelRunner`` (host sync on the sampled ids)."""
-    import jax
     import jax.numpy as jnp
 
     from jaxserve.device.runner import ModelRunner, RowParams
@@ -114,10 +113,7 @@ def decode_step_ms(kv_dtype: str, batch: int, context: int, steps: int) -> float
     runner = ModelRunner(model, params, kv, max_num_batched_tokens=batch, max_num_seqs=batch,
                          max_blocks_per_seq=bps)
     bucket = runner.buckets[-1]
-    lay = runner.layouts[bucket]
-    runner.compiled[bucket] = jax.jit(runner._step_fn(lay), donate_argnums=(1, 2)).lower(
-        runner.params, runner.kv_cache, runner.penalty_state,
-        jax.ShapeDtypeStruct((lay.size,), jnp.int32)).compile()
+    runner.compile_bucket(bucket)
     rows = [RowParams(0.0, 0, 1.0, i, 0) for i in range(batch)]
     blocks = [list(range(1 + i * bps, 1 + (i + 1) * bps)) for i in range(batch)]
     times = []
@@ -139,7 +135,7 @@ def main() -> int:
     p.add_argument("--decode-steps", type=int, default=10)
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--skip-ppl", action="store_true")
-    p.add_argument("--output", default="bench_kv_quant.json")
+    p.add_argument("--output", default="results/kv_quant.json")
     a = p.parse_args()
 
     from jaxserve.loading.model_files import default_gguf_path

@@ -18,7 +18,7 @@ Throughput (unless ``--skip-throughput``): one in-process engine per block size 
 runs ``--throughput-requests`` of those requests, lengths divided by ``--length-divisor`` to keep
 CPU runs short, all submitted at once; output tokens/s and total (prompt + output) tokens/s.
 
-Usage: .venv/bin/python scripts/bench_block_size.py [--out results/block_size.json]
+Usage: PYTHONPATH=. .venv/bin/python experiments/2026-12-01-block-size/block_size.py [--out results/block_size.json]
 """
 
 from __future__ import annotations

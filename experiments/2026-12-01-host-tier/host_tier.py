@@ -10,7 +10,7 @@ holds the working set, every request after the first round loads it back. Report
 after the first, where the two differ): TTFT median and p99, prompt tokens computed, host-tier
 hits and blocks offloaded.
 
-Usage: .venv/bin/python scripts/bench_host_tier.py [--out results/host_tier.json]
+Usage: PYTHONPATH=. .venv/bin/python experiments/2026-12-01-host-tier/host_tier.py [--out results/host_tier.json]
 """
 
 from __future__ import annotations

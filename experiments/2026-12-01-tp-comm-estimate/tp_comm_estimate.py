@@ -15,7 +15,7 @@ in the layer loop's body run once per layer, the rest once per step. From their 
 
 This is a paper estimate: it ignores all-reduce latency (microseconds per hop, which dominates
 at small batch) and overlap. Usage:
-  python scripts/tp_comm_estimate.py [--batch 64] [--json results/tp_comm.json]
+  python experiments/2026-12-01-tp-comm-estimate/tp_comm_estimate.py [--batch 64] [--json results/tp_comm.json]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import jax
 import jax.numpy as jnp

@@ -3,14 +3,14 @@
 computed tokens), each with and without a host tier to swap to.
 
 Workload (fixed seed): ``--num-requests`` ShareGPT-like (prompt, output) lengths (see
-bench_block_size.py for their source), all submitted at once, every request running to its
+``jaxserve.cli.bench.datasets.sharegpt_like_lengths``), all submitted at once, every request running to its
 drawn output length; a device pool of ``--num-kv-blocks`` blocks that is far smaller than the
 running set needs, so decoding preempts. Each step is counted as one unit of time. Reported
 per setting: steps to finish everything, tokens computed (prompt + recomputed prompt and
 output after preemption: the wasted work), preemptions, blocks swapped, and the mean and p99
 finish step per request (a latency proxy).
 
-Usage: .venv/bin/python scripts/bench_preemption_policy.py [--out results/preemption_policy.json]
+Usage: PYTHONPATH=. .venv/bin/python experiments/2026-12-01-preemption-policy/preemption_policy.py [--out results/preemption_policy.json]
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import json
 import os
 
 import numpy as np
-from bench_block_size import sharegpt_like
+
+from jaxserve.cli.bench.datasets import sharegpt_like_lengths
 
 
 def simulate(ins: np.ndarray, outs: np.ndarray, policy: str, num_blocks: int,
@@ -62,7 +63,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/preemption_policy.json")
     a = p.parse_args()
-    ins, outs, source = sharegpt_like(a.num_requests, a.seed)
+    ins, outs = sharegpt_like_lengths(a.num_requests, np.random.default_rng(a.seed))
+    source = "jaxserve.cli.bench.datasets.sharegpt_like_lengths"
     ok = -(-(ins + outs) // a.block_size) <= a.num_kv_blocks - 1
     ins, outs = ins[ok], outs[ok]
     print(f"{len(ins)} requests, lengths from {source}; device pool {a.num_kv_blocks - 1} blocks "

@@ -13,7 +13,7 @@ Prints a table and writes JSON (``--out``): requests sent / served (200) / refus
 errors (anything else, exceptions included), 503 rate, latency percentiles of the served
 requests, peak RSS during the burst, the metrics after, the drain's figures, and the command.
 
-Usage: .venv/bin/python scripts/bench_overload.py [--num-requests 200] [--max-waiting-requests 8]
+Usage: PYTHONPATH=. .venv/bin/python experiments/2026-12-01-overload/overload.py [--num-requests 200] [--max-waiting-requests 8]
            [--out results/overload.json] [-- extra serve flags]
 """
 

@@ -1,7 +1,7 @@
 """jaxserve bench serve next to NVIDIA AIPerf, against one jaxserve server, on one fixed workload.
 
     python -m venv /tmp/aiperf-venv && /tmp/aiperf-venv/bin/pip install aiperf   # ~1.2 GB
-    python scripts/bench_vs_aiperf.py --aiperf /tmp/aiperf-venv/bin/aiperf --out results/aiperf
+    python experiments/2026-12-01-bench-client/vs_aiperf.py --aiperf /tmp/aiperf-venv/bin/aiperf --out results/aiperf
 
 Starts ``jaxserve serve`` (the default SmolLM2 model unless ``--serve-args`` says otherwise),
 exports the model's tokenizer to a local folder (tokenizer.json + tokenizer_config.json) for

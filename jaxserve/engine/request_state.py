@@ -1,0 +1,147 @@
+"""What the engine keeps per request, and the ``RequestOutput``s built from it.
+
+A request (``RequestGroup``) has ``n`` choices (``Choice``), each one scheduler sequence. After
+a step, each choice that sampled a token records its logprobs, detokenises, and when it has new
+text or a finish takes a fresh ``CompletionOutput``; ``group_output`` then gathers the latest
+output of every choice into the request's ``RequestOutput``, carrying each delta once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jaxserve.core.scheduler import ScheduledSeq
+from jaxserve.core.sequence import SeqState
+from jaxserve.device.runner import RowParams
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer import Tokenizer
+
+
+@dataclass
+class RequestGroup:
+    """One user request: its ``n`` choices share the prompt and the metrics."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    choices: list[Choice] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token
+    num_finished: int = 0
+
+
+@dataclass
+class Choice:
+    """One choice of a group: one scheduler sequence (id: the group's id when n == 1, else
+    ``<id>[<index>]``)."""
+
+    request_id: str
+    group: RequestGroup
+    index: int
+    params: SamplingParams
+    seed: int  # u64
+    seq: SeqState
+    detok: IncrementalDetokenizer
+    last_token_time: float | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_emitted_tokens: int = 0
+    slot: int = -1  # penalty-state slot while running, else -1
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    output: CompletionOutput | None = None  # the latest one
+    finished: bool = False
+
+
+def logprob_entry(tokenizer: Tokenizer, ids, vals, n: int, chosen: int, chosen_lp: float,
+                  chosen_rank: int, skip_special: bool) -> TokenLogprobs:
+    """The top ``n`` alternatives (``ids``/``vals``: the device's top ids and logprobs, best
+    first) with their text, plus the chosen token (``chosen_rank``: 1-based) if not among
+    them."""
+    text = lambda t: tokenizer.token_bytes(t, skip_special).decode("utf-8", "replace")
+    entry = {int(ids[j]): Logprob(float(vals[j]), j + 1, text(int(ids[j]))) for j in range(n)}
+    if chosen not in entry:
+        entry[chosen] = Logprob(float(chosen_lp), int(chosen_rank), text(chosen))
+    return entry
+
+
+def record_logprobs(tokenizer: Tokenizer, choice: Choice, token: int, lp, row: int) -> None:
+    """Append the sampled ``token``'s entry (row ``row`` of the step's logprobs ``lp``)."""
+    entry = logprob_entry(tokenizer, lp.top_ids[row], lp.top_logprobs[row],
+                          choice.params.logprobs, token, lp.chosen_logprob[row],
+                          lp.chosen_rank[row], choice.params.skip_special_tokens)
+    choice.logprobs.append(entry)
+    choice.cumulative_logprob += entry[token].logprob
+
+
+def record_prompt_logprobs(tokenizer: Tokenizer, scheduled: Sequence[ScheduledSeq],
+                           choices: Mapping[str, Choice], rows: list[RowParams],
+                           which: list[int], plp) -> None:
+    """Fill the groups' prompt logprobs from one step's per-token logprobs ``plp``.
+
+    Args:
+      tokenizer: gives the tokens' text.
+      scheduled: the step's sequences, in batch order (their tokens are ``plp``'s rows).
+      choices: the engine's choices by sequence id.
+      rows: the step's sampling inputs, ``prompt_targets`` set for the rows in ``which``.
+      which: the batch rows that asked for prompt logprobs.
+      plp: the step's prompt logprobs (``top_ids``, ``top_logprobs``, ``chosen_logprob``,
+        ``chosen_rank``, one row per scheduled token).
+    """
+    starts = np.cumsum([0] + [len(s.token_ids) for s in scheduled])
+    for i in which:
+        s, g = scheduled[i], choices[scheduled[i].request_id].group
+        for j, target in enumerate(rows[i].prompt_targets):
+            q = s.start_pos + j + 1  # the prompt position this token's logits predict
+            if target < 0 or g.prompt_logprobs[q] is not None:
+                continue  # recomputed after a preemption: keep the first values
+            t = starts[i] + j
+            g.prompt_logprobs[q] = logprob_entry(
+                tokenizer, plp.top_ids[t], plp.top_logprobs[t], g.params.prompt_logprobs,
+                target, plp.chosen_logprob[t], plp.chosen_rank[t], g.params.skip_special_tokens)
+
+
+def emit(choice: Choice, delta: str, finish: str | None, stop_reason: str | int | None
+         ) -> None:
+    """Give ``choice`` a fresh output carrying ``delta`` and the tokens not emitted before."""
+    c = choice
+    new_ids = c.output_token_ids[c.num_emitted_tokens:]
+    c.num_emitted_tokens = len(c.output_token_ids)
+    c.output = CompletionOutput(
+        index=c.index, text=c.detok.text, token_ids=list(c.output_token_ids),
+        finish_reason=finish, stop_reason=stop_reason, delta_text=delta,
+        delta_token_ids=new_ids,
+        logprobs=None if c.logprobs is None else list(c.logprobs),
+        cumulative_logprob=None if c.logprobs is None else c.cumulative_logprob)
+
+
+def group_output(g: RequestGroup, now: float) -> RequestOutput:
+    """The request's output after a step in which some choice changed; each choice's delta is
+    handed out once (later outputs of an unchanged choice carry none)."""
+    outs = []
+    for c in g.choices:
+        o = c.output
+        if o is None:
+            o = CompletionOutput(index=c.index, text="", token_ids=[],
+                                 logprobs=None if c.logprobs is None else [])
+        elif o.delta_text or o.delta_token_ids:
+            c.output = dataclasses.replace(o, delta_text="", delta_token_ids=[])
+        outs.append(o)
+    metrics = {"arrival_time": g.arrival_time}
+    if g.first_token_time is not None:
+        metrics["first_token_time"] = g.first_token_time
+    if g.first_scheduled_time is not None:
+        metrics["first_scheduled_time"] = g.first_scheduled_time
+    finished = g.num_finished == len(g.choices)
+    if finished:
+        metrics["finished_time"] = now
+    return RequestOutput(g.request_id, g.prompt, g.prompt_token_ids, outs, finished=finished,
+                         metrics=metrics, prompt_logprobs=g.prompt_logprobs)

@@ -1,0 +1,86 @@
+"""Request checks the engine runs before anything is queued: a request it can never finish is
+refused at once instead of waiting forever."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxserve.errors import InvalidRequest
+from jaxserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestBounds:
+    """What one engine can hold."""
+
+    vocab_size: int  # the tokenizer's
+    max_model_len: int
+    num_blocks: int  # of the KV cache, including padding block 0
+    block_size: int
+    max_request_tokens: int  # prompt + output: min(max_model_len, (num_blocks - 1) * block_size)
+    multiprocess: bool  # one model spans several processes
+
+
+def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams,
+                     bounds: RequestBounds) -> int:
+    """Check a request against ``bounds``; returns the effective max_tokens.
+
+    That is ``params.max_tokens`` capped by what the context window leaves, or when it is None,
+    what the KV cache leaves (``max_request_tokens`` minus the prompt).
+
+    Args:
+      prompt_token_ids: the prompt.
+      params: its sampling parameters (``SamplingParams.validate`` runs first on them).
+      bounds: the engine's.
+
+    Raises:
+      InvalidRequest: naming the field (``param``): an empty prompt, ids out of range, a
+        prompt with no room for output in the context window or the KV cache, ids of
+        ``stop_token_ids`` or ``logit_bias`` outside the vocabulary, ``logit_bias`` on a model
+        spanning processes, or prompt + max_tokens over the KV cache (with the numbers).
+      ValueError: as ``SamplingParams.validate``.
+    """
+    b, n, vocab = bounds, len(prompt_token_ids), bounds.vocab_size
+    if n == 0:
+        raise InvalidRequest("prompt must not be empty (it has 0 tokens)", param="prompt")
+    for t in prompt_token_ids:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
+            raise InvalidRequest(f"prompt token id {t!r} is out of range [0, {vocab})",
+                                 param="prompt")
+    if n >= b.max_model_len:
+        raise InvalidRequest(
+            f"prompt has {n} tokens; max_model_len is {b.max_model_len}, which leaves no "
+            f"room for output (the prompt must have at most {b.max_model_len - 1})",
+            param="prompt")
+    params.validate()
+    for t in params.stop_token_ids:
+        if t >= vocab:
+            raise InvalidRequest(f"stop_token_ids holds {t}, outside the vocabulary "
+                                 f"[0, {vocab})", param="stop_token_ids")
+    for t in params.logit_bias or {}:
+        if t >= vocab:
+            raise InvalidRequest(f"logit_bias holds token id {t}, outside the vocabulary "
+                                 f"[0, {vocab})", param="logit_bias")
+    if params.logit_bias and b.multiprocess:
+        raise InvalidRequest("logit_bias is not supported when one model spans several "
+                             "processes (--num-processes > 1)", param="logit_bias")
+    cache_tokens = (b.num_blocks - 1) * b.block_size
+    if n >= b.max_request_tokens:
+        raise InvalidRequest(
+            f"prompt has {n} tokens; the KV cache holds {cache_tokens} tokens "
+            f"({b.num_blocks - 1} blocks of {b.block_size}), which leaves no "
+            f"room for output (the prompt must have at most {b.max_request_tokens - 1})",
+            param="prompt")
+    if params.max_tokens is None:
+        return b.max_request_tokens - n
+    max_tokens = min(params.max_tokens, b.max_model_len - n)
+    if n + max_tokens > cache_tokens:
+        raise InvalidRequest(
+            f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} tokens "
+            f"can never fit in the KV cache of {cache_tokens} tokens "
+            f"({b.num_blocks - 1} blocks of {b.block_size}); lower max_tokens "
+            f"to at most {cache_tokens - n}", param="max_tokens")
+    return max_tokens
