@@ -711,7 +711,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             ids = [s.request_id for s in (*self.sched.running, *self.sched.waiting)]
             self.sched.abort(ids)
         else:
-            bound = sum(len(t) + 20 for t in self.expected.values()) + 1
+            # every live token computed (again, after a preemption) at one token per step
+            live = (*self.sched.running, *self.sched.waiting)
+            bound = 2 * sum(s.num_prompt_tokens + s.max_tokens for s in live) + 20
             for _ in range(bound):
                 if not self.sched.has_unfinished():
                     break
