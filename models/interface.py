@@ -1,7 +1,8 @@
 """The interface between the engine and a model: the config fields the engine reads
 (``ModelConfigLike``), the model protocol (``CausalLM``) and the per-step attention layout
 (``AttentionMetadata``). Any Flax model that implements ``CausalLM`` and calls the paged-attention
-op it is given can be served (``models.registry``, ``examples/tiny_gpt.py``)."""
+op it is given can be served (``models.registry``, ``examples/tiny_gpt.py``,
+docs/architecture.md#model-protocol)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@
 ragged_paged_attention.py``) and, per backend, one implementation: the pure-jnp one
 (``ragged_paged_attention``) runs everywhere; the Pallas Triton kernel
 (``ragged_paged_attention_pallas``) runs on NVIDIA GPUs and, in interpret mode, on the CPU.
-``attention_fn_for_backend`` maps the engine's ``attention_backend`` setting onto one of them.
+``attention_fn_for_backend`` maps the engine's ``attention_backend`` setting onto one of them
+(docs/architecture.md#attention-op).
 """
 
 from __future__ import annotations

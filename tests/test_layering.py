@@ -2,7 +2,8 @@
 
 ``cli -> server -> engine -> {core, device, loading} -> {models, pallas_kernels}``, with the shared
 vocabulary (the modules at the top of ``jaxserve/``) depending on none of the stages. Every
-import counts, including those inside functions and under ``TYPE_CHECKING``.
+import counts, including those inside functions and under ``TYPE_CHECKING``
+(docs/architecture.md#imports-run-one-way).
 """
 
 from __future__ import annotations

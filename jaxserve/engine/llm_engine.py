@@ -8,9 +8,11 @@ asked) -> ``plan_kv_cache`` (storage dtype, block count from the memory budget, 
 choice. ``step()`` then runs:
   ``scheduler.schedule()`` (host Python plan) -> ``runner.pack_step`` (numpy, padded to a
   bucket) -> ``runner.execute`` (one compiled XLA program, KV cache donated, sampling on
-  device) -> ``scheduler.update`` (token-id stop checks, block frees) -> incremental detokenisation and stop
-  strings -> one ``RequestOutput`` per request that changed (``request_state``).
-The async server (``AsyncEngine``) and the offline ``LLM`` both drive this object.
+  device) -> ``scheduler.update`` (token-id stop checks, block frees) -> incremental
+  detokenisation and stop strings -> one ``RequestOutput`` per request that changed
+  (``request_state``).
+The async server (``AsyncEngine``) and the offline ``LLM`` both drive this object
+(docs/architecture.md#one-requests-path).
 """
 
 from __future__ import annotations

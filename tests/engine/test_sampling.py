@@ -2,7 +2,7 @@
 greedy four ways, a seeded request independent of its batch-mates, n choices distinct and
 reproducible, the penalties' semantics, logprob entries that agree with the tokens, many choices
 finishing, logit_bias, and prompt logprobs (echo) checked against the logprobs of generated
-tokens. Semantics as README "Sampling".
+tokens. Semantics as docs/api.md#behaviour-chosen-where-the-openai-api-leaves-room.
 """
 
 from __future__ import annotations

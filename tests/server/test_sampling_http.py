@@ -4,7 +4,7 @@ count and raw values of top logprobs, entries that are the output, top_k and inv
 against a real uvicorn on 127.0.0.1 serving the shared session engine (``AsyncEngine`` over it),
 driven with httpx and the official ``openai`` client.
 
-Semantics asserted (README "Sampling" and "Logprobs"):
+Semantics asserted (docs/api.md#behaviour-chosen-where-the-openai-api-leaves-room):
 - Logprobs are of the raw model distribution (log-softmax of the logits before logit_bias,
   penalties, temperature, top-k, top-p, min-p): identical whatever the sampling settings, and
   finite; a -inf would be sent as -9999.0, never as a non-JSON literal.

@@ -3,7 +3,7 @@ timeouts, the SIGTERM drain (a subprocess serving the fake engine through
 ``jaxserve.server.gate.run_server``, as ``jaxserve serve`` does), request ids in log records and
 JSON logs, /tokenize and /detokenize, and /openapi.json.
 
-Semantics chosen (README "Behaviour"): a wrong or missing key is 401; a full queue or a draining
+Semantics chosen (docs/api.md#behaviour-chosen-where-the-openai-api-leaves-room): a wrong or missing key is 401; a full queue or a draining
 server is 503 with ``Retry-After``; a timed-out request is 504 (``timeout_error``) or, once a
 stream has started, an error event then ``[DONE]``; the drain answers what is left at its
 timeout with 503 / an error event with code 503, and the process exits 0.

@@ -2,7 +2,7 @@
 message count, n), a range check naming the field for every numeric field the API accepts,
 unknown fields ignored, and features we do not have refused with 400.
 
-Semantics chosen (README "Behaviour"): a body over ``--max-request-body-bytes`` is 413 before it
+Semantics chosen (docs/api.md#behaviour-chosen-where-the-openai-api-leaves-room): a body over ``--max-request-body-bytes`` is 413 before it
 is parsed (by its ``Content-Length``, or while it is read when it has none); more messages than
 ``--max-num-messages`` and ``n`` above ``--max-n`` are 400s naming ``messages`` / ``n``, checked
 before anything else and before tokenising.
