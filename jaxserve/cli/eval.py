@@ -106,12 +106,10 @@ def eval_windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, i
 
 @dataclass
 class CorpusScores:
-    """Per scored corpus position ``1..N-1`` (index ``q - 1`` for corpus token ``q``):
-    ``logprobs`` (``f64[N-1]``, log p of the token given its window's context) and ``argmax``
-    (``i64[N-1]``, the most likely token there)."""
+    """Per scored corpus position ``1..N-1``, at index ``q - 1`` for corpus token ``q``."""
 
-    logprobs: np.ndarray  # f64[N-1]
-    argmax: np.ndarray  # i64[N-1]
+    logprobs: np.ndarray  # f64[N-1]: log p of the token given its window's context
+    argmax: np.ndarray  # i64[N-1]: the most likely token there
 
     @property
     def ppl(self) -> float:
@@ -464,11 +462,20 @@ def row_names(config: EngineConfig, configs: Sequence[tuple[str, dict[str, objec
 
 def run(ns: argparse.Namespace, config: EngineConfig, load: LoadConfig,
         kv_calibration_file: str | None = None) -> int:
-    """``jaxserve eval``: read and check the inputs, evaluate, print the table (stdout; the
-    progress and the table so far after each configuration go to stderr), write ``--output``
-    (rewritten after each configuration). ``kv_calibration_file`` goes to every compared
-    configuration with an 8-bit KV cache (the baseline's cache is float, so it has none).
-    Raises ValueError naming the flag."""
+    """``jaxserve eval``: check the inputs, evaluate, print the table; returns the exit status.
+
+    The table goes to stdout; the progress, and the table so far after each configuration, to
+    stderr; ``--output`` is rewritten after each configuration.
+
+    Args:
+      ns: the parsed ``eval`` flags.
+      config: the configuration the engine flags give; the compared ones are built on it.
+      load: the model.
+      kv_calibration_file: given to every compared configuration with an 8-bit KV cache (the
+        baseline's cache is float, so it gets none).
+    Raises:
+      ValueError: naming the flag.
+    """
     if ns.num_prompts is not None and ns.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {ns.num_prompts}")
     text_path, prompts_path = ns.text, ns.prompts
