@@ -22,7 +22,13 @@ from __future__ import annotations
 import argparse
 import time
 
-from jaxserve.config import DTYPES, QUANTIZATION_METHODS
+from jaxserve.config import DTYPES, QUANTIZATION_METHODS, LoadConfig
+from jaxserve.device import kv_calibration as cal
+from jaxserve.loading.load import load_model, resolve_dtype
+from models.checkpoint import save_checkpoint, save_kv_scales
+from models.quant import QuantConfig, apply_quantization
+from models.registry import get_architecture
+from pallas_kernels.kv_cache import KV_QUANT_DTYPES
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -61,14 +67,6 @@ def convert(src: str, dst: str, dtype: str = "auto", quantization: str = "none",
         bad quantisation settings (naming the field), an architecture without quantisation, or
         an unreadable calibration file.
     """
-    from jaxserve.config import LoadConfig
-    from jaxserve.device import kv_calibration as cal
-    from jaxserve.loading.load import load_model, resolve_dtype
-    from models.checkpoint import save_checkpoint
-    from models.quant import QuantConfig, apply_quantization
-    from models.registry import get_architecture
-    from pallas_kernels.kv_cache import KV_QUANT_DTYPES
-
     qcfg = QuantConfig(quantization, quantization_group_size, quantize_embeddings)
     if kv_calibration_file is not None and kv_cache_dtype is None:
         raise ValueError("kv_calibration_file is used only with kv_cache_dtype fp8 or int8 "
@@ -102,11 +100,6 @@ def convert(src: str, dst: str, dtype: str = "auto", quantization: str = "none",
 def _save_kv_scales(dst: str, cfg, params, dt, kv_cache_dtype: str, ids: list[int]) -> None:
     """Run the engine's KV calibration pass over ``ids`` on the loaded model; write
     DST/kv_scales.json."""
-    from jaxserve.device import kv_calibration as cal
-    from models.checkpoint import save_kv_scales
-    from models.registry import get_architecture
-    from pallas_kernels.kv_cache import KV_QUANT_DTYPES
-
     model = get_architecture(cfg.architecture).model(cfg, dt)
     k_amax, v_amax = cal.calibration_amax(model, params, ids, block_size=16, dtype=dt)
     qdt = KV_QUANT_DTYPES[kv_cache_dtype]

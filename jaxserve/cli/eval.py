@@ -46,9 +46,11 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TextIO
+from typing import TextIO
 
+import jax
 import numpy as np
+from tqdm import tqdm
 
 from jaxserve.cli.eval_inputs import (
     DEFAULT_CORPUS,
@@ -64,11 +66,12 @@ from jaxserve.cli.eval_inputs import (
     read_prompts,
 )
 from jaxserve.config import EngineConfig, LoadConfig
-
-if TYPE_CHECKING:
-    from jaxserve.engine.llm_engine import LLMEngine
-    from jaxserve.outputs import RequestOutput
-    from jaxserve.sampling_params import SamplingParams
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+from models import checkpoint
+from models.quant import DEFAULT_GROUP_SIZE, QuantConfig, param_bytes, quantized_shapes
+from models.registry import get_architecture
 
 GIB = 1 << 30
 ROW_KEYS = ("config", "weights_gib", "kv_bytes_per_token", "max_concurrent_seqs", "ppl",
@@ -103,12 +106,10 @@ def eval_windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, i
 
 @dataclass
 class CorpusScores:
-    """Per scored corpus position ``1..N-1`` (index ``q - 1`` for corpus token ``q``):
-    ``logprobs`` (``f64[N-1]``, log p of the token given its window's context) and ``argmax``
-    (``i64[N-1]``, the most likely token there)."""
+    """Per scored corpus position ``1..N-1``, at index ``q - 1`` for corpus token ``q``."""
 
-    logprobs: np.ndarray  # f64[N-1]
-    argmax: np.ndarray  # i64[N-1]
+    logprobs: np.ndarray  # f64[N-1]: log p of the token given its window's context
+    argmax: np.ndarray  # i64[N-1]: the most likely token there
 
     @property
     def ppl(self) -> float:
@@ -122,8 +123,6 @@ def _run_requests(engine: LLMEngine, token_ids: Sequence[list[int]], params: Sam
 
     The bar advances by ``weights[i]`` (tokens) when request ``i`` finishes, else by 1.
     """
-    from tqdm import tqdm
-
     for i, ids in enumerate(token_ids):
         try:
             engine.validate(ids, params)
@@ -160,8 +159,6 @@ def score_corpus(engine: LLMEngine, ids: Sequence[int], window: int, stride: int
       ValueError: bad window settings, or a window the engine refuses (too long for
         max_model_len or the KV cache; the message names the window).
     """
-    from jaxserve.sampling_params import SamplingParams
-
     wins = eval_windows(len(ids), window, stride)
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
     outs = _run_requests(engine, [list(ids[s:e]) for s, _, e in wins], params, desc, "tok",
@@ -180,8 +177,6 @@ def greedy_tokens(engine: LLMEngine, prompts: Sequence[list[int]], max_tokens: i
                   progress: bool = False, desc: str = "greedy") -> tuple[list[list[int]], float]:
     """Greedy continuations (temperature 0, at most ``max_tokens``, stopping at EOS) of every
     prompt, submitted together; returns (token ids per prompt, wall seconds)."""
-    from jaxserve.sampling_params import SamplingParams
-
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     t0 = time.perf_counter()
     outs = _run_requests(engine, prompts, params, desc, "req", None, progress)
@@ -193,10 +188,6 @@ def memory_bytes(engine: LLMEngine) -> tuple[int, int, float]:
     """(params bytes, KV-cache bytes, KV bytes per token) of an engine: sums of leaf
     ``nbytes`` (global sizes, also when sharded); per token: over ``num_blocks * block_size``
     (block 0 included in both)."""
-    import jax
-
-    from models.quant import param_bytes
-
     weights = int(param_bytes(engine.runner.params)["total_bytes"])
     kv = sum(int(x.nbytes) for x in jax.tree.leaves(engine.runner.kv_cache))
     return weights, kv, kv / (engine.num_blocks * engine.config.block_size)
@@ -262,8 +253,6 @@ def run_config(name: str, config: EngineConfig, load: LoadConfig, inputs: EvalIn
       ValueError: invalid settings, a window longer than ``max_model_len - 1``, a corpus of
         fewer than 2 tokens, a request the engine refuses, or what ``check`` raises.
     """
-    from jaxserve.engine.llm_engine import LLMEngine
-
     t0 = time.perf_counter()
     engine = LLMEngine(config, load)
     try:
@@ -331,8 +320,6 @@ def _refuse_quantised_checkpoint(load: LoadConfig) -> None:
     Raises:
       ValueError: ``load.model`` is such a checkpoint (naming its quantisation).
     """
-    from models import checkpoint
-
     path = load.model or ""
     if not (os.path.isdir(path) and checkpoint.is_checkpoint(path)):
         return
@@ -352,9 +339,6 @@ def check_quantization(engine: LLMEngine, configs: Sequence[tuple[str, EngineCon
     Raises:
       ValueError: naming the configuration and the cause.
     """
-    from models.quant import QuantConfig, quantized_shapes
-    from models.registry import get_architecture
-
     arch = get_architecture(engine.model_config.architecture)
     for name, cfg in configs:
         if cfg.quantization == "none":
@@ -461,8 +445,6 @@ def row_names(config: EngineConfig, configs: Sequence[tuple[str, dict[str, objec
       ValueError: two items that run the same configuration (e.g. ``int8+emb,emb+int8``), or
         an override EngineConfig refuses.
     """
-    from models.quant import DEFAULT_GROUP_SIZE
-
     out: list[tuple[str, dict[str, object]]] = []
     seen: dict[str, str] = {}
     for item, overrides in configs:
@@ -480,11 +462,20 @@ def row_names(config: EngineConfig, configs: Sequence[tuple[str, dict[str, objec
 
 def run(ns: argparse.Namespace, config: EngineConfig, load: LoadConfig,
         kv_calibration_file: str | None = None) -> int:
-    """``jaxserve eval``: read and check the inputs, evaluate, print the table (stdout; the
-    progress and the table so far after each configuration go to stderr), write ``--output``
-    (rewritten after each configuration). ``kv_calibration_file`` goes to every compared
-    configuration with an 8-bit KV cache (the baseline's cache is float, so it has none).
-    Raises ValueError naming the flag."""
+    """``jaxserve eval``: check the inputs, evaluate, print the table; returns the exit status.
+
+    The table goes to stdout; the progress, and the table so far after each configuration, to
+    stderr; ``--output`` is rewritten after each configuration.
+
+    Args:
+      ns: the parsed ``eval`` flags.
+      config: the configuration the engine flags give; the compared ones are built on it.
+      load: the model.
+      kv_calibration_file: given to every compared configuration with an 8-bit KV cache (the
+        baseline's cache is float, so it gets none).
+    Raises:
+      ValueError: naming the flag.
+    """
     if ns.num_prompts is not None and ns.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {ns.num_prompts}")
     text_path, prompts_path = ns.text, ns.prompts

@@ -9,12 +9,9 @@ import dataclasses
 import json
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from jaxserve.config import EngineConfig
-
-if TYPE_CHECKING:
-    from jaxserve.tokenizer import Tokenizer
+from jaxserve.tokenizer import Tokenizer
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
 DEFAULT_CORPUS = os.path.join(os.path.dirname(__file__), "bench", "data",

@@ -23,8 +23,6 @@ import argparse
 import os
 import sys
 
-from jaxserve.cli import convert as convert_cmd
-from jaxserve.cli import eval as eval_cmd
 from jaxserve.cli.args import (
     add_engine_args,
     add_limit_args,
@@ -33,15 +31,20 @@ from jaxserve.cli.args import (
     engine_config_from_args,
 )
 from jaxserve.cli.bench import serve as bench_serve_cmd
+from jaxserve.cli.bench import startup
 from jaxserve.cli.bench import sweep as sweep_cmd
 from jaxserve.config import LoadConfig
 
-# Importing this module imports no jax: the subcommands that do (serve, run-batch, bench
-# throughput) are imported where they run or add their flags, marked "# jax".
+# Importing this module imports no jax: build_parser and main import the subcommand modules
+# that do (they load the engine) in one block each, marked "# jax".
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``jaxserve`` argument parser."""
+    from jaxserve.cli import convert as convert_cmd  # jax
+    from jaxserve.cli import eval as eval_cmd  # jax
+    from jaxserve.cli.bench import prefix_cache, step, throughput  # jax
+
     p = argparse.ArgumentParser(prog="jaxserve", description="JAX/XLA LLM serving engine")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -96,13 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve_cmd.add_cli_args(bsub.add_parser(
         "serve", help="load generator with vllm bench serve's flags and JSON keys",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter))
-    from jaxserve.cli.bench.throughput import add_cli_args as add_bench_throughput_args  # jax
-
-    add_bench_throughput_args(bsub.add_parser(
+    throughput.add_cli_args(bsub.add_parser(
         "throughput", help="offline engine throughput: continuous against static batching",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter))
-    from jaxserve.cli.bench import prefix_cache, startup, step  # jax
-
     for name, module, text in (
             ("step", step, ("one engine step's time per batch size and sampling mode, split "
                            "into device and host")),
@@ -125,11 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     # JAX preallocates 75% of accelerator memory by default; let it take what the KV budget
     # (kv_cache_memory_fraction of free memory after weights) needs. Must precede jax's start.
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    from jaxserve.cli import convert as convert_cmd  # jax
+    from jaxserve.cli import eval as eval_cmd  # jax
+    from jaxserve.cli import serve as serve_cmd  # jax
+    from jaxserve.cli.bench import prefix_cache, step, throughput  # jax
+
     try:
         if ns.command in ("serve", "run-batch"):
-            from jaxserve.cli.serve import run_batch, serve  # jax and the engine
-
-            (serve if ns.command == "serve" else run_batch)(ns)
+            (serve_cmd.serve if ns.command == "serve" else serve_cmd.run_batch)(ns)
         elif ns.command == "eval":
             # a calibration file serves the 8-bit KV configurations of --compare even when
             # the base configuration's cache is float (where EngineConfig refuses it)
@@ -144,12 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         elif ns.command == "bench" and ns.bench_command == "serve":
             return bench_serve_cmd.run(ns)
         elif ns.command == "bench" and ns.bench_command == "throughput":
-            from jaxserve.cli.bench.throughput import run as bench_throughput  # jax
-
-            return bench_throughput(ns)
+            return throughput.run(ns)
         elif ns.command == "bench":
-            from jaxserve.cli.bench import prefix_cache, startup, step  # jax
-
             runs = {"step": step.run, "startup": startup.run, "prefix-cache": prefix_cache.run}
             return runs[ns.bench_command](ns)
         elif ns.command == "sweep":

@@ -18,13 +18,12 @@ from __future__ import annotations
 import json
 import time
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import httpx
 
 from jaxserve.cli.bench.datasets import SampleRequest
 from jaxserve.cli.bench.metrics import RequestResult
-
-if TYPE_CHECKING:
-    import httpx
 
 
 def build_payload(
@@ -133,8 +132,6 @@ async def first_model(client: httpx.AsyncClient, base_url: str) -> str:
     Raises:
       ValueError: the server is unreachable, answers non-200, or lists no model.
     """
-    import httpx
-
     try:
         resp = await client.get(f"{base_url}/v1/models")
     except httpx.HTTPError as e:

@@ -35,12 +35,12 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
+import tokenizers
 
-if TYPE_CHECKING:
-    import tokenizers
+from jaxserve.loading.model_files import default_gguf_path
+from jaxserve.tokenizer import Tokenizer
 
 DEFAULT_TOKEN_RANGE = (1000, 30000)
 
@@ -274,13 +274,7 @@ def load_tokenizer(path: str | None) -> tokenizers.Tokenizer:
       ValueError: none of those at ``path``.
       FileNotFoundError: ``path`` is None and the default model is not installed.
     """
-    import tokenizers
-
-    from jaxserve.tokenizer import Tokenizer
-
     if path is None:
-        from jaxserve.loading.model_files import default_gguf_path
-
         return Tokenizer.from_gguf(default_gguf_path()).backend
     if os.path.isdir(path):
         path = os.path.join(path, "tokenizer.json")

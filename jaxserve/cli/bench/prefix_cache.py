@@ -23,15 +23,18 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.cli.args import add_engine_args, engine_config_from_args
 from jaxserve.cli.bench.common import add_model_flags, percentile, write_json
+from jaxserve.config import LoadConfig
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.metrics import EngineMetrics
+from jaxserve.sampling_params import SamplingParams
 
 SETTINGS = (("prefix_caching_off", False), ("prefix_caching_on", True))
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     """``jaxserve bench prefix-cache``'s flags: model, workload, and the engine flags."""
-    from jaxserve.cli.args import add_engine_args
-
     add_model_flags(p, model="tiny", load_format="dummy")
     a = p.add_argument
     a("--num-requests", type=int, default=20, help="requests sharing the system prompt")
@@ -43,14 +46,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)  # its --seed also seeds the prompts
 
 
-def _counter(engine: Any, name: str) -> float:
+def _counter(engine: LLMEngine, name: str) -> float:
     return engine.metrics.registry.get_sample_value(f"jaxserve:{name}_total") or 0.0
 
 
-def run_once(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+def run_once(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
     """Submit ``prompts`` at once and step until idle; this run's counters and TTFTs (ms)."""
-    from jaxserve.sampling_params import SamplingParams
-
     prompt_before = _counter(engine, "prompt_tokens")
     hits_before = _counter(engine, "prefix_cache_hits")
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -76,11 +77,6 @@ def run(ns: argparse.Namespace) -> int:
     Raises:
       ValueError: bad flags.
     """
-    from jaxserve.cli.args import engine_config_from_args
-    from jaxserve.config import LoadConfig
-    from jaxserve.engine.llm_engine import LLMEngine
-    from jaxserve.engine.metrics import EngineMetrics
-
     if ns.num_requests < 1 or ns.system_len < 1 or ns.max_tokens < 1:
         raise ValueError("--num-requests, --system-len and --max-tokens must be >= 1")
     if not 1 <= ns.question_min <= ns.question_max:

@@ -29,7 +29,9 @@ import time
 from datetime import datetime
 from typing import Any
 
+import httpx
 import numpy as np
+from tqdm import tqdm
 
 from jaxserve.cli.bench.arrivals import arrival_offsets, paced
 from jaxserve.cli.bench.client import build_payload, first_model, send_request
@@ -162,8 +164,6 @@ def build_workload(ns: argparse.Namespace, chat: bool
 
 async def run_benchmark(ns: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """Run the benchmark; returns (the result JSON dict, the model id)."""
-    import httpx
-
     _check(ns)
     goodput = parse_goodput(ns.goodput)
     percentiles = [float(x) for x in ns.metric_percentiles.split(",") if x.strip()]
@@ -202,8 +202,6 @@ async def run_benchmark(ns: argparse.Namespace) -> tuple[dict[str, Any], str]:
               f"({dist})\nMaximum request concurrency: {cap}", flush=True)
         pbar = None
         if not ns.disable_tqdm:
-            from tqdm import tqdm
-
             pbar = tqdm(total=len(samples))
         start = time.perf_counter()
         tasks = [asyncio.create_task(one(samples[i], f"{ns.request_id_prefix}{i}", pbar))

@@ -25,7 +25,12 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.cli.args import add_engine_args, engine_config_from_args
 from jaxserve.cli.bench.common import add_model_flags, write_json
+from jaxserve.config import LoadConfig
+from jaxserve.device.buckets import MIN_TOKEN_BUCKET, pick_bucket
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.sampling_params import SamplingParams
 
 MODES: dict[str, tuple[dict[str, Any], int]] = {  # SamplingParams fields, choices per request
     "greedy": ({"temperature": 0.0}, 1),
@@ -58,8 +63,6 @@ def _modes(text: str) -> list[str]:
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     """``jaxserve bench step``'s flags: model, batch sizes, modes, and the engine flags."""
-    from jaxserve.cli.args import add_engine_args
-
     add_model_flags(p)
     a = p.add_argument
     a("--batch-sizes", type=_int_list, default=[1, 8, 32],
@@ -88,7 +91,7 @@ class _ExecuteTimer:
         return out
 
 
-def _timed_step(engine: Any, timer: _ExecuteTimer) -> tuple[Any, float, float]:
+def _timed_step(engine: LLMEngine, timer: _ExecuteTimer) -> tuple[Any, float, float]:
     """One engine step: (its bucket, its seconds, the device part of them)."""
     n = len(timer.calls)
     t0 = time.perf_counter()
@@ -116,15 +119,12 @@ def _summary(steps: list[tuple[Any, float, float]], num_seqs: int | None = None
     return out
 
 
-def measure(engine: Any, timer: _ExecuteTimer, mode: str, batch: int, context: int,
+def measure(engine: LLMEngine, timer: _ExecuteTimer, mode: str, batch: int, context: int,
             num_steps: int, rng: np.random.Generator) -> dict[str, Any]:
     """Prefill ``batch`` sequences of ``context`` tokens, then time ``num_steps`` decode steps.
 
     Returns the decode summary and one summary per prefill bucket (``prefill``).
     """
-    from jaxserve.device.buckets import pick_bucket
-    from jaxserve.sampling_params import SamplingParams
-
     kw, n = MODES[mode]
     vocab = engine.tokenizer.vocab_size
     params = SamplingParams(max_tokens=num_steps + NUM_UNTIMED_STEPS + 8, ignore_eos=True,
@@ -156,11 +156,6 @@ def run(ns: argparse.Namespace) -> int:
       ValueError: bad flags (a batch above --max-num-seqs, n4 with a batch not a multiple of 4,
         a context too short or too long).
     """
-    from jaxserve.cli.args import engine_config_from_args
-    from jaxserve.config import LoadConfig
-    from jaxserve.device.buckets import MIN_TOKEN_BUCKET
-    from jaxserve.engine.llm_engine import LLMEngine
-
     if ns.num_steps < 1:
         raise ValueError("--num-steps must be >= 1")
     if ns.context <= MIN_TOKEN_BUCKET:

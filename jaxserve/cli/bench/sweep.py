@@ -4,7 +4,7 @@ workload should be served at.
     jaxserve sweep --serve-args "--max-model-len 2048" --grid max_num_seqs=32,64 \\
         --dataset-name sharegpt-like --percentile 99 --goodput ttft:500 tpot:50 --output-dir sw/
 
-The method (the issue's): for each engine configuration (each point of ``--grid``, each on a
+The method: for each engine configuration (each point of ``--grid``, each on a
 freshly started ``jaxserve serve`` subprocess; or the one server at ``--base-url``):
   1. send ``--num-warmups`` unmeasured requests;
   2. run ``jaxserve bench serve`` closed loop at concurrency 1 (the single-request baseline),
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import math
@@ -40,9 +41,17 @@ import socket
 import subprocess
 import sys
 import time
+import typing
 from typing import Any, Self
 
+import httpx
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
 from jaxserve.cli.bench.metrics import parse_goodput
+from jaxserve.cli.bench.serve import ENDPOINTS, add_dataset_args, run_benchmark
+from jaxserve.cli.bench.serve import add_cli_args as add_serve_args
+from jaxserve.config import EngineConfig
 
 OCCUPANCY_GAUGES = {
     "seqs_usage": "jaxserve:batch_seqs_usage_perc",
@@ -111,11 +120,6 @@ def parse_grid(items: list[str] | None) -> list[dict[str, Any]]:
     Raises:
       ValueError: a malformed item, an unknown or repeated field, or a value of the wrong type.
     """
-    import dataclasses
-    import typing
-
-    from jaxserve.config import EngineConfig
-
     hints = typing.get_type_hints(EngineConfig)
     axes: dict[str, list[Any]] = {}
     for item in items or []:
@@ -141,8 +145,6 @@ def parse_grid(items: list[str] | None) -> list[dict[str, Any]]:
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     """``jaxserve sweep``'s flags."""
-    from jaxserve.cli.bench.serve import ENDPOINTS, add_dataset_args
-
     a = p.add_argument
     a("--base-url", default=None,
       help="sweep this running server (no --grid); default: start `jaxserve serve` per "
@@ -194,8 +196,6 @@ def _check(ns: argparse.Namespace) -> None:
 def _bench_ns(ns: argparse.Namespace, base_url: str, concurrency: int, num_prompts: int,
               num_warmups: int) -> argparse.Namespace:
     """A ``bench serve`` namespace: its defaults, this sweep's workload flags, one step's load."""
-    from jaxserve.cli.bench.serve import add_cli_args as add_serve_args
-
     p = argparse.ArgumentParser()
     add_serve_args(p)
     b = p.parse_args([])
@@ -211,8 +211,6 @@ def _bench_ns(ns: argparse.Namespace, base_url: str, concurrency: int, num_promp
 
 
 def _scrape(text: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -223,8 +221,6 @@ def _scrape(text: str) -> dict[str, float]:
 
 async def _poll_metrics(base_url: str, interval_s: float, stop: asyncio.Event
                         ) -> list[dict[str, float]]:
-    import httpx
-
     samples: list[dict[str, float]] = []
     async with httpx.AsyncClient(timeout=10.0) as client:
         while not stop.is_set():
@@ -250,8 +246,6 @@ def occupancy(samples: list[dict[str, float]]) -> dict[str, float | None]:
 
 async def _step(ns: argparse.Namespace, base_url: str, c: int, n: int, warm: int
                 ) -> tuple[dict[str, Any], list[dict[str, float]]]:
-    from jaxserve.cli.bench.serve import run_benchmark
-
     stop = asyncio.Event()
     poller = asyncio.create_task(_poll_metrics(base_url, ns.metrics_interval_s, stop))
     try:
@@ -320,8 +314,6 @@ class ServerProcess:
         self.log_path = log_path
 
     def __enter__(self) -> Self:
-        import httpx
-
         self.log = open(self.log_path, "w", encoding="utf-8")  # closed in __exit__
         print(f"starting: {shlex.join(self.cmd)}", flush=True)
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
@@ -402,8 +394,6 @@ def recommend(configs: list[dict[str, Any]], headroom: float) -> dict[str, dict[
 def write_yaml(path: str, rec: dict[str, Any], serve_args: str) -> None:
     """One recommendation as a ``jaxserve serve --config`` file (engine keys only; comments say
     why and how to serve it)."""
-    import yaml
-
     head = [f"# {rec['why']}",
             f"# serve: jaxserve serve {serve_args} --config {os.path.basename(path)}".replace(
                 "  ", " ")]
@@ -417,10 +407,10 @@ def _label(cfg: dict[str, Any]) -> str:
 
 def plot(configs: list[dict[str, Any]], ns: argparse.Namespace, out_dir: str) -> list[str]:
     """Write throughput.png, latency.png and occupancy.png; returns their paths."""
-    import matplotlib
+    import matplotlib  # seconds that every jaxserve command would pay; only the plots need it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): no display backend
 
     pkey = str(int(ns.percentile)) if int(ns.percentile) == ns.percentile else str(ns.percentile)
     slos = parse_goodput(ns.goodput)

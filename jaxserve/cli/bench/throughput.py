@@ -31,17 +31,22 @@ import os
 import time
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
+from jaxserve.cli.args import add_engine_args, engine_config_from_args
 from jaxserve.cli.bench.datasets import SampleRequest
 from jaxserve.cli.bench.serve import add_dataset_args, build_workload
 from jaxserve.cli.bench.static_batch import StaticBatchEngine, StaticRequest
+from jaxserve.config import LoadConfig
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.sampling_params import SamplingParams
 
 MODES = ("both", "continuous", "static")
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     """``jaxserve bench throughput``'s flags: model, workload, run and engine flags."""
-    from jaxserve.cli.args import add_engine_args
-
     a = p.add_argument
     a("--model", default=None, help="a GGUF file, or a built-in config with --load-format dummy "
                                     "(default: SmolLM2-135M-Instruct)")
@@ -68,11 +73,9 @@ def _requests(samples: list[SampleRequest], temperature: float, seed: int
     return out
 
 
-def run_continuous(engine: Any, requests: list[StaticRequest]) -> tuple[float, list[list[int]]]:
+def run_continuous(engine: LLMEngine, requests: list[StaticRequest]) -> tuple[float, list[list[int]]]:
     """All ``requests`` into ``engine`` at once, stepped until done; returns (elapsed s, the
     generated ids in request order)."""
-    from jaxserve.sampling_params import SamplingParams
-
     t0 = time.perf_counter()
     for i, r in enumerate(requests):
         engine.add_request(f"tput-{i}", r.prompt_token_ids, SamplingParams(
@@ -89,9 +92,6 @@ def run_continuous(engine: Any, requests: list[StaticRequest]) -> tuple[float, l
 
 def matmul_ceiling_gflops(n: int, reps: int = 5) -> float:
     """Measured float32 ``[n, n] @ [n, n]`` rate of the default device, in GFLOP/s."""
-    import jax
-    import jax.numpy as jnp
-
     a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
@@ -129,10 +129,6 @@ def run(ns: argparse.Namespace) -> int:
     Raises:
       ValueError: bad flags, or a static batch that does not fit the KV cache.
     """
-    from jaxserve.cli.args import engine_config_from_args
-    from jaxserve.config import LoadConfig
-    from jaxserve.engine.llm_engine import LLMEngine
-
     if ns.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
     if ns.dataset_name == "trace":
