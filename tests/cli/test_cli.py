@@ -59,7 +59,7 @@ def test_bad_config_files_name_the_problem(tmp_path, text: str, match: str) -> N
 
 
 def test_errors_exit_2_with_one_line(tmp_path, capsys) -> None:
-    assert main(["serve", "--config", str(tmp_path)]) == 2  # a directory
+    assert main(["serve", "--port", "0", "--config", str(tmp_path)]) == 2  # a directory
     err = capsys.readouterr().err
     assert err.startswith("jaxserve: error: cannot read config file") and err.count("\n") == 1
     assert main(["serve", "--port", "99999"]) == 2
