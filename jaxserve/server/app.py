@@ -55,6 +55,7 @@ from jaxserve.engine.metrics import EngineMetrics
 from jaxserve.errors import InvalidRequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.server import decode, encode
 from jaxserve.server import protocol as p
 from jaxserve.server.gate import Gate, GateMiddleware, RequestBudget
 from jaxserve.server.gate import error_response as _error
@@ -204,7 +205,7 @@ class GenerationJob:
     params: SamplingParams
     stream: bool
     include_usage: bool
-    fmt: p.LogprobFormat
+    fmt: encode.LogprobFormat
 
     @property
     def kind(self) -> str:
@@ -275,10 +276,10 @@ class OpenAIServer:
             exceeded (400), unknown model (404).
         """
         if not chat:
-            req = p.decode_completion_request(body, self.limits)
+            req = decode.decode_completion_request(body, self.limits)
             self._check_model(req.model)
-            params = p.to_sampling_params(req)
-            prompt = p.completion_prompt(req)
+            params = decode.to_sampling_params(req)
+            prompt = decode.completion_prompt(req)
             if isinstance(prompt, str):
                 ids = await asyncio.to_thread(self.engine.tokenizer.encode, prompt)
                 text: str | None = prompt
@@ -286,14 +287,14 @@ class OpenAIServer:
                 ids, text = prompt, None
             fmt = self._logprob_format(params, echo=bool(req.echo), echo_text=text, ids=ids)
         else:
-            req = p.decode_chat_request(body, self.limits)
+            req = decode.decode_chat_request(body, self.limits)
             self._check_model(req.model)
             self._check_chat_template()
-            params = p.to_sampling_params(req)
+            params = decode.to_sampling_params(req)
             tok = self.engine.tokenizer
             try:
                 text = await asyncio.to_thread(
-                    tok.apply_chat_template, p.chat_messages(req), req.add_generation_prompt
+                    tok.apply_chat_template, decode.chat_messages(req), req.add_generation_prompt
                 )
             except ValueError as exc:
                 raise p.RequestError(f"invalid messages: {exc}", param="messages") from exc
@@ -304,12 +305,12 @@ class OpenAIServer:
 
     def _logprob_format(self, params: SamplingParams, echo: bool = False,
                         echo_text: str | None = None, ids: list[int] | None = None
-                        ) -> p.LogprobFormat:
+                        ) -> encode.LogprobFormat:
         tok = self.engine.tokenizer
         skip = params.skip_special_tokens
         if echo and echo_text is None:  # a token-id prompt is echoed as its text
             echo_text = tok.decode(ids or [], skip_special_tokens=skip)
-        return p.LogprobFormat(params.logprobs, lambda t: tok.token_bytes(t, skip), echo=echo,
+        return encode.LogprobFormat(params.logprobs, lambda t: tok.token_bytes(t, skip), echo=echo,
                                echo_text=echo_text or "")
 
     async def _first(self, gen: AsyncIterator[RequestOutput], job: GenerationJob
@@ -347,7 +348,7 @@ class OpenAIServer:
             if not finished:
                 await gen.aclose()  # type: ignore[attr-defined]
                 self.engine.abort(request_id)
-        return p.final_response(job.chat, request_id, created, self.model, out, job.fmt)
+        return encode.final_response(job.chat, request_id, created, self.model, out, job.fmt)
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, await self.prepare(False, await self._body(request)))
@@ -380,7 +381,7 @@ class OpenAIServer:
         handed_over = False
         try:
             first = await _unless_disconnected(request, budget.bound(self._first(gen, job)))
-            fmt = p.StreamFormatter(job.chat, rid, int(time.time()), self.model,
+            fmt = encode.StreamFormatter(job.chat, rid, int(time.time()), self.model,
                                     job.include_usage, n=job.params.n, fmt=job.fmt)
             state = _StreamState()
 
@@ -405,7 +406,7 @@ class OpenAIServer:
     async def _events(
         gen: AsyncIterator[RequestOutput],
         first: RequestOutput,
-        fmt: p.StreamFormatter,
+        fmt: encode.StreamFormatter,
         state: _StreamState,
         budget: RequestBudget,
     ) -> AsyncIterator[bytes]:
@@ -451,14 +452,14 @@ class OpenAIServer:
         return _json(p.ModelList(data=[card]))
 
     async def tokenize(self, request: Request) -> Response:
-        req = p.decode_tokenize_request(await self._body(request), self.limits)
+        req = decode.decode_tokenize_request(await self._body(request), self.limits)
         self._check_model(req.model)
         tok = self.engine.tokenizer
         try:
             if req.messages is not None:
                 self._check_chat_template()
                 text = tok.apply_chat_template(
-                    p.chat_messages(req), add_generation_prompt=req.add_generation_prompt
+                    decode.chat_messages(req), add_generation_prompt=req.add_generation_prompt
                 )
                 special = bool(req.add_special_tokens)
             else:
@@ -473,7 +474,7 @@ class OpenAIServer:
                                         max_model_len=self.engine.max_model_len))
 
     async def detokenize(self, request: Request) -> Response:
-        req = p.decode_detokenize_request(await self._body(request))
+        req = decode.decode_detokenize_request(await self._body(request))
         self._check_model(req.model)
         vocab = self.engine.tokenizer.vocab_size
         for i, t in enumerate(req.tokens):

@@ -1,0 +1,268 @@
+"""Request bodies to engine inputs: strict decoding (no type coercion; unknown fields ignored;
+known but unimplemented fields refused), the configured caps checked first, then prompts,
+messages and ``SamplingParams``. Every client mistake is a ``protocol.RequestError``."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from jaxserve.config import RequestLimits
+from jaxserve.errors import InvalidRequest
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    RequestError,
+    TokenizeRequest,
+    _SamplingFields,
+)
+
+_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+_chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+_tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
+_detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
+
+
+
+
+
+_AT_FIELD = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
+
+
+_NULL_DEFAULTS = {"ignore_eos": False, "include_stop_str_in_output": False,
+                  "skip_special_tokens": True, "stream": False, "n": 1, "echo": False,
+                  "add_generation_prompt": True}
+
+
+def _fill_nulls[T](req: T) -> T:
+    for name, default in _NULL_DEFAULTS.items():
+        if getattr(req, name, default) is None:
+            setattr(req, name, default)
+    return req
+
+
+def _decode[T](decoder: msgspec.json.Decoder[T], body: bytes) -> T:
+    try:
+        return _fill_nulls(decoder.decode(body))
+    except RecursionError:
+        raise RequestError("invalid JSON body: nested too deeply") from None
+    except msgspec.DecodeError as exc:
+        if isinstance(exc, msgspec.ValidationError):
+            m = _AT_FIELD.search(str(exc))
+            raise RequestError(f"invalid request: {exc}", param=m.group(1) if m else None)
+        raise RequestError(f"invalid JSON body: {exc}")
+
+
+_DEFAULT_LIMITS = RequestLimits()
+
+
+def _check_limits(req: _SamplingFields | TokenizeRequest, limits: RequestLimits) -> None:
+    """The configured caps, checked before any other check and before anything is tokenised."""
+    n = getattr(req, "n", 1)
+    if n > limits.max_n:
+        raise RequestError(f"n must be at most {limits.max_n} (--max-n), got {n}", param="n")
+    messages = getattr(req, "messages", None) or []
+    if len(messages) > limits.max_num_messages:
+        raise RequestError(
+            f"messages holds {len(messages)} messages; the limit is {limits.max_num_messages} "
+            "(--max-num-messages)",
+            param="messages",
+        )
+
+
+def decode_completion_request(
+    body: bytes, limits: RequestLimits = _DEFAULT_LIMITS
+) -> CompletionRequest:
+    """Decode and check a completions body against ``limits``; raises RequestError."""
+    req = _decode(_completion_decoder, body)
+    _check_limits(req, limits)
+    if req.top_logprobs is not None:
+        raise RequestError("top_logprobs is a chat field; completions take logprobs=<int>",
+                           param="top_logprobs")
+    _check_common(req)
+    return req
+
+
+def decode_chat_request(
+    body: bytes, limits: RequestLimits = _DEFAULT_LIMITS
+) -> ChatCompletionRequest:
+    """Decode and check a chat-completions body against ``limits``; raises RequestError."""
+    req = _decode(_chat_decoder, body)
+    _check_limits(req, limits)
+    unsupported_chat = {
+        "audio": req.audio is not None,
+        "modalities": req.modalities not in (None, ["text"]),
+        "prediction": req.prediction is not None,
+        "web_search_options": req.web_search_options is not None,
+    }
+    for name, used in unsupported_chat.items():
+        if used:
+            raise RequestError(f"{name} is not supported", param=name)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise RequestError("top_logprobs requires logprobs=true", param="top_logprobs")
+    if req.echo:
+        raise RequestError("echo is not supported yet", param="echo")
+    if not req.messages:
+        raise RequestError("messages must hold at least one message", param="messages")
+    _check_common(req)
+    return req
+
+
+def _check_common(req: _SamplingFields) -> None:
+    if req.n < 1:
+        raise RequestError(f"n must be at least 1, got {req.n}", param="n")
+    rf = req.response_format
+    unsupported = {
+        "response_format": rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"),
+        "tools": bool(req.tools),
+        "tool_choice": req.tool_choice not in (None, "none"),
+        "functions": bool(req.functions),
+        "function_call": req.function_call not in (None, "none"),
+        "best_of": req.best_of not in (None, 1),
+        "suffix": bool(req.suffix),
+        "min_tokens": req.min_tokens not in (None, 0),
+        "use_beam_search": bool(req.use_beam_search),
+        "length_penalty": req.length_penalty not in (None, 1.0),
+        # the HTTP form of prompt logprobs is echo=true with logprobs (completions)
+        "prompt_logprobs": req.prompt_logprobs is not None,
+        "guided_json": req.guided_json is not None,
+        "guided_regex": req.guided_regex is not None,
+        "guided_choice": req.guided_choice is not None,
+        "guided_grammar": req.guided_grammar is not None,
+    }
+    for name, used in unsupported.items():
+        if used:
+            raise RequestError(f"{name} is not supported", param=name)
+    if req.stream_options is not None and not req.stream:
+        raise RequestError(
+            "stream_options is only allowed with stream=true", param="stream_options"
+        )
+
+
+def decode_tokenize_request(
+    body: bytes, limits: RequestLimits = _DEFAULT_LIMITS
+) -> TokenizeRequest:
+    """Decode a /tokenize body; exactly one of prompt / messages; raises RequestError."""
+    req = _decode(_tokenize_decoder, body)
+    _check_limits(req, limits)
+    if (req.prompt is None) == (req.messages is None):
+        raise RequestError("exactly one of prompt and messages is required", param="prompt")
+    if req.messages is not None and not req.messages:
+        raise RequestError("messages must hold at least one message", param="messages")
+    return req
+
+
+def decode_detokenize_request(body: bytes) -> DetokenizeRequest:
+    """Decode a /detokenize body; raises RequestError."""
+    return _decode(_detokenize_decoder, body)
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """The single prompt of a completions request: text or token ids; raises RequestError."""
+    p = req.prompt
+    if isinstance(p, str):
+        return p
+    if p and all(isinstance(t, int) for t in p):
+        return p  # type: ignore[return-value]
+    if len(p) == 1 and isinstance(p[0], (str, list)):
+        return p[0]
+    if not p:
+        raise RequestError("prompt must not be empty", param="prompt")
+    raise RequestError(
+        "prompt must be a string, a list of token ids, or a list holding exactly one of those "
+        "(batched prompts are not supported yet)",
+        param="prompt",
+    )
+
+
+def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, str]]:
+    """The messages as plain dicts for the chat template; text content parts are joined."""
+    out: list[dict[str, str]] = []
+    for i, m in enumerate(req.messages or []):
+        if isinstance(m.content, list):
+            texts = []
+            for part in m.content:
+                if part.type != "text":
+                    raise RequestError(
+                        f"messages[{i}]: only text content parts are supported, got {part.type!r}",
+                        param="messages",
+                    )
+                if part.text is None:
+                    raise RequestError(
+                        f"messages[{i}]: a text content part needs a 'text' string",
+                        param="messages",
+                    )
+                texts.append(part.text)
+            content = "\n".join(texts)
+        elif m.content is None and m.role != "assistant":
+            raise RequestError(f"messages[{i}].content is required for role {m.role!r}",
+                               param="messages")
+        else:
+            content = m.content or ""
+        msg = {"role": m.role, "content": content}
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def to_sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    """The request's SamplingParams; an invalid value raises RequestError naming the field."""
+    max_tokens = req.max_tokens
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        max_tokens = req.max_completion_tokens
+    stop = req.stop if req.stop is not None else []
+    bias = None
+    if req.logit_bias:
+        # plain ASCII decimal keys only: int() would also take " 5", "+5", "5_0" and
+        # non-ASCII digits, reading another token id than the client meant
+        bad = [k for k in req.logit_bias if not (k.isascii() and k.isdigit())]
+        if bad:
+            raise RequestError(f"logit_bias keys must be token ids written as decimal digits, "
+                               f"got {bad[0]!r}", param="logit_bias")
+        bias = {int(k): v for k, v in req.logit_bias.items()}
+    if isinstance(req, ChatCompletionRequest):
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        prompt_logprobs = None
+    else:
+        logprobs = req.logprobs
+        prompt_logprobs = req.logprobs if req.echo else None
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            seed=req.seed,
+            stop=[stop] if isinstance(stop, str) else list(stop),
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+            n=req.n,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            logit_bias=bias,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+    except InvalidRequest as exc:
+        # the engine's field name -> the request's (the message starts with the field name)
+        param, msg = exc.param, str(exc)
+        chat = isinstance(req, ChatCompletionRequest)
+        if param in ("logprobs", "prompt_logprobs") and chat:
+            rename = "top_logprobs"
+        elif param == "prompt_logprobs":
+            rename = "logprobs"
+        elif param == "max_tokens" and chat and req.max_completion_tokens is not None:
+            rename = "max_completion_tokens"
+        else:
+            rename = param
+        if param is not None and rename != param:
+            msg = msg.replace(param, rename, 1)
+        raise RequestError(msg, param=rename) from exc

@@ -1,0 +1,237 @@
+"""Engine outputs to response bodies: usage, logprobs in the completions and chat shapes, the
+final (non-streamed) response, and the SSE chunks of a stream."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import msgspec
+from msgspec import UNSET
+
+from jaxserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from jaxserve.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessageOut,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
+    TopLogprob,
+    UsageInfo,
+    usage,
+)
+
+# ---- building responses from engine outputs ---------------------------------------------------
+
+
+def usage_of(out: RequestOutput) -> UsageInfo:
+    """Usage of a request: prompt tokens once, generated tokens summed over choices."""
+    return usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+
+
+LOGPROB_FLOOR = -9999.0
+
+
+def _lp(x: float) -> float:
+    return min(x, 0.0) if math.isfinite(x) else LOGPROB_FLOOR
+
+
+class LogprobFormat:
+    """How one request's logprobs are rendered.
+
+    Args:
+      num_top: alternatives per token (the request's ``logprobs`` / ``top_logprobs``), or None
+        when the request did not ask for logprobs.
+      token_bytes: a token id's exact bytes in the output (``Tokenizer.token_bytes`` with the
+        request's ``skip_special_tokens``).
+      echo: completions ``echo``: the prompt (``echo_text``) leads each choice's text, and with
+        logprobs its tokens lead the logprobs (the first with logprob None).
+    Token strings are the bytes decoded as UTF-8, with U+FFFD standing for the part of a
+    multi-byte character; chat entries carry the exact ``bytes``.
+    """
+
+    def __init__(self, num_top: int | None, token_bytes: Callable[[int], bytes],
+                 echo: bool = False, echo_text: str = "") -> None:
+        self.num_top = num_top
+        self.token_bytes = token_bytes
+        self.echo = echo
+        self.echo_text = echo_text
+
+    def _text(self, t: int) -> str:
+        return self.token_bytes(t).decode("utf-8", "replace")
+
+    def _top(self, entry: TokenLogprobs) -> list[tuple[int, float]]:
+        return [(t, lp.logprob) for t, lp in list(entry.items())[: self.num_top]]
+
+    def chat(self, ids: list[int], entries: list[TokenLogprobs]) -> ChatLogprobs | None:
+        """Chat logprobs of ``ids`` (each with its entry), or None without logprobs."""
+        if self.num_top is None:
+            return None
+        content = []
+        for t, e in zip(ids, entries):
+            top = [TopLogprob(token=self._text(a), logprob=_lp(v), bytes=list(self.token_bytes(a)))
+                   for a, v in self._top(e)]
+            content.append(ChatTokenLogprob(token=self._text(t), logprob=_lp(e[t].logprob),
+                                            bytes=list(self.token_bytes(t)), top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+    def completion(self, ids: list[int], entries: list[TokenLogprobs | None], offset: int = 0
+                   ) -> CompletionLogprobs | None:
+        """Completions logprobs of ``ids``; ``offset`` is the text offset of the first."""
+        if self.num_top is None:
+            return None
+        out = CompletionLogprobs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
+        for t, e in zip(ids, entries):
+            text = self._text(t)
+            out.tokens.append(text)
+            out.text_offset.append(offset)
+            offset += len(text)
+            if e is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+            else:
+                out.token_logprobs.append(_lp(e[t].logprob))
+                top: dict[str, float] = {}
+                for a, v in self._top(e):
+                    top.setdefault(self._text(a), _lp(v))
+                out.top_logprobs.append(top)
+        return out
+
+    def prompt(self, out: RequestOutput) -> tuple[str, CompletionLogprobs | None]:
+        """The echoed prompt text and its logprobs (``("", None)`` without echo)."""
+        if not self.echo:
+            return "", None
+        plp = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        return self.echo_text, self.completion(out.prompt_token_ids, plp)
+
+
+def _join(a: CompletionLogprobs | None, b: CompletionLogprobs | None) -> CompletionLogprobs | None:
+    if a is None or b is None:
+        return a or b
+    shift = (a.text_offset[-1] + len(a.tokens[-1])) if a.tokens else 0
+    return CompletionLogprobs(text_offset=a.text_offset + [o + shift for o in b.text_offset],
+                              token_logprobs=a.token_logprobs + b.token_logprobs,
+                              tokens=a.tokens + b.tokens,
+                              top_logprobs=a.top_logprobs + b.top_logprobs)
+
+
+def final_response(
+    chat: bool, response_id: str, created: int, model: str, out: RequestOutput,
+    fmt: LogprobFormat | None = None,
+) -> CompletionResponse | ChatCompletionResponse:
+    """The non-streamed response body for a finished request (one choice per output)."""
+    fmt = fmt or LogprobFormat(None, lambda t: b"")
+    if chat:
+        choices = [ChatChoice(index=c.index, message=ChatMessageOut(content=c.text),
+                              logprobs=fmt.chat(c.token_ids, c.logprobs or []),
+                              finish_reason=c.finish_reason) for c in out.outputs]
+        return ChatCompletionResponse(id=response_id, created=created, model=model,
+                                      usage=usage_of(out), choices=choices)
+    prompt_text, prompt_lp = fmt.prompt(out)
+    choices = [CompletionChoice(
+        index=c.index, text=prompt_text + c.text, finish_reason=c.finish_reason,
+        logprobs=_join(prompt_lp, fmt.completion(c.token_ids, c.logprobs or [])))
+        for c in out.outputs]
+    return CompletionResponse(id=response_id, created=created, model=model,
+                              usage=usage_of(out), choices=choices)
+
+
+def sse_event(obj: msgspec.Struct) -> bytes:
+    """One server-sent event: ``data: <json>\\n\\n``."""
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+class StreamFormatter:
+    """Turns one request's outputs into SSE chunks, for completions or chat.
+
+    Each chunk carries one choice, with its ``index``. Completions: one chunk per non-empty text
+    delta of a choice (under echo, the prompt and its logprobs first); the last content chunk of
+    a choice carries its finish_reason. Chat: a role chunk per choice first, a chunk per content
+    delta, then a chunk with an empty delta and the finish_reason. Logprobs ride with the chunk
+    of the tokens they belong to (a stop token's entry with the last chunk of its choice). With
+    include_usage every chunk has ``usage: null`` and ``end`` adds one chunk with
+    ``choices: []`` and the usage; without it no chunk has a ``usage`` key.
+    """
+
+    def __init__(
+        self, chat: bool, response_id: str, created: int, model: str, include_usage: bool,
+        n: int = 1, fmt: LogprobFormat | None = None,
+    ) -> None:
+        self.chat = chat
+        self.id = response_id
+        self.created = created
+        self.model = model
+        self.include_usage = include_usage
+        self.n = n
+        self.fmt = fmt or LogprobFormat(None, lambda t: b"")
+        self._done: set[int] = set()
+        self._echoed = False
+        self._offset: dict[int, int] = {}  # text offset of each choice's next token
+
+    def _chunk(self, choices: list, usage: UsageInfo | None = None) -> bytes:
+        cls = ChatCompletionChunk if self.chat else CompletionChunk
+        u = usage if self.include_usage else UNSET
+        chunk = cls(id=self.id, created=self.created, model=self.model, choices=choices, usage=u)
+        return sse_event(chunk)
+
+    def start(self) -> list[bytes]:
+        """Events sent before the first output."""
+        if not self.chat:
+            return []
+        delta = DeltaMessage(role="assistant", content="")
+        return [self._chunk([ChatChunkChoice(index=i, delta=delta)]) for i in range(self.n)]
+
+    def on_output(self, out: RequestOutput) -> list[bytes]:
+        """Events for one engine output."""
+        events = []
+        if not self.chat and self.fmt.echo and not self._echoed:
+            self._echoed = True
+            text, lp = self.fmt.prompt(out)
+            events += [self._chunk([CompletionChoice(index=i, text=text, logprobs=lp)])
+                       for i in range(self.n)]
+            self._offset = dict.fromkeys(range(self.n), len(text))
+        for c in out.outputs:
+            if c.index not in self._done:
+                events += self._choice_events(c)
+        return events
+
+    def _choice_events(self, c: CompletionOutput) -> list[bytes]:
+        new = c.delta_token_ids
+        first = len(c.token_ids) - len(new)
+        entries = (c.logprobs or [])[first:first + len(new)]
+        finished = c.finish_reason is not None
+        if finished:
+            self._done.add(c.index)
+        events = []
+        if self.chat:
+            lp = self.fmt.chat(new, entries) if new else None
+            if c.delta_text or lp is not None:
+                delta = DeltaMessage(content=c.delta_text)
+                events.append(self._chunk([ChatChunkChoice(index=c.index, delta=delta,
+                                                           logprobs=lp)]))
+            if finished:
+                choice = ChatChunkChoice(index=c.index, delta=DeltaMessage(),
+                                         finish_reason=c.finish_reason)
+                events.append(self._chunk([choice]))
+        elif c.delta_text or new or finished:
+            lp = self.fmt.completion(new, entries, self._offset.get(c.index, 0)) if new else None
+            if lp is not None and lp.tokens:
+                self._offset[c.index] = lp.text_offset[-1] + len(lp.tokens[-1])
+            if lp is None and self.fmt.num_top is not None:
+                lp = CompletionLogprobs(text_offset=[], token_logprobs=[], tokens=[],
+                                        top_logprobs=[])
+            choice = CompletionChoice(index=c.index, text=c.delta_text, logprobs=lp,
+                                      finish_reason=c.finish_reason)
+            events.append(self._chunk([choice]))
+        return events
+
+    def end(self, out: RequestOutput) -> list[bytes]:
+        """Events after the finish chunks (the usage chunk), before ``[DONE]``."""
+        return [self._chunk([], usage_of(out))] if self.include_usage else []
