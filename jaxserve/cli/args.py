@@ -14,6 +14,16 @@ import yaml
 from jaxserve.config import API_KEY_ENV, EngineConfig, RequestLimits, ServerConfig
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to a flag's help unless X is None (the help then says what
+    happens when the flag is not given)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _field_type(cls: type, f: dataclasses.Field) -> type:
     """The field's type, ``X`` for ``X | None``."""
     t = typing.get_type_hints(cls)[f.name]
@@ -30,7 +40,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     field's default)."""
     g = p.add_argument_group("engine")
     for f in dataclasses.fields(EngineConfig):
-        text = f"{f.metadata['help']} (default: {f.default})"
+        text = f.metadata["help"] + ("" if f.default is None else f" (default: {f.default})")
         if _field_type(EngineConfig, f) is bool:  # --flag / --no-flag
             g.add_argument(_flag(f), dest=f.name, action=argparse.BooleanOptionalAction,
                            default=argparse.SUPPRESS, help=text)

