@@ -189,7 +189,7 @@ def test_orbax_checkpoint_loaded_per_shard_serves_the_tp2_weights(tmp_path, toke
     path = str(tmp_path / "tiny")
     checkpoint.save_checkpoint(path, TINY, dummy_params(LlamaForCausalLM(TINY), 0))
     tokenizer.save_pretrained(path)
-    with caplog.at_level("INFO", logger="jaxserve.engine.llm_engine"):
+    with caplog.at_level("INFO", logger="jaxserve.loading"):
         eng = LLMEngine(EngineConfig(tensor_parallel_size=2, max_model_len=128,
                                      num_kv_blocks=24, max_num_seqs=4,
                                      max_num_batched_tokens=16, compilation_cache_dir=""),

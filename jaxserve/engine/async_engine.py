@@ -22,7 +22,7 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
-log = logging.getLogger("jaxserve.engine.llm_engine")
+log = logging.getLogger(__name__)
 
 
 @dataclass

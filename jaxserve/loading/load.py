@@ -35,7 +35,7 @@ from models.loader import dummy_params, gguf_name, load_gguf_params
 from models.quant import QuantConfig, apply_quantization
 from models.registry import get_architecture
 
-log = logging.getLogger("jaxserve.engine.llm_engine")  # the load report is start-up output
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
