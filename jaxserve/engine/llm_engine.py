@@ -104,10 +104,6 @@ class LLMEngine:
                                                  self.tokenizer, self.mesh, kv_sharding)
         self.num_blocks = self.kv_layout.num_blocks
         max_blocks = -(-self.max_model_len // config.block_size)
-        # the most tokens one request (prompt + output) can hold: the context window, or the
-        # whole KV cache when that is smaller
-        self.max_request_tokens = min(self.max_model_len,
-                                      (self.num_blocks - 1) * config.block_size)
         scales = {} if self.kv_layout.scales is None else {
             "k_scale": self.kv_layout.scales[0], "v_scale": self.kv_layout.scales[1],
             "scale_sharding": scale_sharding}
@@ -136,8 +132,7 @@ class LLMEngine:
                              "processes (--num-processes > 1): the host-tier copies would run "
                              "on process 0 alone")
         self.bounds = RequestBounds(self.tokenizer.vocab_size, self.max_model_len,
-                                    self.num_blocks, config.block_size, self.max_request_tokens,
-                                    self.runner.multiprocess)
+                                    self.num_blocks, config.block_size, self.runner.multiprocess)
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(
             config, self.num_blocks, self.max_model_len,
             self.host_kv.num_blocks if self.host_kv is not None else 0))

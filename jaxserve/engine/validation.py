@@ -20,8 +20,13 @@ class RequestBounds:
     max_model_len: int
     num_blocks: int  # of the KV cache, including padding block 0
     block_size: int
-    max_request_tokens: int  # prompt + output: min(max_model_len, (num_blocks - 1) * block_size)
     multiprocess: bool  # one model spans several processes
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt + output) one request can hold: the context window, or the
+        whole KV cache when that is smaller."""
+        return min(self.max_model_len, (self.num_blocks - 1) * self.block_size)
 
 
 def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams,

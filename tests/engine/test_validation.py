@@ -12,7 +12,7 @@ from jaxserve.sampling_params import SamplingParams as SP
 
 # a 4-block cache of 8 tokens (32) and a 40-token window: requests are capped at 32 tokens
 BOUNDS = RequestBounds(vocab_size=100, max_model_len=40, num_blocks=5, block_size=8,
-                       max_request_tokens=32, multiprocess=False)
+                       multiprocess=False)
 
 
 @pytest.mark.parametrize(("ids", "params", "bounds", "param", "match"), [
@@ -23,7 +23,7 @@ BOUNDS = RequestBounds(vocab_size=100, max_model_len=40, num_blocks=5, block_siz
     ([1] * 32, SP(), BOUNDS, "prompt", r"KV cache holds 32 tokens \(4 blocks of 8\)"),
     ([1], SP(stop_token_ids=[100]), BOUNDS, "stop_token_ids", "stop_token_ids holds 100"),
     ([1], SP(logit_bias={100: 1.0}), BOUNDS, "logit_bias", "logit_bias holds token id 100"),
-    ([1], SP(logit_bias={5: 1.0}), RequestBounds(100, 40, 5, 8, 32, multiprocess=True),
+    ([1], SP(logit_bias={5: 1.0}), RequestBounds(100, 40, 5, 8, multiprocess=True),
      "logit_bias", "spans several processes"),
     ([1] * 10, SP(max_tokens=25), BOUNDS, "max_tokens",
      r"prompt \(10 tokens\) \+ max_tokens \(25\) = 35 tokens can never fit .* at most 22"),
@@ -37,7 +37,7 @@ def test_refusals_name_the_field(ids, params, bounds, param: str, match: str) ->
 def test_effective_max_tokens() -> None:
     assert validate_request([1] * 10, SP(max_tokens=None), BOUNDS) == 22  # what the cache leaves
     assert validate_request([1] * 10, SP(max_tokens=5), BOUNDS) == 5
-    roomy = RequestBounds(100, 40, 101, 8, 40, multiprocess=False)
+    roomy = RequestBounds(100, 40, 101, 8, multiprocess=False)
     assert validate_request([1] * 10, SP(max_tokens=1000), roomy) == 30  # the window's rest
 
 
