@@ -105,6 +105,7 @@ def limits_from_args(ns: argparse.Namespace) -> RequestLimits:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
+    """``--load-format``, ``--served-model-name`` and ``--config`` (MODEL is per command)."""
     p.add_argument("--load-format", default="auto", choices=["auto", "gguf", "dummy"],
                    help="dummy: random weights of a built-in config")
     p.add_argument("--served-model-name", default=None,

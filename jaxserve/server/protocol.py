@@ -46,6 +46,8 @@ class RequestError(Exception):
 
 
 class ErrorInfo(msgspec.Struct, kw_only=True):
+    """The ``error`` object of an OpenAI error body (``code``: the HTTP status)."""
+
     message: str
     type: str
     param: str | None = None
@@ -53,6 +55,8 @@ class ErrorInfo(msgspec.Struct, kw_only=True):
 
 
 class ErrorResponse(msgspec.Struct, kw_only=True):
+    """An OpenAI-style error body: ``{"error": {...}}``."""
+
     error: ErrorInfo
 
 
@@ -67,6 +71,8 @@ def error_body(message: str, type: str, status: int, param: str | None = None) -
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
+    """``stream_options``: ``include_usage`` adds a final chunk with the usage."""
+
     include_usage: bool = False
 
 
@@ -123,6 +129,8 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
+    """One part of a message's content list; a part other than ``type: "text"`` is a 400."""
+
     type: str
     text: str | None = None
 
@@ -131,6 +139,8 @@ ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
+    """One chat message: a role and its content (a string or a list of text parts)."""
+
     role: ChatRole
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -167,6 +177,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 
 
 class TokenizeResponse(msgspec.Struct, kw_only=True):
+    """The token ids of ``/tokenize``, their count and the context window."""
+
     tokens: list[int]
     count: int
     max_model_len: int
@@ -180,6 +192,8 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 
 class DetokenizeResponse(msgspec.Struct, kw_only=True):
+    """The text of ``/detokenize``."""
+
     prompt: str
 
 
@@ -192,6 +206,8 @@ def random_id() -> str:
 
 
 class UsageInfo(msgspec.Struct, kw_only=True):
+    """Token counts of a response: prompt, completion and their sum."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
@@ -218,6 +234,8 @@ class CompletionLogprobs(msgspec.Struct, kw_only=True):
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
+    """One choice of a completions response."""
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -225,6 +243,8 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
+    """A non-streamed ``/v1/completions`` response."""
+
     id: str
     object: str = "text_completion"
     created: int
@@ -234,6 +254,8 @@ class CompletionResponse(msgspec.Struct, kw_only=True):
 
 
 class CompletionChunk(msgspec.Struct, kw_only=True):
+    """One SSE chunk of a streamed ``/v1/completions`` response."""
+
     id: str
     object: str = "text_completion"
     created: int
@@ -243,12 +265,16 @@ class CompletionChunk(msgspec.Struct, kw_only=True):
 
 
 class TopLogprob(msgspec.Struct, kw_only=True):
+    """One of the most likely tokens at a position, with its log-probability."""
+
     token: str
     logprob: float
     bytes: list[int]
 
 
 class ChatTokenLogprob(msgspec.Struct, kw_only=True):
+    """A sampled token's log-probability and the top alternatives, in chat form."""
+
     token: str
     logprob: float
     bytes: list[int]
@@ -256,15 +282,21 @@ class ChatTokenLogprob(msgspec.Struct, kw_only=True):
 
 
 class ChatLogprobs(msgspec.Struct, kw_only=True):
+    """The ``logprobs`` of a chat choice: one entry per generated token."""
+
     content: list[ChatTokenLogprob]
 
 
 class ChatMessageOut(msgspec.Struct, kw_only=True):
+    """The assistant message of a chat choice."""
+
     role: str = "assistant"
     content: str
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
+    """One choice of a chat completions response."""
+
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
@@ -272,6 +304,8 @@ class ChatChoice(msgspec.Struct, kw_only=True):
 
 
 class ChatCompletionResponse(msgspec.Struct, kw_only=True):
+    """A non-streamed ``/v1/chat/completions`` response."""
+
     id: str
     object: str = "chat.completion"
     created: int
@@ -281,11 +315,15 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
 
 
 class DeltaMessage(msgspec.Struct, kw_only=True):
+    """The new part of the assistant message in a chat stream chunk."""
+
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):
+    """One choice of a chat stream chunk."""
+
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
@@ -293,6 +331,8 @@ class ChatChunkChoice(msgspec.Struct, kw_only=True):
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    """One SSE chunk of a streamed ``/v1/chat/completions`` response."""
+
     id: str
     object: str = "chat.completion.chunk"
     created: int
@@ -302,6 +342,8 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
 
 
 class ModelCard(msgspec.Struct, kw_only=True):
+    """One served model in ``/v1/models``."""
+
     id: str
     object: str = "model"
     created: int
@@ -310,6 +352,8 @@ class ModelCard(msgspec.Struct, kw_only=True):
 
 
 class ModelList(msgspec.Struct, kw_only=True):
+    """The ``/v1/models`` list."""
+
     object: str = "list"
     data: list[ModelCard]
 """What a logprob of -inf (or NaN) is reported as, so that bodies stay strict JSON."""
