@@ -168,3 +168,95 @@ def test_logprobs_are_the_raw_log_softmax() -> None:
                                atol=1e-5)
     ranks = (ref > ref[np.arange(5), chosen][:, None]).sum(-1) + 1
     np.testing.assert_array_equal(np.asarray(lp.chosen_rank), ranks)
+
+
+def _ref_cut(x: np.ndarray, top_k: int, top_p: float, min_p: float) -> tuple[float, bool]:
+    """The cut of one row by a full descending sort in float64 (vLLM's order), and whether it
+    is unambiguous (the top-p boundary not within float32 rounding of ``top_p``)."""
+    x = x.astype(np.float64)
+    srt = -np.sort(-x)
+    cut, clear = -np.inf, True
+    if 0 < top_k < len(x):
+        cut = srt[top_k - 1]
+    if top_p < 1.0:
+        kept = srt[srt >= cut]
+        p = np.exp(kept - kept[0])
+        cum = np.cumsum(p / p.sum())
+        idx = int(np.sum(cum < top_p))
+        cut = max(cut, kept[min(idx, len(kept) - 1)])
+        near = cum[max(idx - 1, 0):idx + 1]
+        clear = bool(np.all(np.abs(near - top_p) > 1e-4))
+    if min_p > 0:
+        cut = max(cut, srt[0] + np.log(min_p))
+    return cut, clear
+
+
+def test_filter_threshold_equals_the_sorted_definition() -> None:
+    from jaxserve.device.sampler import filter_threshold
+
+    rng = np.random.default_rng(7)
+    ks = [0, -1, 1, 5, 40, 63, 64, 65, 100]
+    ps = [1.0, 0.999, 0.95, 0.5, 0.1, 1e-9]
+    mps = [0.0, 0.0, 0.01, 0.3, 1.0]
+    fn = jax.jit(filter_threshold)
+    checked = 0
+    for vocab in (50, 300, 1000):
+        n = 96
+        x = rng.standard_normal((n, vocab)) * rng.choice([0.5, 2.0, 6.0], (n, 1))
+        x[: n // 3] = np.round(x[: n // 3], 1)  # many ties
+        x = x.astype(np.float32)
+        top_k = rng.choice(ks + [vocab - 1, vocab, vocab + 3], n).astype(np.int32)
+        top_p = rng.choice(ps, n).astype(np.float32)
+        min_p = rng.choice(mps, n).astype(np.float32)
+        cut = np.asarray(fn(jnp.asarray(x), top_k, top_p, min_p))
+        for i in range(n):
+            ref, clear = _ref_cut(x[i], int(top_k[i]), float(top_p[i]), float(min_p[i]))
+            if not clear:
+                continue
+            checked += 1
+            got_set = np.flatnonzero(x[i] >= cut[i])
+            ref_set = np.flatnonzero(x[i].astype(np.float64) >= ref)
+            np.testing.assert_array_equal(got_set, ref_set, err_msg=f"V={vocab} row {i}: "
+                                          f"k={top_k[i]} p={top_p[i]} min_p={min_p[i]}")
+    assert checked > 250  # nearly every row is unambiguous
+
+
+def test_draw_follows_the_filtered_distribution() -> None:
+    """Over a vocabulary of several draw blocks: no token outside the kept set, and the
+    frequencies match the renormalised probabilities."""
+    vocab, n = 700, 20000
+    rng = np.random.default_rng(3)
+    row = (rng.standard_normal(vocab) * 1.5).astype(np.float32)
+    logits = np.tile(row, (n, 1))
+    seeds = np.stack([np.arange(n) // 5, np.arange(n)], 1).astype(np.uint32)
+    rows = RowInputs(**_rows(n, seeds=seeds, top_p=np.full(n, 0.8, np.float32),
+                             temperature=np.full(n, 0.9, np.float32)))
+    got = np.asarray(sample_jit(jnp.asarray(logits), rows, None, None))
+    x = row / np.float32(0.9)  # scaled as the sampler scales, in float32
+    cut, _ = _ref_cut(x, 0, 0.8, 0.0)
+    keep = x >= cut
+    x = x.astype(np.float64)
+    assert keep.sum() > 50  # the nucleus spans several blocks' worth of ids
+    assert keep[got].all()
+    p = np.where(keep, np.exp(x - x.max()), 0.0)
+    p /= p.sum()
+    freq = np.bincount(got, minlength=vocab) / n
+    assert 0.5 * np.abs(freq - p).sum() < 0.05  # total variation; ~0.03 expected from noise
+
+
+def test_greedy_takes_the_first_of_tied_maxima() -> None:
+    logits = np.zeros((3, V), np.float32)
+    logits[0, [7, 3, 40]] = 2.0
+    logits[1, :] = 1.0
+    logits[2, V - 1] = 5.0
+    got = _draw(logits, temperature=np.zeros(3, np.float32))
+    np.testing.assert_array_equal(got, [3, 0, V - 1])
+
+
+def test_a_tiny_temperature_draws_the_argmax() -> None:
+    """logits / 1e-9 would reach 1e10 (one ulp = 1024): the draw must still take the best."""
+    rng = np.random.default_rng(5)
+    logits = (rng.standard_normal((16, 700)) * 3 + 15).astype(np.float32)
+    rows = RowInputs(**_rows(16, temperature=np.full(16, 1e-9, np.float32)))
+    got = np.asarray(sample_jit(jnp.asarray(logits), rows, None, None))
+    np.testing.assert_array_equal(got, logits.argmax(-1))
