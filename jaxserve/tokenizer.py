@@ -81,6 +81,7 @@ class Tokenizer:
     Args:
       backend: the ``tokenizers.Tokenizer`` that maps text to ids and back.
       bos_token_id / eos_token_id: the model's BOS and EOS ids (None if it has none).
+      pad_token_id: the padding id the model files name (None if none; nothing here pads).
       add_bos_token / add_eos_token: whether ``encode(..., add_special_tokens=True)`` adds them.
       chat_template: jinja2 source; None falls back to ``CHATML_TEMPLATE``.
       vocab_size: rows of the model's embedding; default: the backend's size with added tokens.
@@ -100,10 +101,12 @@ class Tokenizer:
         vocab_size: int | None = None,
         extra_eos_token_ids: Iterable[int] = (),
         name: str = "",
+        pad_token_id: int | None = None,
     ) -> None:
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
         self.add_bos_token = add_bos_token
         self.add_eos_token = add_eos_token
         self.has_chat_template = chat_template is not None
@@ -174,6 +177,7 @@ class Tokenizer:
             vocab_size=len(tokens),
             extra_eos_token_ids=[i for i in extra if i is not None],
             name=str(get("general.name", "") or ""),
+            pad_token_id=get("tokenizer.ggml.padding_token_id"),
         )
 
     @classmethod
@@ -228,19 +232,19 @@ class Tokenizer:
         backend = tokenizers.Tokenizer.from_file(tokenizer_json)
         config = read_json("tokenizer_config.json")
 
-        def token_id(key: str) -> int | None:
+        def token_id(key: str, strict: bool = True) -> int | None:
             token = config.get(key)
             if isinstance(token, dict):
                 token = token.get("content")
-            if token is None:
+            if not isinstance(token, str):
                 return None
             i = backend.token_to_id(token)
-            if i is None:
+            if i is None and strict:
                 raise ValueError(f"{path}/tokenizer_config.json: {key}={token!r} is not in the "
                                  f"vocabulary")
             return i
 
-        bos, eos = token_id("bos_token"), token_id("eos_token")
+        bos, eos, pad = token_id("bos_token"), token_id("eos_token"), token_id("pad_token", strict=False)
         template = config.get("chat_template")
         if isinstance(template, list):
             template = next((t["template"] for t in template if t.get("name") == "default"),
@@ -260,7 +264,7 @@ class Tokenizer:
         return cls(backend, bos_token_id=bos, eos_token_id=eos, add_bos_token=bool(add_bos),
                    add_eos_token=bool(config.get("add_eos_token", False)),
                    chat_template=template, extra_eos_token_ids=[int(i) for i in extra],
-                   name=os.path.basename(os.path.normpath(path)))
+                   name=os.path.basename(os.path.normpath(path)), pad_token_id=pad)
 
     def save_pretrained(self, path: str) -> None:
         """Write the files ``from_pretrained_dir(path)`` rebuilds an equal tokenizer from."""
@@ -269,6 +273,7 @@ class Tokenizer:
         config: dict = {
             "bos_token": None if self.bos_token_id is None else self.id_to_token(self.bos_token_id),
             "eos_token": None if self.eos_token_id is None else self.id_to_token(self.eos_token_id),
+            "pad_token": None if self.pad_token_id is None else self.id_to_token(self.pad_token_id),
             "add_bos_token": self.add_bos_token, "add_eos_token": self.add_eos_token}
         if self.has_chat_template:
             config["chat_template"] = self.chat_template
@@ -362,26 +367,74 @@ class Tokenizer:
 
     # ---- chat ---------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            continue_final_message: bool = False,
+                            chat_template: str | None = None,
+                            template_kwargs: dict | None = None) -> str:
         """Render ``messages`` (``normalize_messages`` first) with the chat template.
+
+        Args:
+          add_generation_prompt: end with the header that starts an assistant turn.
+          continue_final_message: end inside the last message, right after its content, so
+            the model continues it (transformers' and vLLM's option; needs
+            ``add_generation_prompt=False``).
+          chat_template: jinja2 source to render with instead of the model's.
+          template_kwargs: further template variables (vLLM's ``chat_template_kwargs``, e.g.
+            ``{"enable_thinking": False}``); they may override ``bos_token``, ``eos_token``,
+            ``tools`` and ``documents``.
 
         Raises:
           ValueError: a malformed message (naming the field, e.g. ``messages[2].content``), the
-            template called ``raise_exception``, or the template failed (syntax, sandbox).
+            template called ``raise_exception``, or the template failed (syntax, sandbox);
+            ``continue_final_message`` with ``add_generation_prompt`` or with a final message
+            the template does not render; ``template_kwargs`` setting ``messages`` or
+            ``add_generation_prompt``.
         """
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt are not "
+                             "compatible: continue_final_message continues the last message, "
+                             "add_generation_prompt starts a new assistant message")
+        extra = dict(template_kwargs or {})
+        if clash := sorted({"messages", "add_generation_prompt"} & set(extra)):
+            raise ValueError(f"chat_template_kwargs must not set {', '.join(clash)} (pass them "
+                             f"as arguments)")
         messages = normalize_messages(messages)
         bos, eos = (None if i is None else self.id_to_token(i)
                     for i in (self.bos_token_id, self.eos_token_id))  # fmt: skip
+        variables = {"tools": None, "documents": None, "bos_token": bos, "eos_token": eos,
+                     **extra, "messages": messages, "add_generation_prompt": add_generation_prompt}
         try:
-            return self._template.render(messages=messages, tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt,
-                                         bos_token=bos, eos_token=eos)  # fmt: skip
+            template = (self._template if chat_template is None
+                        else _chat_environment().from_string(chat_template))
+            text = template.render(**variables)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template error: {e}") from e
+        if continue_final_message:
+            text = _cut_after_final_message(text, messages[-1]["content"])
+        return text
 
     @cached_property
     def _template(self) -> jinja2.Template:
         return _chat_environment().from_string(self.chat_template)
+
+
+def _cut_after_final_message(text: str, final: str) -> str:
+    """``text`` up to the end of the last occurrence of ``final`` (the last message's content),
+    as transformers' ``continue_final_message``: a template that strips the content's trailing
+    whitespace is cut after the stripped content.
+
+    Raises:
+      ValueError: ``final`` is blank, or the template does not render it (stripped).
+    """
+    stripped = final.strip()
+    if not stripped:
+        raise ValueError("continue_final_message: the final message's content is empty")
+    at = text.rfind(stripped)
+    if at < 0:
+        raise ValueError("continue_final_message: the final message does not appear in the "
+                         "rendered chat (the template drops or rewrites it)")
+    end = at + len(final.lstrip())
+    return text[:end] if text[at:end] == final.lstrip() else text[:at + len(stripped)]
 
 
 def _byte_level_backend(tokens: list[str], merges: list[tuple[str, ...]],

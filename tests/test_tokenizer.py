@@ -200,6 +200,55 @@ def test_chatml_fallback(tokenizer: Tokenizer) -> None:
     assert out == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
+CONVERSATION = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "The capital of France is "}]
+
+
+def test_continue_final_message_ends_inside_the_last_message(tokenizer: Tokenizer) -> None:
+    """As transformers: no end-of-turn after the last message and no generation prompt; the
+    cut falls after the content, its trailing space kept where the template keeps it."""
+    out = tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=False,
+                                        continue_final_message=True)
+    closed = tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=False)
+    assert out.endswith("<|im_start|>assistant\nThe capital of France is ")
+    assert closed.startswith(out) and closed[len(out):] == "<|im_end|>\n"
+    with pytest.raises(ValueError, match="not compatible"):
+        tokenizer.apply_chat_template(CONVERSATION, continue_final_message=True)
+    stripping = _with_template(tokenizer, "{% for m in messages %}[{{ m.content | trim }}]"
+                                          "{% endfor %}")
+    assert stripping.apply_chat_template(CONVERSATION, add_generation_prompt=False,
+                                         continue_final_message=True) == (
+        "[What is the capital of France?][The capital of France is")
+    dropping = _with_template(tokenizer, "{% for m in messages %}{{ m.role }}{% endfor %}")
+    with pytest.raises(ValueError, match="does not appear"):
+        dropping.apply_chat_template(CONVERSATION, add_generation_prompt=False,
+                                     continue_final_message=True)
+
+
+def test_template_kwargs_and_own_template(tokenizer: Tokenizer) -> None:
+    """vLLM's chat_template_kwargs become template variables (bos_token may be overridden, the
+    messages may not); a chat_template argument replaces the model's."""
+    greet = "{{ greeting }}{% for m in messages %} {{ m.content }}{% endfor %}{{ bos_token }}"
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert tokenizer.apply_chat_template(msgs, chat_template=greet,
+                                         template_kwargs={"greeting": "Hello"}) == (
+        "Hello Hi<|im_start|>")
+    assert tokenizer.apply_chat_template(
+        msgs, chat_template=greet, template_kwargs={"greeting": "Yo", "bos_token": "!"}) == (
+        "Yo Hi!")
+    with pytest.raises(ValueError, match="chat_template_kwargs must not set messages"):
+        tokenizer.apply_chat_template(msgs, template_kwargs={"messages": []})
+    assert tokenizer.apply_chat_template(msgs, template_kwargs={"unused": 1}) == (
+        tokenizer.apply_chat_template(msgs))
+
+
+def test_pad_token_from_the_gguf_survives_save_pretrained(tokenizer: Tokenizer,
+                                                          tmp_path: Path) -> None:
+    assert tokenizer.pad_token_id == 2  # tokenizer.ggml.padding_token_id
+    tokenizer.save_pretrained(str(tmp_path))
+    assert Tokenizer.from_pretrained_dir(str(tmp_path)).pad_token_id == 2
+
+
 def test_from_files_matches(tokenizer: Tokenizer, tmp_path: Path) -> None:
     path = tmp_path / "tokenizer.json"
     tokenizer.backend.save(str(path))

@@ -38,9 +38,10 @@ from jaxserve.device.sampler import (
     new_penalty_state,
     sample,
     set_bias_row,
+    suppress_tokens,
     zero_logprobs,
 )
-from jaxserve.sampling_params import MAX_LOGPROBS
+from jaxserve.sampling_params import MAX_LOGPROBS, MAX_MIN_TOKENS_STOP_IDS
 from models.interface import AttentionMetadata, CausalLM
 from pallas_kernels import KVCache
 from pallas_kernels.kv_cache import PADDING_SLOT
@@ -57,6 +58,8 @@ class RowParams:
     starts at position 0), num_prompt_tokens (tokens of the request at positions below it are
     prompt tokens). prompt_targets: for prompt logprobs, per token of this step's chunk the
     prompt token id that follows it (-1: none); None when the request does not ask.
+    suppress_ids: ids this step must not sample (EOS and stop ids while the request is short of
+    min_tokens), at most ``MAX_MIN_TOKENS_STOP_IDS``.
     """
 
     temperature: float
@@ -72,6 +75,7 @@ class RowParams:
     reset: bool = False
     num_prompt_tokens: int = 0
     prompt_targets: Sequence[int] | None = None
+    suppress_ids: Sequence[int] = ()
 
 
 class StepOutput:
@@ -107,7 +111,8 @@ class _Layout:
                  ("top_p", s), ("seed_hi", s), ("seed_lo", s), ("sample_pos", s),
                  ("min_p", s), ("slot", s), ("repetition_penalty", s),
                  ("presence_penalty", s), ("frequency_penalty", s), ("reset_slot", s),
-                 ("tok_slot", t), ("tok_is_output", t), ("tok_target", t), ("flags", 1)]
+                 ("tok_slot", t), ("tok_is_output", t), ("tok_target", t),
+                 ("suppress_ids", s * MAX_MIN_TOKENS_STOP_IDS), ("flags", 1)]
         self.slices: dict[str, slice] = {}
         off = 0
         for name, n in sizes:
@@ -200,7 +205,8 @@ class ModelRunner:
                              as_f32("min_p"), seeds, f("sample_pos"), f("slot"),
                              as_f32("repetition_penalty"), as_f32("presence_penalty"),
                              as_f32("frequency_penalty"))
-            ids = sample(logits, rows, pen, limit)
+            suppress = f("suppress_ids").reshape(b.num_seqs, MAX_MIN_TOKENS_STOP_IDS)
+            ids = sample(suppress_tokens(logits, suppress), rows, pen, limit)
             lp = jax.lax.cond(
                 (flags & self.FLAG_LOGPROBS) != 0,
                 lambda lg, ch: logprobs_of(lg, ch, k, limit),
@@ -335,7 +341,8 @@ class ModelRunner:
     def _pack_extras(self, lay: _Layout, buf: np.ndarray, rows: Sequence[RowParams],
                      q_lens: list[int], qsl: np.ndarray, pos: np.ndarray, num_tokens: int,
                      want_logprobs: bool) -> None:
-        """min-p, penalties and logprob fields (the cheap defaults when no row uses them)."""
+        """min-p, penalties, suppressed ids and logprob fields (the cheap defaults when no row
+        uses them)."""
         sl, s = lay.slices, lay.bucket.num_seqs
         r = self.num_penalty_slots
         f32 = lambda name, vals, fill: _put_f32(buf, sl[name], s, vals, fill)
@@ -344,6 +351,11 @@ class ModelRunner:
         buf[sl["reset_slot"]] = r
         buf[sl["tok_slot"]] = r
         buf[sl["tok_target"]] = -1
+        buf[sl["suppress_ids"]] = -1
+        suppress = buf[sl["suppress_ids"]].reshape(s, MAX_MIN_TOKENS_STOP_IDS)
+        for i, x in enumerate(rows):
+            if x.suppress_ids:
+                suppress[i, :len(x.suppress_ids)] = x.suppress_ids
         flags = self.FLAG_LOGPROBS if want_logprobs else 0
         pen = [i for i, x in enumerate(rows) if x.slot >= 0]
         if pen:

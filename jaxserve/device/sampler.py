@@ -66,6 +66,29 @@ def set_bias_row(state: PenaltyState, slot: jax.Array, row: jax.Array) -> Penalt
     return state._replace(bias=state.bias.at[slot].set(row))
 
 
+def suppress_tokens(logits: jax.Array, token_ids: jax.Array) -> jax.Array:
+    """f32 ``logits`` ``[S, V]`` with ``token_ids`` ``i32[S, K]`` of each row masked (never
+    sampled): the EOS and stop ids of rows short of ``min_tokens``. Ids outside ``[0, V)`` (-1:
+    padding) mask nothing; repeats are harmless.
+
+    The ids become a ``u32[S, ceil(V / 32)]`` bitmask and one elementwise select, which XLA fuses
+    with the logits' next use; there is no ``lax.cond`` here, whose pass-through branch would
+    copy the ``[S, V]`` logits in every step without a masked row.
+    """
+    logits = logits.astype(jnp.float32)
+    s, v = logits.shape
+    num_words = -(-v // 32)
+    ids = jnp.sort(token_ids, axis=-1)
+    repeat = jnp.concatenate([jnp.zeros((s, 1), bool), ids[:, 1:] == ids[:, :-1]], axis=-1)
+    word = jnp.where((ids >= 0) & (ids < v) & ~repeat, ids >> 5, num_words)  # else: dropped
+    bit = jnp.left_shift(jnp.uint32(1), (ids & 31).astype(jnp.uint32))
+    rows = jnp.broadcast_to(jnp.arange(s)[:, None], ids.shape)
+    bits = jnp.zeros((s, num_words), jnp.uint32).at[rows, word].add(bit, mode="drop")
+    col = jnp.arange(v)
+    masked = (bits[:, col >> 5] >> (col & 31).astype(jnp.uint32)) & 1
+    return jnp.where(masked != 0, _NEG, logits)
+
+
 def feed_tokens(state: PenaltyState, reset_slots: jax.Array, tok_slot: jax.Array,
                 token_ids: jax.Array, tok_is_output: jax.Array) -> PenaltyState:
     """Reset slots, then count the step's tokens into their slots.

@@ -12,6 +12,8 @@ gets back the text safe to stream now, in two layers:
 2. Stop strings, on the emitted text: a suffix that could still grow into a stop string is held
    back; the text is cut at the occurrence that ends first (then starts first), keeping the
    stop string only with ``include_stop_str_in_output``. Token boundaries do not move the cut.
+   The text of the first ``min_tokens`` output ids is emitted unchecked (vLLM's ``min_tokens``:
+   no stop before that many tokens), so a stop string matches only text after it.
 
 Invariant: the deltas of ``add_tokens`` and ``finish()`` concatenate to ``text``; without stop
 strings that is the output decoded in the prompt's context (``tokenizer.decode(output_ids)`` for
@@ -43,6 +45,7 @@ class IncrementalDetokenizer:
       skip_special_tokens: leave special tokens out of the text.
       stop: stop strings (non-empty).
       include_stop_str_in_output: keep the stop string that fired at the end of the text.
+      min_tokens: stop strings do not match the text of the first this many output ids.
 
     Raises:
       ValueError: an empty stop string.
@@ -56,6 +59,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         if any(not s for s in stop):
             raise ValueError(f"stop strings must be non-empty, got {list(stop)!r}")
@@ -63,6 +67,7 @@ class IncrementalDetokenizer:
         self._skip_special_tokens = skip_special_tokens
         self._stop = tuple(stop)
         self._include_stop = include_stop_str_in_output
+        self._unchecked_tokens = min_tokens  # output ids left whose text skips the stop check
         self.text = ""  # every delta emitted so far, concatenated
         self.stopped = False  # a stop string fired; further tokens add no text
         self.stop_reason: str | None = None  # the stop string that fired
@@ -92,8 +97,15 @@ class IncrementalDetokenizer:
             return ""
         if self._finished:
             raise RuntimeError("add_tokens() after finish()")
-        new_text = "".join(self._step(int(t)) for t in token_ids)
-        return self._emit(new_text, final=False)
+        unchecked, new_text = "", ""
+        for t in token_ids:
+            if self._unchecked_tokens > 0:
+                self._unchecked_tokens -= 1
+                unchecked += self._step(int(t))
+            else:
+                new_text += self._step(int(t))
+        self.text += unchecked
+        return unchecked + self._emit(new_text, final=False)
 
     def finish(self) -> str:
         """End of the sequence: return the held-back text (an incomplete character as U+FFFD)."""

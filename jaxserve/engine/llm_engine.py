@@ -41,7 +41,12 @@ from jaxserve.engine.request_state import (
     record_logprobs,
     record_prompt_logprobs,
 )
-from jaxserve.engine.validation import RequestBounds, validate_request
+from jaxserve.engine.validation import (
+    RequestBounds,
+    stop_ids_of,
+    truncate_prompt,
+    validate_request,
+)
 from jaxserve.loading.load import load_model, resolve_dtype, setup_compilation_cache
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -132,7 +137,8 @@ class LLMEngine:
                              "processes (--num-processes > 1): the host-tier copies would run "
                              "on process 0 alone")
         self.bounds = RequestBounds(self.tokenizer.vocab_size, self.max_model_len,
-                                    self.num_blocks, config.block_size, self.runner.multiprocess)
+                                    self.num_blocks, config.block_size, self.runner.multiprocess,
+                                    self.tokenizer.eos_token_ids)
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(
             config, self.num_blocks, self.max_model_len,
             self.host_kv.num_blocks if self.host_kv is not None else 0))
@@ -184,10 +190,9 @@ class LLMEngine:
         if request_id in self.groups or any(i in self.requests for i in seq_ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
         max_tokens = self.validate(prompt_token_ids, params)
-        prompt_token_ids = [int(t) for t in prompt_token_ids]
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= set(self.tokenizer.eos_token_ids)
+        prompt_token_ids = [int(t) for t in truncate_prompt(prompt_token_ids, params,
+                                                            self.bounds)]
+        stop_ids = stop_ids_of(params, self.tokenizer.eos_token_ids)
         group = RequestGroup(request_id, prompt, prompt_token_ids, params,
                              arrival_time if arrival_time is not None else time.monotonic())
         if params.prompt_logprobs is not None:
@@ -197,7 +202,7 @@ class LLMEngine:
             seq = SeqState(
                 request_id=sid, token_ids=list(prompt_token_ids),
                 num_prompt_tokens=len(prompt_token_ids), max_tokens=max_tokens,
-                stop_token_ids=frozenset(stop_ids),
+                stop_token_ids=stop_ids,
                 skip_prefix_cache=params.uses_penalty_state or (
                     i == 0 and params.prompt_logprobs is not None))
             self.scheduler.add(seq)
@@ -210,7 +215,8 @@ class LLMEngine:
                 IncrementalDetokenizer(
                     self.tokenizer, prompt_token_ids,
                     skip_special_tokens=params.skip_special_tokens, stop=params.stop,
-                    include_stop_str_in_output=params.include_stop_str_in_output),
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                    min_tokens=params.min_tokens),
                 logprobs=[] if params.logprobs is not None else None)
             group.choices.append(req)
             self.requests[sid] = req
@@ -301,7 +307,9 @@ class LLMEngine:
                 slot=self.slots.acquire(req) if p.uses_penalty_state else -1,
                 repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
                 frequency_penalty=p.frequency_penalty, reset=s.start_pos == 0,
-                num_prompt_tokens=num_prompt, prompt_targets=targets))
+                num_prompt_tokens=num_prompt, prompt_targets=targets,
+                suppress_ids=tuple(req.seq.stop_token_ids) if end - num_prompt < p.min_tokens
+                else ()))
             num_prompt_tokens += max(0, min(num_prompt, end) - s.start_pos)
         bucket, packed = self.runner.pack_step([s.token_ids for s in plan.scheduled],
                                                [s.start_pos for s in plan.scheduled],

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxserve.errors import InvalidRequest
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import MAX_MIN_TOKENS_STOP_IDS, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -21,12 +21,38 @@ class RequestBounds:
     num_blocks: int  # of the KV cache, including padding block 0
     block_size: int
     multiprocess: bool  # one model spans several processes
+    eos_token_ids: frozenset[int] = frozenset()  # the tokenizer's end-of-generation ids
 
     @property
     def max_request_tokens(self) -> int:
         """The most tokens (prompt + output) one request can hold: the context window, or the
         whole KV cache when that is smaller."""
         return min(self.max_model_len, (self.num_blocks - 1) * self.block_size)
+
+
+def truncate_prompt(prompt_token_ids: Sequence[int], params: SamplingParams,
+                    bounds: RequestBounds) -> Sequence[int]:
+    """The prompt after ``params.truncate_prompt_tokens`` (its last k tokens; -1: the last
+    ``max_model_len - 1``); the prompt itself when that is None or the prompt is shorter.
+
+    Raises:
+      InvalidRequest: k above ``max_model_len`` (param ``truncate_prompt_tokens``).
+    """
+    k = params.truncate_prompt_tokens
+    if k is None:
+        return prompt_token_ids
+    if k == -1:
+        k = bounds.max_model_len - 1
+    elif k > bounds.max_model_len:
+        raise InvalidRequest(f"truncate_prompt_tokens ({k}) is greater than max_model_len "
+                             f"({bounds.max_model_len})", param="truncate_prompt_tokens")
+    return prompt_token_ids[-k:] if len(prompt_token_ids) > k else prompt_token_ids
+
+
+def stop_ids_of(params: SamplingParams, eos_token_ids: frozenset[int]) -> frozenset[int]:
+    """The ids that end a request: ``stop_token_ids`` and, unless ``ignore_eos``, the EOS ids."""
+    ids = frozenset(params.stop_token_ids)
+    return ids if params.ignore_eos else ids | eos_token_ids
 
 
 def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -37,7 +63,7 @@ def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams,
     what the KV cache leaves (``max_request_tokens`` minus the prompt).
 
     Args:
-      prompt_token_ids: the prompt.
+      prompt_token_ids: the prompt, checked as ``truncate_prompt`` leaves it.
       params: its sampling parameters (``SamplingParams.validate`` runs first on them).
       bounds: the engine's.
 
@@ -45,9 +71,13 @@ def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams,
       InvalidRequest: naming the field (``param``): an empty prompt, ids out of range, a
         prompt with no room for output in the context window or the KV cache, ids of
         ``stop_token_ids`` or ``logit_bias`` outside the vocabulary, ``logit_bias`` on a model
-        spanning processes, or prompt + max_tokens over the KV cache (with the numbers).
+        spanning processes, ``min_tokens`` with more than ``MAX_MIN_TOKENS_STOP_IDS`` stop ids,
+        ``truncate_prompt_tokens`` above max_model_len, or prompt + max_tokens over the KV
+        cache (with the numbers).
       ValueError: as ``SamplingParams.validate``.
     """
+    params.validate()
+    prompt_token_ids = truncate_prompt(prompt_token_ids, params, bounds)
     b, n, vocab = bounds, len(prompt_token_ids), bounds.vocab_size
     if n == 0:
         raise InvalidRequest("prompt must not be empty (it has 0 tokens)", param="prompt")
@@ -60,7 +90,6 @@ def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams,
             f"prompt has {n} tokens; max_model_len is {b.max_model_len}, which leaves no "
             f"room for output (the prompt must have at most {b.max_model_len - 1})",
             param="prompt")
-    params.validate()
     for t in params.stop_token_ids:
         if t >= vocab:
             raise InvalidRequest(f"stop_token_ids holds {t}, outside the vocabulary "
@@ -69,6 +98,11 @@ def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams,
         if t >= vocab:
             raise InvalidRequest(f"logit_bias holds token id {t}, outside the vocabulary "
                                  f"[0, {vocab})", param="logit_bias")
+    if params.min_tokens and len(stop := stop_ids_of(params, b.eos_token_ids)) > \
+            MAX_MIN_TOKENS_STOP_IDS:
+        raise InvalidRequest(f"min_tokens takes at most {MAX_MIN_TOKENS_STOP_IDS} distinct stop "
+                             f"ids (EOS included); this request has {len(stop)}",
+                             param="stop_token_ids")
     if params.logit_bias and b.multiprocess:
         raise InvalidRequest("logit_bias is not supported when one model spans several "
                              "processes (--num-processes > 1)", param="logit_bias")

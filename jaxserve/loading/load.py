@@ -47,7 +47,7 @@ class LoadedModel:
         ``sharding.sharded_config(model_config, tp)`` (kv heads replicated up to tp if fewer).
       params: the params pytree in the serving dtype (quantised leaves where asked), on the
         default device or placed on the mesh.
-      tokenizer: from the same source as the weights.
+      tokenizer: from the same source as the weights, or from ``LoadConfig.tokenizer``.
       name: the default served name: the built-in config's, the directory's, or the GGUF
         file's without its quantisation suffix.
       report: per-device figures of a load onto a mesh; None without one.
@@ -95,10 +95,14 @@ def load_model(load: LoadConfig, dtype: jnp.dtype, seed: int, mesh: Mesh | None 
     Raises:
       ValueError: a path that is no model, an architecture without a loader for its format,
         a model the mesh cannot split (before any weight is read), or quantisation the model
-        does not support or a quantised checkpoint does not match (naming the settings).
+        does not support or a quantised checkpoint does not match (naming the settings), or
+        a ``load.tokenizer`` that is no tokenizer or has more tokens than the model.
       FileNotFoundError: a missing .gguf file, or the default model's package not installed.
     """
     report = None
+    own_tokenizer = None  # read first: a bad path fails before any weight is read
+    if load.tokenizer is not None and load.tokenizer != load.model:
+        own_tokenizer = load_tokenizer(load.tokenizer)
     if load.load_format == "dummy":
         cfg = builtin_config(load.model or "smollm2-135m")
         if mesh is None:
@@ -128,9 +132,28 @@ def load_model(load: LoadConfig, dtype: jnp.dtype, seed: int, mesh: Mesh | None 
         log.info("loaded %s weights (%s, %s) over %d devices in %.2f s:\n%s", report.source,
                  report.method, report.timing, len(report.devices), report.total_s,
                  report.table())
+    if own_tokenizer is not None:
+        tokenizer = own_tokenizer
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise ValueError(f"tokenizer {load.tokenizer!r} has {tokenizer.vocab_size} tokens; "
+                             f"the model's vocabulary has {cfg.vocab_size}")
     if quantization is not None:
         params = _quantize(params, cfg, quantization, mesh)
     return LoadedModel(cfg, params, tokenizer, name, report)
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer of an HF tokenizer directory (``tokenizer.json``) or a GGUF file.
+
+    Raises:
+      ValueError: ``path`` is neither (e.g. a Hugging Face hub id: nothing is downloaded).
+    """
+    if os.path.isdir(path):
+        return Tokenizer.from_pretrained_dir(path)
+    if path.lower().endswith(".gguf") and os.path.isfile(path):
+        return Tokenizer.from_gguf(path)
+    raise ValueError(f"tokenizer {path!r} is not a tokenizer directory (tokenizer.json) or a "
+                     f"GGUF file; nothing is downloaded")
 
 
 def _load_dir(path: str, dtype: jnp.dtype, mesh: Mesh | None

@@ -123,7 +123,6 @@ def _check_common(req: _SamplingFields) -> None:
         "function_call": req.function_call not in (None, "none"),
         "best_of": req.best_of not in (None, 1),
         "suffix": bool(req.suffix),
-        "min_tokens": req.min_tokens not in (None, 0),
         "use_beam_search": bool(req.use_beam_search),
         "length_penalty": req.length_penalty not in (None, 1.0),
         # the HTTP form of prompt logprobs is echo=true with logprobs (completions)
@@ -250,6 +249,8 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest) -> Sampli
             logit_bias=bias,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            min_tokens=req.min_tokens or 0,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
         )
     except InvalidRequest as exc:
         # the engine's field name -> the request's (the message starts with the field name)

@@ -99,6 +99,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     repetition_penalty: float | None = None
     min_p: float | None = None
     logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None
+    truncate_prompt_tokens: int | None = None
     # features not built: accepted by the decoder only to be rejected with a 400 naming them
     response_format: Any = None
     tools: Any = None
@@ -107,7 +109,6 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     function_call: Any = None
     best_of: int | None = None
     suffix: str | None = None
-    min_tokens: int | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
     prompt_logprobs: int | None = None

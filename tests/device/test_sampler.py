@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.device.sampler import RowInputs, sample
+from jaxserve.device.sampler import RowInputs, sample, suppress_tokens
 
 V = 50
 sample_jit = jax.jit(sample, static_argnames=("vocab_limit",))
@@ -260,3 +260,31 @@ def test_a_tiny_temperature_draws_the_argmax() -> None:
     rows = RowInputs(**_rows(16, temperature=np.full(16, 1e-9, np.float32)))
     got = np.asarray(sample_jit(jnp.asarray(logits), rows, None, None))
     np.testing.assert_array_equal(got, logits.argmax(-1))
+
+
+def test_suppressed_ids_are_never_sampled_and_padding_masks_nothing() -> None:
+    """Each row masks its own ids (min_tokens' EOS / stop ids), repeats included; -1 and ids
+    outside the vocabulary are padding; a step with no id to mask leaves the logits as they
+    were."""
+    rng = np.random.default_rng()
+    n = 256
+    logits = rng.standard_normal((n, V)).astype(np.float32)
+    logits[:, 7] = 50.0  # every row's argmax, and all but certain under sampling
+    ids = np.full((n, 4), -1, np.int32)
+    ids[::2, 0] = 7  # even rows may not take it
+    ids[::4, 2] = 7  # a repeat
+    ids[2::4, 1] = 33  # a second id, in the next bitmask word
+    ids[1::4, 1] = V + 3  # out of range: nothing
+    suppress = jax.jit(suppress_tokens)
+    masked = np.asarray(suppress(jnp.asarray(logits), jnp.asarray(ids)))
+    assert (masked[::2, 7] < -1e29).all() and (masked[2::4, 33] < -1e29).all()
+    np.testing.assert_array_equal(np.delete(masked[::4], 7, axis=1), np.delete(logits[::4], 7, 1))
+    np.testing.assert_array_equal(np.delete(masked[2::4], [7, 33], axis=1),
+                                  np.delete(logits[2::4], [7, 33], axis=1))
+    np.testing.assert_array_equal(masked[1::2], logits[1::2])
+    seeds = np.stack([np.arange(n), np.arange(n)], 1).astype(np.uint32)
+    for temp in (0.0, 1.0):
+        got = _draw(masked, temperature=np.full(n, temp, np.float32), seeds=seeds)
+        assert (got[::2] != 7).all() and (got[1::2] == 7).all()
+    none = np.asarray(suppress(jnp.asarray(logits), jnp.full((n, 4), -1, jnp.int32)))
+    np.testing.assert_array_equal(none, logits)

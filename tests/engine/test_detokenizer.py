@@ -223,6 +223,23 @@ def test_newline_stop_keeps_tail(tokenizer: Tokenizer) -> None:
     assert streamed.text == " What colour is the sky on Mars?"
 
 
+def test_min_tokens_keeps_stop_strings_off_the_first_tokens(tokenizer: Tokenizer) -> None:
+    """vLLM's ``min_tokens``: a stop string in the text of the first ``min_tokens`` ids does
+    not fire; the first one after them does, streamed or all at once."""
+    full = " one, two, three, four"
+    ids = tokenizer.encode(full)
+    n = len(tokenizer.encode(" one, two"))  # the first two commas lie in these ids' text
+    assert tokenizer.decode(ids[:n]) == " one, two"
+    for chunks in ([[t] for t in ids], [ids]):
+        det = IncrementalDetokenizer(tokenizer, [], stop=[","], min_tokens=n)
+        assert "".join(stream(det, chunks)) == " one, two"
+        assert det.stop_reason == ","
+        late = IncrementalDetokenizer(tokenizer, [], stop=[", four"], min_tokens=n)
+        assert "".join(stream(late, chunks)) == " one, two, three"
+    off = IncrementalDetokenizer(tokenizer, [], stop=[","], min_tokens=0)
+    assert "".join(stream(off, [ids])) == " one"
+
+
 def test_empty_stop_rejected(tokenizer: Tokenizer) -> None:
     with pytest.raises(ValueError, match="non-empty"):
         IncrementalDetokenizer(tokenizer, [], stop=[""])

@@ -122,7 +122,7 @@ def test_logit_bias_forces_and_bans_tokens(llm: LLM) -> None:
 
 
 def test_logprob_entries_agree_with_the_tokens(llm: LLM) -> None:
-    tok = llm.get_tokenizer()
+    tok = llm.engine.tokenizer
     out = llm.generate([PROMPT], SP(temperature=0, max_tokens=16, logprobs=5),
                        use_tqdm=False)[0].outputs[0]
     assert len(out.logprobs) == len(out.token_ids)

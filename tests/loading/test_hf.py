@@ -18,6 +18,7 @@ import pytest
 from jaxserve.cli.main import main as cli_main
 from jaxserve.config import LoadConfig
 from jaxserve.loading.load import load_model
+from jaxserve.loading.model_files import default_gguf_path
 from models.hf import llama_hf_config
 from models.registry import get_architecture
 from tests.support.prefill import prefill_logits
@@ -117,3 +118,20 @@ def test_missing_tensor_is_named(tmp_path) -> None:
     save_file(tensors, str(d / "model.safetensors"))
     with pytest.raises(ValueError, match=r"lacks tensor model\.layers\.1\.mlp\.up_proj\.weight"):
         load_model(LoadConfig(str(d)), jnp.float32, 0)
+
+
+def test_tokenizer_from_elsewhere(tmp_path) -> None:
+    """``LoadConfig.tokenizer`` (vLLM's ``tokenizer``) replaces the model's tokenizer; a path
+    that is no tokenizer, or one with more tokens than the model, fails before weights load."""
+    model = str(HF_DIR / "llama")
+    own = load_model(LoadConfig(model), jnp.float32, 0).tokenizer
+    own.save_pretrained(str(tmp_path / "tok"))
+    loaded = load_model(LoadConfig(model, tokenizer=str(tmp_path / "tok")), jnp.float32, 0)
+    assert loaded.tokenizer.name == "tok" and own.name == "llama"
+    assert loaded.tokenizer.encode("Hello world") == own.encode("Hello world")
+    same = load_model(LoadConfig(model, tokenizer=model), jnp.float32, 0)
+    assert same.tokenizer.name == "llama"
+    with pytest.raises(ValueError, match="nothing is downloaded"):
+        load_model(LoadConfig(model, tokenizer="HuggingFaceTB/SmolLM2-135M"), jnp.float32, 0)
+    with pytest.raises(ValueError, match="has 49152 tokens; the model's vocabulary has 320"):
+        load_model(LoadConfig(model, tokenizer=default_gguf_path()), jnp.float32, 0)

@@ -288,3 +288,21 @@ def test_top_k_and_invalid_numbers(http, engine: LLMEngine) -> None:
     tiny = _post(http, COMPL, {**body, "temperature": 1e-9})["choices"][0]["text"]
     assert tiny == _post(http, COMPL, {**body, "temperature": 0})["choices"][0]["text"]
     assert http.get("/health").status_code == 200
+
+
+def test_min_tokens_and_truncate_prompt_tokens_as_vllm_extra_body(client, engine) -> None:
+    """vLLM's extra fields through the openai client's ``extra_body``: EOS biased to the top
+    still comes only after ``min_tokens``; ``truncate_prompt_tokens`` keeps the last tokens, so
+    usage counts them and the answer is that of the kept prompt alone."""
+    eos = engine.tokenizer.eos_token_id
+    chat = client.chat.completions.create(
+        model=MODEL, messages=WET, max_tokens=12, temperature=0, logit_bias={str(eos): 100},
+        extra_body={"min_tokens": 5})
+    assert chat.usage.completion_tokens == 6 and chat.choices[0].finish_reason == "stop"
+    kept = engine.tokenizer.encode("The capital city of France is")
+    long = engine.tokenizer.encode("Unrelated words first. ") + kept
+    cut, alone = (client.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0,
+                                            extra_body=extra)
+                  for p, extra in ((long, {"truncate_prompt_tokens": len(kept)}), (kept, {})))
+    assert cut.usage.prompt_tokens == len(kept)
+    assert cut.choices[0].text == alone.choices[0].text

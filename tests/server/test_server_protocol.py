@@ -95,7 +95,7 @@ MALFORMED_CHAT = [
     (json.dumps({"messages": HI, "functions": [{"name": "f"}]}).encode(), J, 400),
     (json.dumps({"messages": [{"role": "user", "content": None}]}).encode(), J, 400),
     (json.dumps({"messages": [{"role": "user"}]}).encode(), J, 400),
-    (json.dumps({"messages": HI, "min_tokens": 20}).encode(), J, 400),
+    (json.dumps({"messages": HI, "min_tokens": 20, "max_tokens": 5}).encode(), J, 400),
     (json.dumps({"messages": HI, "repetition_penalty": 5.0}).encode(), J, 400),
     (json.dumps({"messages": HI, "use_beam_search": True}).encode(), J, 400),
     (json.dumps({"messages": HI, "guided_json": {"type": "object"}}).encode(), J, 400),
@@ -166,7 +166,8 @@ def test_malformed_chat_bodies_are_4xx_json(body: bytes, headers: dict, status: 
         ({"prompt": "hi", "logit_bias": {"5": -101}}, 400),
         ({"prompt": "hi", "prompt_logprobs": 1}, 400),  # echo + logprobs is the HTTP form
         ({"prompt": "hi", "top_logprobs": 2}, 400),
-        ({"prompt": "hi", "min_tokens": 3}, 400),
+        ({"prompt": "hi", "min_tokens": 17}, 400),  # above the default max_tokens of 16
+        ({"prompt": "hi", "truncate_prompt_tokens": 0}, 400),
         ({"prompt": "hi", "model": "other"}, 404),
     ],
 )

@@ -133,6 +133,8 @@ NUMERIC_CASES = [  # (path, field, bad value); vocabulary of the fake tokenizer:
     (COMPL, "stop_token_ids", [-1]), (CHAT, "stop_token_ids", [0x110000]),
     (COMPL, "stop_token_ids", [BIG]), (CHAT, "stop_token_ids", [1.5]),
     (COMPL, "best_of", 0), (COMPL, "best_of", 3), (CHAT, "min_tokens", -1),
+    (COMPL, "min_tokens", 17), (COMPL, "truncate_prompt_tokens", 0),
+    (CHAT, "truncate_prompt_tokens", -2), (CHAT, "truncate_prompt_tokens", 1.5),
     (COMPL, "length_penalty", -2.0), (COMPL, "prompt_logprobs", -1),
     (COMPL, "prompt", [BIG]), (COMPL, "prompt", [-1, 5]), (COMPL, "prompt", [1.5]),
     # the sampling fields of item 1 (their ranges are chosen there; here: a 400 naming them)
