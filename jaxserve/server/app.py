@@ -131,7 +131,7 @@ def _endpoint(
         try:
             return await fn(request)
         except p.RequestError as exc:
-            return _error(exc.status, exc.message, exc.type, exc.param)
+            return _error(exc.status, exc.message, exc.type, exc.param, code=exc.code)
         except Exception as exc:
             logger.exception("internal error serving %s", request.url.path)
             return _error(
@@ -245,6 +245,7 @@ class OpenAIServer:
                 status=404,
                 type="not_found_error",
                 param="model",
+                code="model_not_found",
             )
 
     async def _body(self, request: Request) -> bytes:
@@ -320,7 +321,8 @@ class OpenAIServer:
         try:
             return await anext(gen)
         except InvalidRequest as exc:
-            raise p.RequestError(str(exc), param=_request_param(exc.param, job.chat)) from None
+            raise p.RequestError(str(exc), param=_request_param(exc.param, job.chat),
+                                 code=exc.code) from None
         except StopAsyncIteration:
             raise RuntimeError("the engine produced no output") from None
 
@@ -428,9 +430,9 @@ class OpenAIServer:
             for event in fmt.end(out):
                 yield event
         except TimeoutError:
-            status, message, err_type = budget.error()
+            _, message, err_type = budget.error()
             logger.warning("aborted mid-stream: %s", message)
-            yield b"data: " + p.error_body(message, err_type, status) + b"\n\n"
+            yield b"data: " + p.error_body(message, err_type) + b"\n\n"
         except Exception as exc:
             logger.exception("error in stream %s", fmt.id)
             bad = isinstance(exc, ValueError)
@@ -439,7 +441,6 @@ class OpenAIServer:
                 + p.error_body(
                     str(exc) if bad else f"internal server error: {type(exc).__name__}: {exc}",
                     "invalid_request_error" if bad else "server_error",
-                    400 if bad else 500,
                 )
                 + b"\n\n"
             )

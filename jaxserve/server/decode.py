@@ -25,9 +25,8 @@ _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 _tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
 _detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
 
-
-
-
+UNSUPPORTED = "unsupported_parameter"
+"""The error ``code`` (OpenAI's) of a field refused because the feature is not built."""
 
 _AT_FIELD = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
 
@@ -100,11 +99,11 @@ def decode_chat_request(
     }
     for name, used in unsupported_chat.items():
         if used:
-            raise RequestError(f"{name} is not supported", param=name)
+            raise RequestError(f"{name} is not supported", param=name, code=UNSUPPORTED)
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError("top_logprobs requires logprobs=true", param="top_logprobs")
     if req.echo:
-        raise RequestError("echo is not supported yet", param="echo")
+        raise RequestError("echo is not supported yet", param="echo", code=UNSUPPORTED)
     if not req.messages:
         raise RequestError("messages must hold at least one message", param="messages")
     _check_common(req)
@@ -135,7 +134,7 @@ def _check_common(req: _SamplingFields) -> None:
     }
     for name, used in unsupported.items():
         if used:
-            raise RequestError(f"{name} is not supported", param=name)
+            raise RequestError(f"{name} is not supported", param=name, code=UNSUPPORTED)
     if req.stream_options is not None and not req.stream:
         raise RequestError(
             "stream_options is only allowed with stream=true", param="stream_options"

@@ -25,6 +25,8 @@ class RequestError(Exception):
       status: HTTP status (400 by default; 404 for unknown models and routes).
       type: OpenAI error type ("invalid_request_error", "not_found_error", ...).
       param: the offending request field, or None.
+      code: OpenAI's machine-readable code ("model_not_found", "context_length_exceeded",
+        ...), or None where OpenAI sends none.
     """
 
     def __init__(
@@ -34,24 +36,27 @@ class RequestError(Exception):
         status: int = 400,
         type: str = "invalid_request_error",
         param: str | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.type = type
         self.param = param
+        self.code = code
 
 
 # ---- errors ---------------------------------------------------------------------------------
 
 
 class ErrorInfo(msgspec.Struct, kw_only=True):
-    """The ``error`` object of an OpenAI error body (``code``: the HTTP status)."""
+    """The ``error`` object of an OpenAI error body. ``code`` is a string or null, as OpenAI
+    sends it (the HTTP status is the response's, not a field)."""
 
     message: str
     type: str
     param: str | None = None
-    code: int | None = None
+    code: str | None = None
 
 
 class ErrorResponse(msgspec.Struct, kw_only=True):
@@ -60,11 +65,17 @@ class ErrorResponse(msgspec.Struct, kw_only=True):
     error: ErrorInfo
 
 
-def error_body(message: str, type: str, status: int, param: str | None = None) -> bytes:
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None
+               ) -> bytes:
     """An OpenAI-style error body as JSON bytes."""
     return msgspec.json.encode(
-        ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=status))
+        ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
     )
+
+
+def request_error_body(exc: RequestError) -> bytes:
+    """The error body of a ``RequestError``."""
+    return error_body(exc.message, exc.type, exc.param, exc.code)
 
 
 # ---- requests -------------------------------------------------------------------------------

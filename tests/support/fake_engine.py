@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from jaxserve.engine.metrics import EngineMetrics
-from jaxserve.errors import InvalidRequest
+from jaxserve.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequest
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -103,7 +103,7 @@ class FakeEngine:
             raise InvalidRequest("prompt is empty", param="prompt")
         if n >= self.max_model_len:
             raise InvalidRequest(f"prompt has {n} tokens; max_model_len is {self.max_model_len}",
-                                 param="prompt")
+                                 param="prompt", code=CONTEXT_LENGTH_EXCEEDED)
         for t in prompt_token_ids:
             if not 0 <= t < self.tokenizer.vocab_size:
                 raise InvalidRequest(
