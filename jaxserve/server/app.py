@@ -69,10 +69,17 @@ _DONE = b"data: [DONE]\n\n"
 
 class Tokenizer(Protocol):
     vocab_size: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+    add_bos_token: bool
+    add_eos_token: bool
+    has_chat_template: bool
+    chat_template: str
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
     def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes: ...
+    def id_to_token(self, token_id: int) -> str | None: ...
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> str: ...
@@ -447,10 +454,30 @@ class OpenAIServer:
         yield _DONE
 
     async def models(self, request: Request) -> Response:
-        card = p.ModelCard(
-            id=self.model, created=self.created, max_model_len=self.engine.max_model_len
-        )
+        card = p.ModelCard(id=self.model, created=self.created,
+                           max_model_len=self.engine.max_model_len)
         return _json(p.ModelList(data=[card]))
+
+    async def model_card(self, request: Request) -> Response:
+        """``GET /v1/models/{model_id}``: the served model's card; another id is 404."""
+        model_id = request.path_params["model_id"]
+        self._check_model(model_id)
+        return _json(p.ModelCard(id=self.model, created=self.created,
+                                 max_model_len=self.engine.max_model_len))
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        """``GET /tokenizer_info`` (vLLM's), what remote-tokenizer clients read first."""
+        tok = self.engine.tokenizer
+
+        def token(i: int | None) -> str | None:
+            return None if i is None else tok.id_to_token(i)
+
+        return _json(p.TokenizerInfoResponse(
+            tokenizer_class="PreTrainedTokenizerFast", name_or_path=self.model,
+            bos_token=token(tok.bos_token_id), eos_token=token(tok.eos_token_id), pad_token=None,
+            add_bos_token=tok.add_bos_token, add_eos_token=tok.add_eos_token,
+            model_max_length=self.engine.max_model_len,
+            chat_template=tok.chat_template if tok.has_chat_template else None))
 
     async def tokenize(self, request: Request) -> Response:
         req = decode.decode_tokenize_request(await self._body(request), self.limits)
@@ -534,9 +561,10 @@ def build_app(
 ) -> Starlette:
     """The OpenAI-compatible Starlette app serving ``engine`` as ``served_model_name``.
 
-    Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
-    POST /detokenize, GET /health (503 until ``engine.ready`` and while draining), GET /metrics
-    (Prometheus text), GET /openapi.json. ``config`` supplies the API key, queue bound and
+    Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET
+    /v1/models/{id}, POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /health (503
+    until ``engine.ready`` and while draining), GET /metrics (Prometheus text), GET
+    /openapi.json. ``config`` supplies the API key, queue bound and
     timeouts (default: ``ServerConfig()``), ``limits`` the per-request caps (default:
     ``RequestLimits()``); ``app.state.gate`` is the admission state that
     ``gate.run_server`` drains.
@@ -553,6 +581,8 @@ def build_app(
         Route("/v1/completions", _endpoint(api.completions), methods=["POST"]),
         Route("/v1/chat/completions", _endpoint(api.chat_completions), methods=["POST"]),
         Route("/v1/models", _endpoint(api.models), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", _endpoint(api.model_card), methods=["GET"]),
+        Route("/tokenizer_info", _endpoint(api.tokenizer_info), methods=["GET"]),
         Route("/tokenize", _endpoint(api.tokenize), methods=["POST"]),
         Route("/detokenize", _endpoint(api.detokenize), methods=["POST"]),
         Route("/health", _endpoint(api.health), methods=["GET"]),

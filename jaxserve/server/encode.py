@@ -37,6 +37,7 @@ def usage_of(out: RequestOutput) -> UsageInfo:
 
 
 LOGPROB_FLOOR = -9999.0
+"""What a logprob of -inf (or NaN) is reported as, so that bodies stay strict JSON."""
 
 
 def _lp(x: float) -> float:

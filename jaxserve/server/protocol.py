@@ -353,7 +353,7 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
 
 
 class ModelCard(msgspec.Struct, kw_only=True):
-    """One served model in ``/v1/models``."""
+    """One served model: an item of ``/v1/models`` and the body of ``/v1/models/{id}``."""
 
     id: str
     object: str = "model"
@@ -367,4 +367,19 @@ class ModelList(msgspec.Struct, kw_only=True):
 
     object: str = "list"
     data: list[ModelCard]
-"""What a logprob of -inf (or NaN) is reported as, so that bodies stay strict JSON."""
+
+
+class TokenizerInfoResponse(msgspec.Struct, kw_only=True):
+    """``GET /tokenizer_info`` (vLLM's): the tokenizer's settings under the keys of a Hugging
+    Face tokenizer config, which remote-tokenizer clients (lm-evaluation-harness) read; the
+    ``/tokenize`` and ``/detokenize`` endpoints do the work. A token the model lacks is null."""
+
+    tokenizer_class: str
+    name_or_path: str
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    add_bos_token: bool
+    add_eos_token: bool
+    model_max_length: int
+    chat_template: str | None

@@ -23,6 +23,16 @@ class FakeTokenizer:
 
     vocab_size = 0x110000
     eos_token_ids = frozenset({EOS})
+    bos_token_id = None
+    eos_token_id = EOS
+    add_bos_token = False
+    add_eos_token = False
+    has_chat_template = True
+    chat_template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+    def id_to_token(self, token_id: int) -> str:
+        return chr(token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(ch) for ch in text]
