@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 import msgspec
+from msgspec import UNSET
 
 from jaxserve.config import RequestLimits
 from jaxserve.errors import InvalidRequest
@@ -177,6 +178,27 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
     )
 
 
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+"""``max_tokens`` of a completions request that sends none (OpenAI's and vLLM's default)."""
+
+
+def completion_max_tokens(req: CompletionRequest) -> int | None:
+    """The requested output length of a completions request: ``max_completion_tokens`` or
+    ``max_tokens`` (default 16; null: up to the window).
+
+    Raises:
+      RequestError: both given (not null) with different values, naming
+        ``max_completion_tokens``.
+    """
+    mt, mct = req.max_tokens, req.max_completion_tokens
+    if mct is None:
+        return DEFAULT_COMPLETION_MAX_TOKENS if mt is UNSET else mt
+    if mt is not UNSET and mt is not None and mt != mct:
+        raise RequestError(f"max_tokens ({mt}) and max_completion_tokens ({mct}) differ; send "
+                           "one of them", param="max_completion_tokens")
+    return mct
+
+
 def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, str]]:
     """The messages as plain dicts for the chat template; text content parts are joined."""
     out: list[dict[str, str]] = []
@@ -210,9 +232,13 @@ def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict[str
 
 def to_sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
     """The request's SamplingParams; an invalid value raises RequestError naming the field."""
-    max_tokens = req.max_tokens
-    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
-        max_tokens = req.max_completion_tokens
+    chat = isinstance(req, ChatCompletionRequest)
+    if chat:
+        max_tokens = req.max_tokens
+        if req.max_completion_tokens is not None:
+            max_tokens = req.max_completion_tokens
+    else:
+        max_tokens = completion_max_tokens(req)
     stop = req.stop if req.stop is not None else []
     bias = None
     if req.logit_bias:
@@ -223,7 +249,7 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest) -> Sampli
             raise RequestError(f"logit_bias keys must be token ids written as decimal digits, "
                                f"got {bad[0]!r}", param="logit_bias")
         bias = {int(k): v for k, v in req.logit_bias.items()}
-    if isinstance(req, ChatCompletionRequest):
+    if chat:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         prompt_logprobs = None
     else:
@@ -253,12 +279,11 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest) -> Sampli
     except InvalidRequest as exc:
         # the engine's field name -> the request's (the message starts with the field name)
         param, msg = exc.param, str(exc)
-        chat = isinstance(req, ChatCompletionRequest)
         if param in ("logprobs", "prompt_logprobs") and chat:
             rename = "top_logprobs"
         elif param == "prompt_logprobs":
             rename = "logprobs"
-        elif param == "max_tokens" and chat and req.max_completion_tokens is not None:
+        elif param == "max_tokens" and req.max_completion_tokens is not None:
             rename = "max_completion_tokens"
         else:
             rename = param

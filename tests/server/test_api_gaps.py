@@ -1,6 +1,6 @@
 """Small API surfaces that real clients probe, against the fake engine over a real uvicorn with
 the official ``openai`` client: ``GET /v1/models/{id}``, error ``code`` strings as OpenAI sends
-them, and the ``/tokenizer_info`` contract that lm-evaluation-harness's remote tokenizer reads (its
+them, ``max_completion_tokens`` on completions, and the ``/tokenizer_info`` contract that lm-evaluation-harness's remote tokenizer reads (its
 ``check_remote_tokenizer_support`` then ``RemoteTokenizer``), with the real SmolLM2 tokenizer.
 
 Semantics asserted (docs/api.md#behaviour-chosen-where-the-openai-api-leaves-room):
@@ -9,6 +9,8 @@ Semantics asserted (docs/api.md#behaviour-chosen-where-the-openai-api-leaves-roo
 - ``error.code`` is a string or null, never the HTTP status: ``model_not_found``,
   ``context_length_exceeded``, ``invalid_api_key``, ``unsupported_parameter``; null for other
   invalid values, unknown routes, overload and timeouts.
+- Completions take ``max_completion_tokens`` as ``max_tokens``; both given (not null) and
+  different is a 400 naming ``max_completion_tokens``.
 """
 
 from __future__ import annotations
@@ -106,6 +108,34 @@ def test_invalid_api_key_code() -> None:
         assert exc.value.code == "invalid_api_key"
         ok = openai.OpenAI(base_url=url + "/v1", api_key="secret", max_retries=0)
         assert ok.models.retrieve(MODEL).id == MODEL
+
+
+# ---- max_completion_tokens on completions ---------------------------------------------------
+
+
+def test_max_completion_tokens_on_completions(served) -> None:
+    client, http, _ = served
+    for extra in ({"max_completion_tokens": 3}, {"max_completion_tokens": 3, "max_tokens": 3},
+                  {"max_completion_tokens": 3, "max_tokens": None}):
+        r = client.completions.create(model=MODEL, prompt="hi", extra_body=extra)
+        assert r.usage.completion_tokens == 3 and r.choices[0].text == "Hel", extra
+        assert r.choices[0].finish_reason == "length"
+    streamed = client.completions.create(model=MODEL, prompt="hi", stream=True,
+                                         extra_body={"max_completion_tokens": 2})
+    assert "".join(c.choices[0].text for c in streamed) == "He"
+    default = client.completions.create(model=MODEL, prompt="hi", extra_body={"ignore_eos": True})
+    assert default.usage.completion_tokens == 16
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=4,
+                                  extra_body={"max_completion_tokens": 5})
+    assert exc.value.param == "max_completion_tokens"
+    assert "4" in exc.value.message and "5" in exc.value.message
+    err = _error(http.post("/v1/completions", json={"prompt": "hi", "max_completion_tokens": 0}),
+                 400)
+    assert err["param"] == "max_completion_tokens"
+    err = _error(http.post("/v1/completions", json={"prompt": "hi", "max_completion_tokens": -1}),
+                 400)
+    assert err["param"] == "max_completion_tokens"
 
 
 # ---- /tokenizer_info --------------------------------------------------------------------------

@@ -161,6 +161,8 @@ def test_malformed_chat_bodies_are_4xx_json(body: bytes, headers: dict, status: 
         ({"prompt": "hi", "logprobs": 21}, 400),
         ({"prompt": "hi", "logprobs": -1}, 400),
         ({"prompt": "hi", "max_tokens": -5}, 400),
+        ({"prompt": "hi", "max_completion_tokens": 0}, 400),
+        ({"prompt": "hi", "max_tokens": 3, "max_completion_tokens": 4}, 400),
         ({"prompt": "hi", "suffix": "bye"}, 400),
         ({"prompt": "hi", "best_of": 2}, 400),
         ({"prompt": "hi", "logit_bias": {"5": -101}}, 400),
