@@ -64,6 +64,11 @@ def _check_limits(req: _SamplingFields | TokenizeRequest, limits: RequestLimits)
     n = getattr(req, "n", 1)
     if n > limits.max_n:
         raise RequestError(f"n must be at most {limits.max_n} (--max-n), got {n}", param="n")
+    prompt = getattr(req, "prompt", None)  # a batch: a list of strings or of id lists
+    batch = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+    if batch and len(prompt) > limits.max_num_prompts:
+        raise RequestError(f"prompt holds {len(prompt)} prompts; the limit is "
+                           f"{limits.max_num_prompts} (--max-num-prompts)", param="prompt")
     messages = getattr(req, "messages", None) or []
     if len(messages) > limits.max_num_messages:
         raise RequestError(
@@ -160,22 +165,25 @@ def decode_detokenize_request(body: bytes) -> DetokenizeRequest:
     return _decode(_detokenize_decoder, body)
 
 
-def completion_prompt(req: CompletionRequest) -> str | list[int]:
-    """The single prompt of a completions request: text or token ids; raises RequestError."""
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completions request, in order: one string or token-id list, or a batch
+    (a list of strings, or a list of token-id lists; ``decode_completion_request`` capped its
+    length).
+
+    Raises:
+      RequestError: an empty list, or a list mixing strings, ids and lists (naming ``prompt``).
+    """
     p = req.prompt
     if isinstance(p, str):
-        return p
-    if p and all(isinstance(t, int) for t in p):
-        return p  # type: ignore[return-value]
-    if len(p) == 1 and isinstance(p[0], (str, list)):
-        return p[0]
+        return [p]
     if not p:
         raise RequestError("prompt must not be empty", param="prompt")
-    raise RequestError(
-        "prompt must be a string, a list of token ids, or a list holding exactly one of those "
-        "(batched prompts are not supported yet)",
-        param="prompt",
-    )
+    if all(isinstance(t, int) for t in p):
+        return [p]  # type: ignore[list-item]
+    if not (all(isinstance(t, str) for t in p) or all(isinstance(t, list) for t in p)):
+        raise RequestError("prompt must be a string, a list of token ids, a list of strings or "
+                           "a list of token-id lists (not a mix)", param="prompt")
+    return p  # type: ignore[return-value]
 
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16

@@ -129,10 +129,10 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
-    """Body of ``POST /v1/completions``. ``prompt`` holds one prompt: a string, a list of token
-    ids, or a list holding exactly one of those. ``max_completion_tokens`` (OpenAI's newer name)
-    is taken as ``max_tokens``; ``max_tokens`` is UNSET when the body has no such key (default
-    16)."""
+    """Body of ``POST /v1/completions``. ``prompt``: a string, a list of token ids, or a batch (a
+    list of strings or of token-id lists; ``decode.completion_prompts`` checks the shape).
+    ``max_completion_tokens`` (OpenAI's newer name) is taken as ``max_tokens``; ``max_tokens``
+    is UNSET when the body has no such key (default 16)."""
 
     prompt: str | list[int | str | list[int]]
     max_tokens: int | None | UnsetType = UNSET

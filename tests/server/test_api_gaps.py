@@ -1,6 +1,7 @@
 """Small API surfaces that real clients probe, against the fake engine over a real uvicorn with
 the official ``openai`` client: ``GET /v1/models/{id}``, error ``code`` strings as OpenAI sends
-them, ``max_completion_tokens`` on completions, and the ``/tokenizer_info`` contract that lm-evaluation-harness's remote tokenizer reads (its
+them, ``max_completion_tokens`` on completions, the checks of batched prompts, and the
+``/tokenizer_info`` contract that lm-evaluation-harness's remote tokenizer reads (its
 ``check_remote_tokenizer_support`` then ``RemoteTokenizer``), with the real SmolLM2 tokenizer.
 
 Semantics asserted (docs/api.md#behaviour-chosen-where-the-openai-api-leaves-room):
@@ -11,6 +12,9 @@ Semantics asserted (docs/api.md#behaviour-chosen-where-the-openai-api-leaves-roo
   invalid values, unknown routes, overload and timeouts.
 - Completions take ``max_completion_tokens`` as ``max_tokens``; both given (not null) and
   different is a 400 naming ``max_completion_tokens``.
+- A batch mixing strings and id lists, or longer than ``--max-num-prompts``, is a 400 naming
+  ``prompt``; a batch with one bad prompt is a 400 naming it (``prompt[i]: ...``), and the
+  other prompts are aborted.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import jinja2.sandbox
 import openai
 import pytest
 
-from jaxserve.config import ServerConfig
+from jaxserve.config import RequestLimits, ServerConfig
 from jaxserve.server.app import build_app
 from jaxserve.tokenizer import Tokenizer
 from tests.support.fake_engine import FakeEngine
@@ -136,6 +140,47 @@ def test_max_completion_tokens_on_completions(served) -> None:
     err = _error(http.post("/v1/completions", json={"prompt": "hi", "max_completion_tokens": -1}),
                  400)
     assert err["param"] == "max_completion_tokens"
+
+
+# ---- batched prompts: the checks --------------------------------------------------------------
+
+
+def test_batch_shape_and_cap() -> None:
+    engine = FakeEngine(script="ok")
+    with serve_app(build_app(engine, MODEL, limits=RequestLimits(max_num_prompts=3))) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        r = client.completions.create(model=MODEL, prompt=["a", "b", "c"], max_tokens=2)
+        assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.prompt_tokens == 3
+        assert sorted(engine.requests) == [f"{r.id}-{i}" for i in range(3)]
+        assert [engine.requests[f"{r.id}-{i}"][0] for i in range(3)] == [[97], [98], [99]]
+        ids = client.completions.create(model=MODEL, prompt=[[104, 105], [106]], max_tokens=2)
+        assert ids.usage.prompt_tokens == 3 and len(ids.choices) == 2
+        for prompt in (["a", [1]], [[1], "a"], ["a", 5]):
+            with pytest.raises(openai.BadRequestError) as exc:
+                client.completions.create(model=MODEL, prompt=prompt)
+            assert exc.value.param == "prompt", prompt
+        with pytest.raises(openai.BadRequestError) as many:
+            client.completions.create(model=MODEL, prompt=["a"] * 4)
+        assert many.value.param == "prompt" and "--max-num-prompts" in many.value.message
+        # a token-id list is one prompt, however long
+        one = client.completions.create(model=MODEL, prompt=[104] * 10, max_tokens=1)
+        assert len(one.choices) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_one_bad_prompt_fails_the_batch_and_aborts_the_others(stream: bool) -> None:
+    engine = FakeEngine(script="abcdefgh", step_s=0.01)
+    with serve_app(build_app(engine, MODEL)) as url:
+        r = httpx.post(url + "/v1/completions", json={
+            "prompt": ["fine", "x" * engine.max_model_len, "also fine"], "max_tokens": 50,
+            "ignore_eos": True, "stream": stream}, timeout=30)
+        err = _error(r, 400)
+        assert err["param"] == "prompt" and err["message"].startswith("prompt[1]: ")
+        assert err["code"] == "context_length_exceeded"
+        # prompts 0 and 2 had been queued (to run beside the others) and were aborted
+        assert sorted(engine.aborted) == sorted(engine.requests)
+        assert [rid[-2:] for rid in sorted(engine.requests)] == ["-0", "-2"]
+        assert engine.running == set()
 
 
 # ---- /tokenizer_info --------------------------------------------------------------------------

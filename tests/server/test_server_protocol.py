@@ -149,8 +149,9 @@ def test_malformed_chat_bodies_are_4xx_json(body: bytes, headers: dict, status: 
         ({"prompt": [""]}, 400),
         ({"prompt": []}, 400),
         ({"prompt": [[]]}, 400),
-        ({"prompt": ["a", "b"]}, 400),  # batched prompts: not yet
-        ({"prompt": [[1, 2], [3]]}, 400),
+        ({"prompt": ["a", [1]]}, 400),  # a batch mixes strings and id lists
+        ({"prompt": ["a", ""]}, 400),  # one prompt of a batch is empty
+        ({"prompt": [[1, 2], []]}, 400),
         ({"prompt": [1, "a"]}, 400),
         ({"prompt": [1, True]}, 400),
         ({"prompt": [-1, 5]}, 400),  # token id out of range
@@ -158,11 +159,11 @@ def test_malformed_chat_bodies_are_4xx_json(body: bytes, headers: dict, status: 
         ({"prompt": {"text": "x"}}, 400),
         ({}, 400),  # prompt is required
         ({"prompt": "hi", "echo": True, "max_tokens": 0}, 400),  # prompt scoring: not built
+        ({"prompt": "hi", "max_completion_tokens": 0}, 400),
+        ({"prompt": "hi", "max_tokens": 3, "max_completion_tokens": 4}, 400),
         ({"prompt": "hi", "logprobs": 21}, 400),
         ({"prompt": "hi", "logprobs": -1}, 400),
         ({"prompt": "hi", "max_tokens": -5}, 400),
-        ({"prompt": "hi", "max_completion_tokens": 0}, 400),
-        ({"prompt": "hi", "max_tokens": 3, "max_completion_tokens": 4}, 400),
         ({"prompt": "hi", "suffix": "bye"}, 400),
         ({"prompt": "hi", "best_of": 2}, 400),
         ({"prompt": "hi", "logit_bias": {"5": -101}}, 400),
