@@ -317,10 +317,11 @@ class OpenAIServer:
             prompts = decode.completion_prompts(req)
             texts = [q for q in prompts if isinstance(q, str)]
             encoded = iter(await asyncio.to_thread(lambda: [tok.encode(t) for t in texts]))
+            echo, prompt_only = bool(req.echo), decode.scores_prompt_only(req)
             engine_prompts = []
             for q in prompts:
                 ids, text = (next(encoded), q) if isinstance(q, str) else (q, None)
-                fmt = self._logprob_format(params, bool(req.echo), text, ids)
+                fmt = self._logprob_format(params, echo, text, ids, prompt_only)
                 engine_prompts.append(EnginePrompt(ids, text, fmt))
         else:
             req = decode.decode_chat_request(body, self.limits)
@@ -339,14 +340,14 @@ class OpenAIServer:
         return GenerationJob(chat, engine_prompts, params, bool(req.stream), include_usage)
 
     def _logprob_format(self, params: SamplingParams, echo: bool = False,
-                        echo_text: str | None = None, ids: list[int] | None = None
-                        ) -> encode.LogprobFormat:
+                        echo_text: str | None = None, ids: list[int] | None = None,
+                        prompt_only: bool = False) -> encode.LogprobFormat:
         tok = self.engine.tokenizer
         skip = params.skip_special_tokens
         if echo and echo_text is None:  # a token-id prompt is echoed as its text
             echo_text = tok.decode(ids or [], skip_special_tokens=skip)
         return encode.LogprobFormat(params.logprobs, lambda t: tok.token_bytes(t, skip), echo=echo,
-                                    echo_text=echo_text or "")
+                                    echo_text=echo_text or "", prompt_only=prompt_only)
 
     async def _first(self, gen: AsyncIterator[RequestOutput], job: GenerationJob, index: int
                      ) -> RequestOutput:

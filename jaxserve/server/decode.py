@@ -192,7 +192,8 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 def completion_max_tokens(req: CompletionRequest) -> int | None:
     """The requested output length of a completions request: ``max_completion_tokens`` or
-    ``max_tokens`` (default 16; null: up to the window).
+    ``max_tokens`` (default 16; null: up to the window). 0 is returned as sent (with ``echo``
+    it asks for the prompt's logprobs alone).
 
     Raises:
       RequestError: both given (not null) with different values, naming
@@ -205,6 +206,12 @@ def completion_max_tokens(req: CompletionRequest) -> int | None:
         raise RequestError(f"max_tokens ({mt}) and max_completion_tokens ({mct}) differ; send "
                            "one of them", param="max_completion_tokens")
     return mct
+
+
+def scores_prompt_only(req: CompletionRequest) -> bool:
+    """Whether a completions request only scores its prompt: ``echo`` with ``max_tokens`` 0
+    (OpenAI's form; the response holds the prompt and its logprobs, no generated token)."""
+    return bool(req.echo) and completion_max_tokens(req) == 0
 
 
 def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, str]]:
@@ -247,6 +254,12 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest) -> Sampli
             max_tokens = req.max_completion_tokens
     else:
         max_tokens = completion_max_tokens(req)
+        if max_tokens == 0 and not req.echo:
+            name = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
+            raise RequestError(f"{name} must be at least 1, got 0 (0 is allowed with echo=true, "
+                               "to score the prompt)", param=name)
+        if max_tokens == 0:  # scoring: the prompt's logprobs come with the first step, whose
+            max_tokens = 1   # token the response leaves out
     stop = req.stop if req.stop is not None else []
     bias = None
     if req.logit_bias:

@@ -35,10 +35,10 @@ from jaxserve.server.protocol import (
 # ---- building responses from engine outputs ---------------------------------------------------
 
 
-def usage_of(outs: Sequence[RequestOutput]) -> UsageInfo:
+def usage_of(outs: Sequence[RequestOutput], prompt_only: bool = False) -> UsageInfo:
     """Usage of a request's prompts: each prompt's tokens once, generated tokens summed over
-    every choice."""
-    generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    every choice (none for a request that only scores its prompts)."""
+    generated = 0 if prompt_only else sum(len(c.token_ids) for o in outs for c in o.outputs)
     return usage(sum(len(o.prompt_token_ids) for o in outs), generated)
 
 
@@ -60,16 +60,20 @@ class LogprobFormat:
         request's ``skip_special_tokens``).
       echo: completions ``echo``: the prompt (``echo_text``) leads each choice's text, and with
         logprobs its tokens lead the logprobs (the first with logprob None).
+      prompt_only: ``echo`` with ``max_tokens`` 0 (scoring): the engine ran one step for the
+        prompt's logprobs; its generated token is dropped from text, logprobs and usage, and
+        each choice finishes with "length".
     Token strings are the bytes decoded as UTF-8, with U+FFFD standing for the part of a
     multi-byte character; chat entries carry the exact ``bytes``.
     """
 
     def __init__(self, num_top: int | None, token_bytes: Callable[[int], bytes],
-                 echo: bool = False, echo_text: str = "") -> None:
+                 echo: bool = False, echo_text: str = "", prompt_only: bool = False) -> None:
         self.num_top = num_top
         self.token_bytes = token_bytes
         self.echo = echo
         self.echo_text = echo_text
+        self.prompt_only = prompt_only
 
     def _text(self, t: int) -> str:
         return self.token_bytes(t).decode("utf-8", "replace")
@@ -149,12 +153,16 @@ def final_response(
         n = len(out.outputs)
         prompt_text, prompt_lp = fmt.prompt(out)
         for c in out.outputs:
-            lp = _join(prompt_lp, fmt.completion(c.token_ids, c.logprobs or []))
-            completion_choices.append(CompletionChoice(
-                index=i * n + c.index, text=prompt_text + c.text, logprobs=lp,
-                finish_reason=c.finish_reason))
+            if fmt.prompt_only:
+                text, lp, reason = prompt_text, prompt_lp, "length"
+            else:
+                text, reason = prompt_text + c.text, c.finish_reason
+                lp = _join(prompt_lp, fmt.completion(c.token_ids, c.logprobs or []))
+            completion_choices.append(CompletionChoice(index=i * n + c.index, text=text,
+                                                       logprobs=lp, finish_reason=reason))
+    prompt_only = bool(fmts) and fmts[0].prompt_only
     return CompletionResponse(id=response_id, created=created, model=model,
-                              usage=usage_of(outs), choices=completion_choices)
+                              usage=usage_of(outs, prompt_only), choices=completion_choices)
 
 
 def sse_event(obj: msgspec.Struct) -> bytes:
@@ -167,13 +175,13 @@ class StreamFormatter:
 
     Each chunk carries one choice, with its ``index`` (for a batch of prompts, numbered as the
     module says; the prompts' chunks interleave as their outputs arrive). Completions: one chunk
-    per non-empty text delta of a choice (under echo, the prompt and its logprobs first); the
-    last content chunk of a choice carries its finish_reason. Chat: a role chunk per choice
-    first, a chunk per content delta, then a chunk with an empty delta and the finish_reason.
-    Logprobs ride with the chunk of the tokens they belong to (a stop token's entry with the
-    last chunk of its choice). With include_usage every chunk has ``usage: null`` and ``end``
-    adds one chunk with ``choices: []`` and the usage of every prompt; without it no chunk has
-    a ``usage`` key.
+    per non-empty text delta of a choice (under echo, the prompt and its logprobs first; when
+    only scoring, then one empty chunk with finish_reason "length"); the last content chunk of a
+    choice carries its finish_reason. Chat: a role chunk per choice first, a chunk per content
+    delta, then a chunk with an empty delta and the finish_reason. Logprobs ride with the chunk
+    of the tokens they belong to (a stop token's entry with the last chunk of its choice). With
+    include_usage every chunk has ``usage: null`` and ``end`` adds one chunk with
+    ``choices: []`` and the usage of every prompt; without it no chunk has a ``usage`` key.
 
     Args:
       n: choices per prompt.
@@ -243,6 +251,11 @@ class StreamFormatter:
                 choice = ChatChunkChoice(index=index, delta=DeltaMessage(),
                                          finish_reason=c.finish_reason)
                 events.append(self._chunk([choice]))
+        elif fmt.prompt_only:
+            if finished:
+                events.append(self._chunk([CompletionChoice(
+                    index=index, text="", logprobs=self._no_logprobs(fmt),
+                    finish_reason="length")]))
         elif c.delta_text or new or finished:
             lp = fmt.completion(new, entries, self._offset.get(index, 0)) if new else None
             if lp is not None and lp.tokens:
@@ -266,4 +279,4 @@ class StreamFormatter:
         prompt's last output."""
         if not self.include_usage:
             return []
-        return [self._chunk([], usage_of(outs))]
+        return [self._chunk([], usage_of(outs, self.fmts[0].prompt_only))]

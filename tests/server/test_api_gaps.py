@@ -136,7 +136,7 @@ def test_max_completion_tokens_on_completions(served) -> None:
     assert "4" in exc.value.message and "5" in exc.value.message
     err = _error(http.post("/v1/completions", json={"prompt": "hi", "max_completion_tokens": 0}),
                  400)
-    assert err["param"] == "max_completion_tokens"
+    assert err["param"] == "max_completion_tokens" and "echo" in err["message"]
     err = _error(http.post("/v1/completions", json={"prompt": "hi", "max_completion_tokens": -1}),
                  400)
     assert err["param"] == "max_completion_tokens"

@@ -158,7 +158,7 @@ def test_malformed_chat_bodies_are_4xx_json(body: bytes, headers: dict, status: 
         ({"prompt": [0x110000]}, 400),
         ({"prompt": {"text": "x"}}, 400),
         ({}, 400),  # prompt is required
-        ({"prompt": "hi", "echo": True, "max_tokens": 0}, 400),  # prompt scoring: not built
+        ({"prompt": "hi", "max_tokens": 0}, 400),  # 0 only with echo (scoring)
         ({"prompt": "hi", "max_completion_tokens": 0}, 400),
         ({"prompt": "hi", "max_tokens": 3, "max_completion_tokens": 4}, 400),
         ({"prompt": "hi", "logprobs": 21}, 400),
