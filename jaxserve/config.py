@@ -218,6 +218,9 @@ class RequestLimits:
     # 400 naming ``n``
     max_n: int = field(default=16, metadata={
         "help": "largest n (choices per request) accepted (400 above it)"})
+    # completions: 400 naming ``prompt``, before anything is tokenised
+    max_num_prompts: int = field(default=1024, metadata={
+        "help": "most prompts in one batched completions request (400 above it)"})
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxserve.errors import InvalidRequest
+from jaxserve.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequest
 from jaxserve.sampling_params import MAX_MIN_TOKENS_STOP_IDS, SamplingParams
 
 
@@ -89,7 +89,7 @@ def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams,
         raise InvalidRequest(
             f"prompt has {n} tokens; max_model_len is {b.max_model_len}, which leaves no "
             f"room for output (the prompt must have at most {b.max_model_len - 1})",
-            param="prompt")
+            param="prompt", code=CONTEXT_LENGTH_EXCEEDED)
     for t in params.stop_token_ids:
         if t >= vocab:
             raise InvalidRequest(f"stop_token_ids holds {t}, outside the vocabulary "
@@ -112,7 +112,7 @@ def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams,
             f"prompt has {n} tokens; the KV cache holds {cache_tokens} tokens "
             f"({b.num_blocks - 1} blocks of {b.block_size}), which leaves no "
             f"room for output (the prompt must have at most {b.max_request_tokens - 1})",
-            param="prompt")
+            param="prompt", code=CONTEXT_LENGTH_EXCEEDED)
     if params.max_tokens is None:
         return b.max_request_tokens - n
     max_tokens = min(params.max_tokens, b.max_model_len - n)
@@ -121,5 +121,6 @@ def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams,
             f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} tokens "
             f"can never fit in the KV cache of {cache_tokens} tokens "
             f"({b.num_blocks - 1} blocks of {b.block_size}); lower max_tokens "
-            f"to at most {cache_tokens - n}", param="max_tokens")
+            f"to at most {cache_tokens - n}", param="max_tokens",
+            code=CONTEXT_LENGTH_EXCEEDED)
     return max_tokens

@@ -2,18 +2,22 @@
 
   POST body (at most ``RequestLimits.max_request_body_bytes``, else 413)
     ─``OpenAIServer.prepare``: msgspec decode and checks (protocol.py), model check,
-    SamplingParams, token ids (completions: the prompt's ids or ``tokenizer.encode(prompt)``;
-    chat: the chat template, encoded without special tokens)─> ``GenerationJob``
-    ─> ``engine.generate(ids, params, request_id)``.
-  The first output is awaited before any response byte is sent, so engine validation errors
-  (empty prompt, prompt >= max_model_len, token id out of range: ``InvalidRequest``) become
-  400s naming ``exc.param``, for streaming requests too. Then either
+    SamplingParams, token ids (completions: the prompt's ids or ``tokenizer.encode(prompt)``,
+    for each prompt of a batched prompt; chat: the chat template, encoded without special
+    tokens)─> ``GenerationJob``
+    ─> ``engine.generate(ids, params, request_id)`` per prompt, all at once (a batch's engine
+    ids are ``<request_id>-<i>``).
+  The first output of every prompt is awaited before any response byte is sent, so engine
+  validation errors (empty prompt, prompt >= max_model_len, token id out of range:
+  ``InvalidRequest``) become 400s naming ``exc.param``, for streaming requests too (the other
+  prompts of the batch are aborted). Then either
     - stream=false: ``OpenAIServer.respond`` (GenerationJob -> response body, the path that
       ``jaxserve run-batch`` shares) runs in a task raced against the client's
       ``http.disconnect``; a disconnect cancels the task (closing the engine's generator aborts
       the request) and calls ``engine.abort``;
     - stream=true: SSE events ``data: <json>\\n\\n``, ending with ``data: [DONE]\\n\\n``.
-      Completions: one chunk per text delta; the last content chunk carries finish_reason.
+      Completions: one chunk per text delta; the last content chunk carries finish_reason;
+      a batch's prompts interleave as their outputs arrive (``encode.StreamFormatter``).
       Chat: a role chunk ``{"role": "assistant", "content": ""}``, content deltas, then a chunk
       with an empty delta and the finish_reason. With ``stream_options.include_usage``, every
       chunk has ``usage: null`` and one extra chunk with ``choices: []`` and the usage follows
@@ -34,6 +38,7 @@ never gives a 500.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -69,10 +74,17 @@ _DONE = b"data: [DONE]\n\n"
 
 class Tokenizer(Protocol):
     vocab_size: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+    add_bos_token: bool
+    add_eos_token: bool
+    has_chat_template: bool
+    chat_template: str
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
     def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes: ...
+    def id_to_token(self, token_id: int) -> str | None: ...
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> str: ...
@@ -108,9 +120,11 @@ def _request_param(param: str | None, chat: bool) -> str | None:
 
 
 class _StreamState:
-    """Whether a streamed request has finished in the engine (else closing the stream aborts it)."""
+    """Which prompts of a streamed request have finished in the engine (closing the stream
+    aborts the others)."""
 
-    finished: bool = False
+    def __init__(self) -> None:
+        self.finished: set[int] = set()
 
 
 class _ClientGone(Exception):
@@ -131,7 +145,7 @@ def _endpoint(
         try:
             return await fn(request)
         except p.RequestError as exc:
-            return _error(exc.status, exc.message, exc.type, exc.param)
+            return _error(exc.status, exc.message, exc.type, exc.param, code=exc.code)
         except Exception as exc:
             logger.exception("internal error serving %s", request.url.path)
             return _error(
@@ -185,32 +199,51 @@ async def _unless_disconnected[T](request: Request, aw: Awaitable[T]) -> T:
 
 
 @dataclass
+class EnginePrompt:
+    """One prompt of a job, as the engine is given it.
+
+    Fields:
+      ids: its token ids (completions: the request's ids or the encoded text; chat: the
+        rendered template, encoded without special tokens).
+      text: the text the ids came from (None for a token-id prompt).
+      fmt: how its logprobs (and a completions ``echo``) are rendered into the response.
+    """
+
+    ids: list[int]
+    text: str | None
+    fmt: encode.LogprobFormat
+
+
+@dataclass
 class GenerationJob:
     """A generation request decoded, checked and tokenised: what the engine is given.
 
     Fields:
       chat: a chat completion (else a text completion).
-      ids: the prompt's token ids (completions: the request's ids or the encoded text; chat: the
-        rendered template, encoded without special tokens).
-      text: the prompt text the ids came from (None for a token-id prompt).
+      prompts: one engine request each, in the request's order (several only for a batched
+        completions prompt); each runs ``params.n`` choices.
       params: the request's sampling parameters.
       stream: the request asked for server-sent events.
       include_usage: ``stream_options.include_usage``.
-      fmt: how logprobs (and a completions ``echo``) are rendered into the response.
     """
 
     chat: bool
-    ids: list[int]
-    text: str | None
+    prompts: list[EnginePrompt]
     params: SamplingParams
     stream: bool
     include_usage: bool
-    fmt: encode.LogprobFormat
 
     @property
     def kind(self) -> str:
         """The prefix of the request and response ids: ``chatcmpl`` or ``cmpl``."""
         return "chatcmpl" if self.chat else "cmpl"
+
+    def engine_ids(self, request_id: str) -> list[str]:
+        """The engine request id of each prompt: ``request_id`` itself for one prompt, else
+        ``<request_id>-<i>``."""
+        if len(self.prompts) == 1:
+            return [request_id]
+        return [f"{request_id}-{i}" for i in range(len(self.prompts))]
 
 
 class OpenAIServer:
@@ -245,6 +278,7 @@ class OpenAIServer:
                 status=404,
                 type="not_found_error",
                 param="model",
+                code="model_not_found",
             )
 
     async def _body(self, request: Request) -> bytes:
@@ -275,23 +309,25 @@ class OpenAIServer:
           protocol.RequestError: invalid body or field values (400, naming the field), caps
             exceeded (400), unknown model (404).
         """
+        tok = self.engine.tokenizer
         if not chat:
             req = decode.decode_completion_request(body, self.limits)
             self._check_model(req.model)
             params = decode.to_sampling_params(req)
-            prompt = decode.completion_prompt(req)
-            if isinstance(prompt, str):
-                ids = await asyncio.to_thread(self.engine.tokenizer.encode, prompt)
-                text: str | None = prompt
-            else:
-                ids, text = prompt, None
-            fmt = self._logprob_format(params, echo=bool(req.echo), echo_text=text, ids=ids)
+            prompts = decode.completion_prompts(req)
+            texts = [q for q in prompts if isinstance(q, str)]
+            encoded = iter(await asyncio.to_thread(lambda: [tok.encode(t) for t in texts]))
+            echo, prompt_only = bool(req.echo), decode.scores_prompt_only(req)
+            engine_prompts = []
+            for q in prompts:
+                ids, text = (next(encoded), q) if isinstance(q, str) else (q, None)
+                fmt = self._logprob_format(params, echo, text, ids, prompt_only)
+                engine_prompts.append(EnginePrompt(ids, text, fmt))
         else:
             req = decode.decode_chat_request(body, self.limits)
             self._check_model(req.model)
             self._check_chat_template()
             params = decode.to_sampling_params(req)
-            tok = self.engine.tokenizer
             try:
                 text = await asyncio.to_thread(
                     tok.apply_chat_template, decode.chat_messages(req), req.add_generation_prompt
@@ -299,56 +335,74 @@ class OpenAIServer:
             except ValueError as exc:
                 raise p.RequestError(f"invalid messages: {exc}", param="messages") from exc
             ids = await asyncio.to_thread(tok.encode, text, False)
-            fmt = self._logprob_format(params)
+            engine_prompts = [EnginePrompt(ids, text, self._logprob_format(params))]
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return GenerationJob(chat, ids, text, params, bool(req.stream), include_usage, fmt)
+        return GenerationJob(chat, engine_prompts, params, bool(req.stream), include_usage)
 
     def _logprob_format(self, params: SamplingParams, echo: bool = False,
-                        echo_text: str | None = None, ids: list[int] | None = None
-                        ) -> encode.LogprobFormat:
+                        echo_text: str | None = None, ids: list[int] | None = None,
+                        prompt_only: bool = False) -> encode.LogprobFormat:
         tok = self.engine.tokenizer
         skip = params.skip_special_tokens
         if echo and echo_text is None:  # a token-id prompt is echoed as its text
             echo_text = tok.decode(ids or [], skip_special_tokens=skip)
         return encode.LogprobFormat(params.logprobs, lambda t: tok.token_bytes(t, skip), echo=echo,
-                               echo_text=echo_text or "")
+                                    echo_text=echo_text or "", prompt_only=prompt_only)
 
-    async def _first(self, gen: AsyncIterator[RequestOutput], job: GenerationJob
+    async def _first(self, gen: AsyncIterator[RequestOutput], job: GenerationJob, index: int
                      ) -> RequestOutput:
-        """The first engine output; the engine's InvalidRequest (checked before anything is
-        queued) becomes a 400 naming the field."""
+        """The first engine output of prompt ``index``; the engine's InvalidRequest (checked
+        before anything is queued) becomes a 400 naming the field (and, in a batch, the
+        prompt)."""
         try:
             return await anext(gen)
         except InvalidRequest as exc:
-            raise p.RequestError(str(exc), param=_request_param(exc.param, job.chat)) from None
+            where = f"prompt[{index}]: " if len(job.prompts) > 1 else ""
+            raise p.RequestError(where + str(exc), param=_request_param(exc.param, job.chat),
+                                 code=exc.code) from None
         except StopAsyncIteration:
             raise RuntimeError("the engine produced no output") from None
+
+    async def _firsts(self, gens: list[AsyncIterator[RequestOutput]], job: GenerationJob
+                      ) -> list[RequestOutput]:
+        """The first output of every prompt, awaited together (so the prompts are queued at
+        once and share steps); if one fails, the others are cancelled (aborted)."""
+        return await _all([self._first(g, job, i) for i, g in enumerate(gens)])
 
     async def respond(
         self, job: GenerationJob, request_id: str
     ) -> p.CompletionResponse | p.ChatCompletionResponse:
-        """Run a non-streamed request through the engine and return its response body.
+        """Run a non-streamed request through the engine (its prompts at once) and return its
+        response body.
 
-        If this coroutine is cancelled (client gone, timeout), the engine request is aborted.
+        If this coroutine is cancelled (client gone, timeout), every engine request is aborted.
 
         Raises:
-          protocol.RequestError: the engine refused the request (empty or too long prompt,
-            token ids or stop_token_ids outside the vocabulary).
+          protocol.RequestError: the engine refused a prompt (empty or too long, token ids or
+            stop_token_ids outside the vocabulary); the other prompts are aborted.
           RuntimeError: the engine failed while running it.
         """
         created = int(time.time())
-        gen = self.engine.generate(job.ids, job.params, request_id, prompt=job.text)
+        runs = [self._run(job, i, rid) for i, rid in enumerate(job.engine_ids(request_id))]
+        outs = await _all(runs)
+        return encode.final_response(job.chat, request_id, created, self.model, outs,
+                                     [q.fmt for q in job.prompts])
+
+    async def _run(self, job: GenerationJob, index: int, engine_id: str) -> RequestOutput:
+        """Prompt ``index`` run to its end: its final output (aborted if cancelled)."""
+        q = job.prompts[index]
+        gen = self.engine.generate(q.ids, job.params, engine_id, prompt=q.text)
         finished = False
         try:
-            out = await self._first(gen, job)
+            out = await self._first(gen, job, index)
             if not out.finished:
                 out = await _collect(gen)
             finished = True
         finally:
             if not finished:
                 await gen.aclose()  # type: ignore[attr-defined]
-                self.engine.abort(request_id)
-        return encode.final_response(job.chat, request_id, created, self.model, out, job.fmt)
+                self.engine.abort(engine_id)
+        return out
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, await self.prepare(False, await self._body(request)))
@@ -375,62 +429,64 @@ class OpenAIServer:
     async def _start_stream(
         self, request: Request, job: GenerationJob, rid: str, budget: RequestBudget
     ) -> Response:
-        """Await the first output (so engine validation errors are still 400s), then hand the
-        generator to a streaming response that aborts the request if it ends early."""
-        gen = self.engine.generate(job.ids, job.params, rid, prompt=job.text)
+        """Await every prompt's first output (so engine validation errors are still 400s), then
+        hand the generators to a streaming response that aborts the requests if it ends
+        early."""
+        ids = job.engine_ids(rid)
+        gens = [self.engine.generate(q.ids, job.params, e, prompt=q.text)
+                for q, e in zip(job.prompts, ids)]
+        state = _StreamState()
+
+        async def close_unfinished() -> None:
+            for i, (gen, engine_id) in enumerate(zip(gens, ids)):
+                if i not in state.finished:
+                    await gen.aclose()  # type: ignore[attr-defined]
+                    self.engine.abort(engine_id)
+
         handed_over = False
         try:
-            first = await _unless_disconnected(request, budget.bound(self._first(gen, job)))
+            firsts = await _unless_disconnected(request, budget.bound(self._firsts(gens, job)))
             fmt = encode.StreamFormatter(job.chat, rid, int(time.time()), self.model,
-                                    job.include_usage, n=job.params.n, fmt=job.fmt)
-            state = _StreamState()
-
-            async def on_close() -> None:
-                if not state.finished:
-                    await gen.aclose()  # type: ignore[attr-defined]
-                    self.engine.abort(rid)
-
-            handed_over = True  # the response owns the generator from here
+                                         job.include_usage, n=job.params.n,
+                                         fmts=[q.fmt for q in job.prompts])
+            handed_over = True  # the response owns the generators from here
             return _ClosingStreamingResponse(
-                self._events(gen, first, fmt, state, budget),
-                on_close,
+                self._events(gens, firsts, fmt, state, budget),
+                close_unfinished,
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
         finally:
             if not handed_over:
-                await gen.aclose()  # type: ignore[attr-defined]
-                self.engine.abort(rid)
+                await close_unfinished()
 
     @staticmethod
     async def _events(
-        gen: AsyncIterator[RequestOutput],
-        first: RequestOutput,
+        gens: list[AsyncIterator[RequestOutput]],
+        firsts: list[RequestOutput],
         fmt: encode.StreamFormatter,
         state: _StreamState,
         budget: RequestBudget,
     ) -> AsyncIterator[bytes]:
-        """The SSE body; sets ``state.finished`` once the engine request has finished."""
+        """The SSE body; adds each prompt to ``state.finished`` once it finished in the
+        engine."""
         try:
             for event in fmt.start():
                 yield event
-            out = first
-            while True:
-                for event in fmt.on_output(out):
-                    yield event
-                if out.finished:
-                    state.finished = True
-                    break
-                try:
-                    out = await budget.bound(anext(gen))
-                except StopAsyncIteration:
-                    raise RuntimeError("the engine stream ended before the request finished")
-            for event in fmt.end(out):
+            last = list(firsts)
+            async with contextlib.aclosing(_interleave(gens, firsts, budget)) as outputs:
+                async for i, out in outputs:
+                    for event in fmt.on_output(out, i):
+                        yield event
+                    last[i] = out
+                    if out.finished:
+                        state.finished.add(i)
+            for event in fmt.end(last):
                 yield event
         except TimeoutError:
-            status, message, err_type = budget.error()
+            _, message, err_type = budget.error()
             logger.warning("aborted mid-stream: %s", message)
-            yield b"data: " + p.error_body(message, err_type, status) + b"\n\n"
+            yield b"data: " + p.error_body(message, err_type) + b"\n\n"
         except Exception as exc:
             logger.exception("error in stream %s", fmt.id)
             bad = isinstance(exc, ValueError)
@@ -439,17 +495,36 @@ class OpenAIServer:
                 + p.error_body(
                     str(exc) if bad else f"internal server error: {type(exc).__name__}: {exc}",
                     "invalid_request_error" if bad else "server_error",
-                    400 if bad else 500,
                 )
                 + b"\n\n"
             )
         yield _DONE
 
     async def models(self, request: Request) -> Response:
-        card = p.ModelCard(
-            id=self.model, created=self.created, max_model_len=self.engine.max_model_len
-        )
+        card = p.ModelCard(id=self.model, created=self.created,
+                           max_model_len=self.engine.max_model_len)
         return _json(p.ModelList(data=[card]))
+
+    async def model_card(self, request: Request) -> Response:
+        """``GET /v1/models/{model_id}``: the served model's card; another id is 404."""
+        model_id = request.path_params["model_id"]
+        self._check_model(model_id)
+        return _json(p.ModelCard(id=self.model, created=self.created,
+                                 max_model_len=self.engine.max_model_len))
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        """``GET /tokenizer_info`` (vLLM's), what remote-tokenizer clients read first."""
+        tok = self.engine.tokenizer
+
+        def token(i: int | None) -> str | None:
+            return None if i is None else tok.id_to_token(i)
+
+        return _json(p.TokenizerInfoResponse(
+            tokenizer_class="PreTrainedTokenizerFast", name_or_path=self.model,
+            bos_token=token(tok.bos_token_id), eos_token=token(tok.eos_token_id), pad_token=None,
+            add_bos_token=tok.add_bos_token, add_eos_token=tok.add_eos_token,
+            model_max_length=self.engine.max_model_len,
+            chat_template=tok.chat_template if tok.has_chat_template else None))
 
     async def tokenize(self, request: Request) -> Response:
         req = decode.decode_tokenize_request(await self._body(request), self.limits)
@@ -508,6 +583,51 @@ async def _collect(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
     raise RuntimeError("the engine stream ended before the request finished")
 
 
+async def _all[T](aws: list[Awaitable[T]]) -> list[T]:
+    """Await ``aws`` together; if one raises (or this is cancelled), cancel the others and wait
+    for them (so their engine requests are aborted) before the exception propagates."""
+    if len(aws) == 1:
+        return [await aws[0]]
+    tasks = [asyncio.ensure_future(aw) for aw in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.wait(tasks)
+
+
+async def _interleave(
+    gens: list[AsyncIterator[RequestOutput]], firsts: list[RequestOutput], budget: RequestBudget
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Every prompt's outputs, tagged with the prompt's index: ``firsts`` in order, then each
+    next output as it arrives (awaited under ``budget``: TimeoutError once it runs out)."""
+    pending: dict[asyncio.Future, int] = {}
+    try:
+        for i, out in enumerate(firsts):
+            yield i, out
+            if not out.finished:
+                pending[asyncio.ensure_future(anext(gens[i]))] = i
+        while pending:
+            done, _ = await budget.bound(
+                asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED))
+            for task in sorted(done, key=pending.__getitem__):
+                i = pending.pop(task)
+                try:
+                    out = task.result()
+                except StopAsyncIteration:
+                    raise RuntimeError("the engine stream ended before the request finished"
+                                       ) from None
+                yield i, out
+                if not out.finished:
+                    pending[asyncio.ensure_future(anext(gens[i]))] = i
+    finally:
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
@@ -533,9 +653,10 @@ def build_app(
 ) -> Starlette:
     """The OpenAI-compatible Starlette app serving ``engine`` as ``served_model_name``.
 
-    Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
-    POST /detokenize, GET /health (503 until ``engine.ready`` and while draining), GET /metrics
-    (Prometheus text), GET /openapi.json. ``config`` supplies the API key, queue bound and
+    Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET
+    /v1/models/{id}, POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /health (503
+    until ``engine.ready`` and while draining), GET /metrics (Prometheus text), GET
+    /openapi.json. ``config`` supplies the API key, queue bound and
     timeouts (default: ``ServerConfig()``), ``limits`` the per-request caps (default:
     ``RequestLimits()``); ``app.state.gate`` is the admission state that
     ``gate.run_server`` drains.
@@ -552,6 +673,8 @@ def build_app(
         Route("/v1/completions", _endpoint(api.completions), methods=["POST"]),
         Route("/v1/chat/completions", _endpoint(api.chat_completions), methods=["POST"]),
         Route("/v1/models", _endpoint(api.models), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", _endpoint(api.model_card), methods=["GET"]),
+        Route("/tokenizer_info", _endpoint(api.tokenizer_info), methods=["GET"]),
         Route("/tokenize", _endpoint(api.tokenize), methods=["POST"]),
         Route("/detokenize", _endpoint(api.detokenize), methods=["POST"]),
         Route("/health", _endpoint(api.health), methods=["GET"]),

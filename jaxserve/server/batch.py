@@ -144,12 +144,12 @@ async def process_line(api: OpenAIServer, line: bytes) -> BatchOutput:
             raise p.RequestError("stream=true is not supported in a batch file", param="stream")
         status, body = 200, _encoder.encode(await api.respond(job, request_id))
     except p.RequestError as exc:
-        status, body = exc.status, p.error_body(exc.message, exc.type, exc.status, exc.param)
+        status, body = exc.status, p.request_error_body(exc)
     except Exception as exc:  # an engine fault fails this line, not the run
         logger.exception("line %r failed", item.custom_id)
         status = 500
         body = p.error_body(f"internal server error: {type(exc).__name__}: {exc}",
-                            "server_error", 500)
+                            "server_error")
     return BatchOutput(
         id=f"batch_req_{p.random_id()}", custom_id=item.custom_id, error=None,
         response=BatchResponse(status_code=status, request_id=request_id,

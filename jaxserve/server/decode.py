@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 import msgspec
+from msgspec import UNSET
 
 from jaxserve.config import RequestLimits
 from jaxserve.errors import InvalidRequest
@@ -25,9 +26,8 @@ _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 _tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
 _detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
 
-
-
-
+UNSUPPORTED = "unsupported_parameter"
+"""The error ``code`` (OpenAI's) of a field refused because the feature is not built."""
 
 _AT_FIELD = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
 
@@ -64,6 +64,11 @@ def _check_limits(req: _SamplingFields | TokenizeRequest, limits: RequestLimits)
     n = getattr(req, "n", 1)
     if n > limits.max_n:
         raise RequestError(f"n must be at most {limits.max_n} (--max-n), got {n}", param="n")
+    prompt = getattr(req, "prompt", None)  # a batch: a list of strings or of id lists
+    batch = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+    if batch and len(prompt) > limits.max_num_prompts:
+        raise RequestError(f"prompt holds {len(prompt)} prompts; the limit is "
+                           f"{limits.max_num_prompts} (--max-num-prompts)", param="prompt")
     messages = getattr(req, "messages", None) or []
     if len(messages) > limits.max_num_messages:
         raise RequestError(
@@ -100,11 +105,11 @@ def decode_chat_request(
     }
     for name, used in unsupported_chat.items():
         if used:
-            raise RequestError(f"{name} is not supported", param=name)
+            raise RequestError(f"{name} is not supported", param=name, code=UNSUPPORTED)
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError("top_logprobs requires logprobs=true", param="top_logprobs")
     if req.echo:
-        raise RequestError("echo is not supported yet", param="echo")
+        raise RequestError("echo is not supported yet", param="echo", code=UNSUPPORTED)
     if not req.messages:
         raise RequestError("messages must hold at least one message", param="messages")
     _check_common(req)
@@ -134,7 +139,7 @@ def _check_common(req: _SamplingFields) -> None:
     }
     for name, used in unsupported.items():
         if used:
-            raise RequestError(f"{name} is not supported", param=name)
+            raise RequestError(f"{name} is not supported", param=name, code=UNSUPPORTED)
     if req.stream_options is not None and not req.stream:
         raise RequestError(
             "stream_options is only allowed with stream=true", param="stream_options"
@@ -159,22 +164,53 @@ def decode_detokenize_request(body: bytes) -> DetokenizeRequest:
     return _decode(_detokenize_decoder, body)
 
 
-def completion_prompt(req: CompletionRequest) -> str | list[int]:
-    """The single prompt of a completions request: text or token ids; raises RequestError."""
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completions request, in order: one string or token-id list, or a batch
+    (a list of strings, or a list of token-id lists; ``decode_completion_request`` capped its
+    length).
+
+    Raises:
+      RequestError: an empty list, or a list mixing strings, ids and lists (naming ``prompt``).
+    """
     p = req.prompt
     if isinstance(p, str):
-        return p
-    if p and all(isinstance(t, int) for t in p):
-        return p  # type: ignore[return-value]
-    if len(p) == 1 and isinstance(p[0], (str, list)):
-        return p[0]
+        return [p]
     if not p:
         raise RequestError("prompt must not be empty", param="prompt")
-    raise RequestError(
-        "prompt must be a string, a list of token ids, or a list holding exactly one of those "
-        "(batched prompts are not supported yet)",
-        param="prompt",
-    )
+    if all(isinstance(t, int) for t in p):
+        return [p]  # type: ignore[list-item]
+    if not (all(isinstance(t, str) for t in p) or all(isinstance(t, list) for t in p)):
+        raise RequestError("prompt must be a string, a list of token ids, a list of strings or "
+                           "a list of token-id lists (not a mix)", param="prompt")
+    return p  # type: ignore[return-value]
+
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+"""``max_tokens`` of a completions request that sends none (OpenAI's and vLLM's default)."""
+
+
+def completion_max_tokens(req: CompletionRequest) -> int | None:
+    """The requested output length of a completions request: ``max_completion_tokens`` or
+    ``max_tokens`` (default 16; null: up to the window). 0 is returned as sent (with ``echo``
+    it asks for the prompt's logprobs alone).
+
+    Raises:
+      RequestError: both given (not null) with different values, naming
+        ``max_completion_tokens``.
+    """
+    mt, mct = req.max_tokens, req.max_completion_tokens
+    if mct is None:
+        return DEFAULT_COMPLETION_MAX_TOKENS if mt is UNSET else mt
+    if mt is not UNSET and mt is not None and mt != mct:
+        raise RequestError(f"max_tokens ({mt}) and max_completion_tokens ({mct}) differ; send "
+                           "one of them", param="max_completion_tokens")
+    return mct
+
+
+def scores_prompt_only(req: CompletionRequest) -> bool:
+    """Whether a completions request only scores its prompt: ``echo`` with ``max_tokens`` 0
+    (OpenAI's form; the response holds the prompt and its logprobs, no generated token)."""
+    return bool(req.echo) and completion_max_tokens(req) == 0
 
 
 def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, str]]:
@@ -210,9 +246,19 @@ def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict[str
 
 def to_sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
     """The request's SamplingParams; an invalid value raises RequestError naming the field."""
-    max_tokens = req.max_tokens
-    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
-        max_tokens = req.max_completion_tokens
+    chat = isinstance(req, ChatCompletionRequest)
+    if chat:
+        max_tokens = req.max_tokens
+        if req.max_completion_tokens is not None:
+            max_tokens = req.max_completion_tokens
+    else:
+        max_tokens = completion_max_tokens(req)
+        if max_tokens == 0 and not req.echo:
+            name = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
+            raise RequestError(f"{name} must be at least 1, got 0 (0 is allowed with echo=true, "
+                               "to score the prompt)", param=name)
+        if max_tokens == 0:  # scoring: the prompt's logprobs come with the first step, whose
+            max_tokens = 1   # token the response leaves out
     stop = req.stop if req.stop is not None else []
     bias = None
     if req.logit_bias:
@@ -223,7 +269,7 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest) -> Sampli
             raise RequestError(f"logit_bias keys must be token ids written as decimal digits, "
                                f"got {bad[0]!r}", param="logit_bias")
         bias = {int(k): v for k, v in req.logit_bias.items()}
-    if isinstance(req, ChatCompletionRequest):
+    if chat:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         prompt_logprobs = None
     else:
@@ -255,12 +301,11 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest) -> Sampli
     except InvalidRequest as exc:
         # the engine's field name -> the request's (the message starts with the field name)
         param, msg = exc.param, str(exc)
-        chat = isinstance(req, ChatCompletionRequest)
         if param in ("logprobs", "prompt_logprobs") and chat:
             rename = "top_logprobs"
         elif param == "prompt_logprobs":
             rename = "logprobs"
-        elif param == "max_tokens" and chat and req.max_completion_tokens is not None:
+        elif param == "max_tokens" and req.max_completion_tokens is not None:
             rename = "max_completion_tokens"
         else:
             rename = param

@@ -1,10 +1,14 @@
 """Engine outputs to response bodies: usage, logprobs in the completions and chat shapes, the
-final (non-streamed) response, and the SSE chunks of a stream."""
+final (non-streamed) response, and the SSE chunks of a stream.
+
+A completions request may hold several prompts (a batch), each run as its own engine request
+with ``n`` choices; prompt ``i``'s choice ``j`` is the response's choice ``i * n + j`` (OpenAI's
+and vLLM's numbering: prompt-major, then by ``n``), and the usage sums every prompt."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 from msgspec import UNSET
@@ -31,12 +35,15 @@ from jaxserve.server.protocol import (
 # ---- building responses from engine outputs ---------------------------------------------------
 
 
-def usage_of(out: RequestOutput) -> UsageInfo:
-    """Usage of a request: prompt tokens once, generated tokens summed over choices."""
-    return usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+def usage_of(outs: Sequence[RequestOutput], prompt_only: bool = False) -> UsageInfo:
+    """Usage of a request's prompts: each prompt's tokens once, generated tokens summed over
+    every choice (none for a request that only scores its prompts)."""
+    generated = 0 if prompt_only else sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return usage(sum(len(o.prompt_token_ids) for o in outs), generated)
 
 
 LOGPROB_FLOOR = -9999.0
+"""What a logprob of -inf (or NaN) is reported as, so that bodies stay strict JSON."""
 
 
 def _lp(x: float) -> float:
@@ -44,7 +51,7 @@ def _lp(x: float) -> float:
 
 
 class LogprobFormat:
-    """How one request's logprobs are rendered.
+    """How one prompt's logprobs are rendered.
 
     Args:
       num_top: alternatives per token (the request's ``logprobs`` / ``top_logprobs``), or None
@@ -53,16 +60,20 @@ class LogprobFormat:
         request's ``skip_special_tokens``).
       echo: completions ``echo``: the prompt (``echo_text``) leads each choice's text, and with
         logprobs its tokens lead the logprobs (the first with logprob None).
+      prompt_only: ``echo`` with ``max_tokens`` 0 (scoring): the engine ran one step for the
+        prompt's logprobs; its generated token is dropped from text, logprobs and usage, and
+        each choice finishes with "length".
     Token strings are the bytes decoded as UTF-8, with U+FFFD standing for the part of a
     multi-byte character; chat entries carry the exact ``bytes``.
     """
 
     def __init__(self, num_top: int | None, token_bytes: Callable[[int], bytes],
-                 echo: bool = False, echo_text: str = "") -> None:
+                 echo: bool = False, echo_text: str = "", prompt_only: bool = False) -> None:
         self.num_top = num_top
         self.token_bytes = token_bytes
         self.echo = echo
         self.echo_text = echo_text
+        self.prompt_only = prompt_only
 
     def _text(self, t: int) -> str:
         return self.token_bytes(t).decode("utf-8", "replace")
@@ -123,24 +134,35 @@ def _join(a: CompletionLogprobs | None, b: CompletionLogprobs | None) -> Complet
 
 
 def final_response(
-    chat: bool, response_id: str, created: int, model: str, out: RequestOutput,
-    fmt: LogprobFormat | None = None,
+    chat: bool, response_id: str, created: int, model: str, outs: Sequence[RequestOutput],
+    fmts: Sequence[LogprobFormat] = (),
 ) -> CompletionResponse | ChatCompletionResponse:
-    """The non-streamed response body for a finished request (one choice per output)."""
-    fmt = fmt or LogprobFormat(None, lambda t: b"")
+    """The non-streamed response body: ``outs[i]`` is prompt ``i``'s finished output (chat: one
+    prompt), rendered with ``fmts[i]`` (default: no logprobs); choices numbered as the module
+    says."""
+    fmts = list(fmts) or [LogprobFormat(None, lambda t: b"")] * len(outs)
     if chat:
+        (out,), (fmt,) = outs, fmts
         choices = [ChatChoice(index=c.index, message=ChatMessageOut(content=c.text),
                               logprobs=fmt.chat(c.token_ids, c.logprobs or []),
                               finish_reason=c.finish_reason) for c in out.outputs]
         return ChatCompletionResponse(id=response_id, created=created, model=model,
-                                      usage=usage_of(out), choices=choices)
-    prompt_text, prompt_lp = fmt.prompt(out)
-    choices = [CompletionChoice(
-        index=c.index, text=prompt_text + c.text, finish_reason=c.finish_reason,
-        logprobs=_join(prompt_lp, fmt.completion(c.token_ids, c.logprobs or [])))
-        for c in out.outputs]
+                                      usage=usage_of(outs), choices=choices)
+    completion_choices = []
+    for i, (out, fmt) in enumerate(zip(outs, fmts, strict=True)):
+        n = len(out.outputs)
+        prompt_text, prompt_lp = fmt.prompt(out)
+        for c in out.outputs:
+            if fmt.prompt_only:
+                text, lp, reason = prompt_text, prompt_lp, "length"
+            else:
+                text, reason = prompt_text + c.text, c.finish_reason
+                lp = _join(prompt_lp, fmt.completion(c.token_ids, c.logprobs or []))
+            completion_choices.append(CompletionChoice(index=i * n + c.index, text=text,
+                                                       logprobs=lp, finish_reason=reason))
+    prompt_only = bool(fmts) and fmts[0].prompt_only
     return CompletionResponse(id=response_id, created=created, model=model,
-                              usage=usage_of(out), choices=choices)
+                              usage=usage_of(outs, prompt_only), choices=completion_choices)
 
 
 def sse_event(obj: msgspec.Struct) -> bytes:
@@ -151,18 +173,24 @@ def sse_event(obj: msgspec.Struct) -> bytes:
 class StreamFormatter:
     """Turns one request's outputs into SSE chunks, for completions or chat.
 
-    Each chunk carries one choice, with its ``index``. Completions: one chunk per non-empty text
-    delta of a choice (under echo, the prompt and its logprobs first); the last content chunk of
-    a choice carries its finish_reason. Chat: a role chunk per choice first, a chunk per content
+    Each chunk carries one choice, with its ``index`` (for a batch of prompts, numbered as the
+    module says; the prompts' chunks interleave as their outputs arrive). Completions: one chunk
+    per non-empty text delta of a choice (under echo, the prompt and its logprobs first; when
+    only scoring, then one empty chunk with finish_reason "length"); the last content chunk of a
+    choice carries its finish_reason. Chat: a role chunk per choice first, a chunk per content
     delta, then a chunk with an empty delta and the finish_reason. Logprobs ride with the chunk
     of the tokens they belong to (a stop token's entry with the last chunk of its choice). With
     include_usage every chunk has ``usage: null`` and ``end`` adds one chunk with
-    ``choices: []`` and the usage; without it no chunk has a ``usage`` key.
+    ``choices: []`` and the usage of every prompt; without it no chunk has a ``usage`` key.
+
+    Args:
+      n: choices per prompt.
+      fmts: how each prompt's logprobs are rendered (default: one prompt, no logprobs).
     """
 
     def __init__(
         self, chat: bool, response_id: str, created: int, model: str, include_usage: bool,
-        n: int = 1, fmt: LogprobFormat | None = None,
+        n: int = 1, fmts: Sequence[LogprobFormat] = (),
     ) -> None:
         self.chat = chat
         self.id = response_id
@@ -170,9 +198,9 @@ class StreamFormatter:
         self.model = model
         self.include_usage = include_usage
         self.n = n
-        self.fmt = fmt or LogprobFormat(None, lambda t: b"")
-        self._done: set[int] = set()
-        self._echoed = False
+        self.fmts = list(fmts) or [LogprobFormat(None, lambda t: b"")]
+        self._done: set[int] = set()  # choice indexes that finished
+        self._echoed: set[int] = set()  # prompts whose echo was sent
         self._offset: dict[int, int] = {}  # text offset of each choice's next token
 
     def _chunk(self, choices: list, usage: UsageInfo | None = None) -> bytes:
@@ -188,50 +216,67 @@ class StreamFormatter:
         delta = DeltaMessage(role="assistant", content="")
         return [self._chunk([ChatChunkChoice(index=i, delta=delta)]) for i in range(self.n)]
 
-    def on_output(self, out: RequestOutput) -> list[bytes]:
-        """Events for one engine output."""
+    def on_output(self, out: RequestOutput, prompt_index: int = 0) -> list[bytes]:
+        """Events for one engine output of prompt ``prompt_index``."""
         events = []
-        if not self.chat and self.fmt.echo and not self._echoed:
-            self._echoed = True
-            text, lp = self.fmt.prompt(out)
-            events += [self._chunk([CompletionChoice(index=i, text=text, logprobs=lp)])
-                       for i in range(self.n)]
-            self._offset = dict.fromkeys(range(self.n), len(text))
+        fmt, base = self.fmts[prompt_index], prompt_index * self.n
+        if not self.chat and fmt.echo and prompt_index not in self._echoed:
+            self._echoed.add(prompt_index)
+            text, lp = fmt.prompt(out)
+            for j in range(self.n):
+                events.append(self._chunk([CompletionChoice(index=base + j, text=text,
+                                                            logprobs=lp)]))
+                self._offset[base + j] = len(text)
         for c in out.outputs:
-            if c.index not in self._done:
-                events += self._choice_events(c)
+            if base + c.index not in self._done:
+                events += self._choice_events(c, base + c.index, fmt)
         return events
 
-    def _choice_events(self, c: CompletionOutput) -> list[bytes]:
+    def _choice_events(self, c: CompletionOutput, index: int, fmt: LogprobFormat
+                       ) -> list[bytes]:
         new = c.delta_token_ids
         first = len(c.token_ids) - len(new)
         entries = (c.logprobs or [])[first:first + len(new)]
         finished = c.finish_reason is not None
         if finished:
-            self._done.add(c.index)
+            self._done.add(index)
         events = []
         if self.chat:
-            lp = self.fmt.chat(new, entries) if new else None
+            lp = fmt.chat(new, entries) if new else None
             if c.delta_text or lp is not None:
                 delta = DeltaMessage(content=c.delta_text)
-                events.append(self._chunk([ChatChunkChoice(index=c.index, delta=delta,
+                events.append(self._chunk([ChatChunkChoice(index=index, delta=delta,
                                                            logprobs=lp)]))
             if finished:
-                choice = ChatChunkChoice(index=c.index, delta=DeltaMessage(),
+                choice = ChatChunkChoice(index=index, delta=DeltaMessage(),
                                          finish_reason=c.finish_reason)
                 events.append(self._chunk([choice]))
+        elif fmt.prompt_only:
+            if finished:
+                events.append(self._chunk([CompletionChoice(
+                    index=index, text="", logprobs=self._no_logprobs(fmt),
+                    finish_reason="length")]))
         elif c.delta_text or new or finished:
-            lp = self.fmt.completion(new, entries, self._offset.get(c.index, 0)) if new else None
+            lp = fmt.completion(new, entries, self._offset.get(index, 0)) if new else None
             if lp is not None and lp.tokens:
-                self._offset[c.index] = lp.text_offset[-1] + len(lp.tokens[-1])
-            if lp is None and self.fmt.num_top is not None:
-                lp = CompletionLogprobs(text_offset=[], token_logprobs=[], tokens=[],
-                                        top_logprobs=[])
-            choice = CompletionChoice(index=c.index, text=c.delta_text, logprobs=lp,
+                self._offset[index] = lp.text_offset[-1] + len(lp.tokens[-1])
+            if lp is None:
+                lp = self._no_logprobs(fmt)
+            choice = CompletionChoice(index=index, text=c.delta_text, logprobs=lp,
                                       finish_reason=c.finish_reason)
             events.append(self._chunk([choice]))
         return events
 
-    def end(self, out: RequestOutput) -> list[bytes]:
-        """Events after the finish chunks (the usage chunk), before ``[DONE]``."""
-        return [self._chunk([], usage_of(out))] if self.include_usage else []
+    @staticmethod
+    def _no_logprobs(fmt: LogprobFormat) -> CompletionLogprobs | None:
+        """The logprobs of a chunk without tokens: empty lists when logprobs were asked for."""
+        if fmt.num_top is None:
+            return None
+        return CompletionLogprobs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
+
+    def end(self, outs: Sequence[RequestOutput]) -> list[bytes]:
+        """Events after the finish chunks (the usage chunk), before ``[DONE]``; ``outs``: each
+        prompt's last output."""
+        if not self.include_usage:
+            return []
+        return [self._chunk([], usage_of(outs, self.fmts[0].prompt_only))]

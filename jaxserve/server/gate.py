@@ -61,10 +61,11 @@ def error_response(
     type: str,
     param: str | None = None,
     headers: dict[str, str] | None = None,
+    code: str | None = None,
 ) -> Response:
-    """An OpenAI-style JSON error response."""
+    """An OpenAI-style JSON error response (``code``: OpenAI's string code, or None)."""
     return Response(
-        p.error_body(message, type, status, param),
+        p.error_body(message, type, param, code),
         status_code=status,
         media_type="application/json",
         headers=headers,
@@ -137,6 +138,7 @@ class Gate:
                 "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
                 "invalid_request_error",
                 headers={"WWW-Authenticate": "Bearer"},
+                code="invalid_api_key",
             )
         if self.draining and path != "/metrics":
             return error_response(

@@ -17,7 +17,8 @@ _REF = "#/components/schemas/{name}"
 _STRUCTS = (
     p.CompletionRequest, p.ChatCompletionRequest, p.TokenizeRequest, p.DetokenizeRequest,
     p.CompletionResponse, p.ChatCompletionResponse, p.CompletionChunk, p.ChatCompletionChunk,
-    p.ModelList, p.TokenizeResponse, p.DetokenizeResponse, p.ErrorResponse,
+    p.ModelList, p.ModelCard, p.TokenizeResponse, p.DetokenizeResponse, p.TokenizerInfoResponse,
+    p.ErrorResponse,
 )  # fmt: skip
 _ERRORS = {
     "400": "invalid request",
@@ -74,6 +75,13 @@ def openapi_document(api_key: bool) -> dict:
             "Chat completion", p.ChatCompletionRequest, p.ChatCompletionResponse,
             p.ChatCompletionChunk)},
         "/v1/models": {"get": _op("The served model", _json(p.ModelList, "the model list"))},
+        "/v1/models/{model_id}": {"get": {
+            **_op("The served model by id", _json(p.ModelCard, "the model"), errors=("404",)),
+            "parameters": [{"name": "model_id", "in": "path", "required": True,
+                            "schema": {"type": "string"}}]}},
+        "/tokenizer_info": {"get": _op(
+            "The tokenizer's special tokens, chat template and settings (vLLM's)",
+            _json(p.TokenizerInfoResponse, "the tokenizer settings"))},
         "/tokenize": {"post": _op("Token ids of a prompt or chat messages",
                                   _json(p.TokenizeResponse, "the token ids"),
                                   p.TokenizeRequest, ("400", "404", "413"))},

@@ -25,6 +25,8 @@ class RequestError(Exception):
       status: HTTP status (400 by default; 404 for unknown models and routes).
       type: OpenAI error type ("invalid_request_error", "not_found_error", ...).
       param: the offending request field, or None.
+      code: OpenAI's machine-readable code ("model_not_found", "context_length_exceeded",
+        ...), or None where OpenAI sends none.
     """
 
     def __init__(
@@ -34,24 +36,27 @@ class RequestError(Exception):
         status: int = 400,
         type: str = "invalid_request_error",
         param: str | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.type = type
         self.param = param
+        self.code = code
 
 
 # ---- errors ---------------------------------------------------------------------------------
 
 
 class ErrorInfo(msgspec.Struct, kw_only=True):
-    """The ``error`` object of an OpenAI error body (``code``: the HTTP status)."""
+    """The ``error`` object of an OpenAI error body. ``code`` is a string or null, as OpenAI
+    sends it (the HTTP status is the response's, not a field)."""
 
     message: str
     type: str
     param: str | None = None
-    code: int | None = None
+    code: str | None = None
 
 
 class ErrorResponse(msgspec.Struct, kw_only=True):
@@ -60,11 +65,17 @@ class ErrorResponse(msgspec.Struct, kw_only=True):
     error: ErrorInfo
 
 
-def error_body(message: str, type: str, status: int, param: str | None = None) -> bytes:
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None
+               ) -> bytes:
     """An OpenAI-style error body as JSON bytes."""
     return msgspec.json.encode(
-        ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=status))
+        ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
     )
+
+
+def request_error_body(exc: RequestError) -> bytes:
+    """The error body of a ``RequestError``."""
+    return error_body(exc.message, exc.type, exc.param, exc.code)
 
 
 # ---- requests -------------------------------------------------------------------------------
@@ -119,11 +130,14 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
-    """Body of ``POST /v1/completions``. ``prompt`` holds one prompt: a string, a list of token
-    ids, or a list holding exactly one of those."""
+    """Body of ``POST /v1/completions``. ``prompt``: a string, a list of token ids, or a batch (a
+    list of strings or of token-id lists; ``decode.completion_prompts`` checks the shape).
+    ``max_completion_tokens`` (OpenAI's newer name) is taken as ``max_tokens``; ``max_tokens``
+    is UNSET when the body has no such key (default 16)."""
 
     prompt: str | list[int | str | list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None | UnsetType = UNSET
+    max_completion_tokens: int | None = None
     echo: bool | None = False
     logprobs: int | None = None
     top_logprobs: int | None = None
@@ -343,7 +357,7 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
 
 
 class ModelCard(msgspec.Struct, kw_only=True):
-    """One served model in ``/v1/models``."""
+    """One served model: an item of ``/v1/models`` and the body of ``/v1/models/{id}``."""
 
     id: str
     object: str = "model"
@@ -357,4 +371,19 @@ class ModelList(msgspec.Struct, kw_only=True):
 
     object: str = "list"
     data: list[ModelCard]
-"""What a logprob of -inf (or NaN) is reported as, so that bodies stay strict JSON."""
+
+
+class TokenizerInfoResponse(msgspec.Struct, kw_only=True):
+    """``GET /tokenizer_info`` (vLLM's): the tokenizer's settings under the keys of a Hugging
+    Face tokenizer config, which remote-tokenizer clients (lm-evaluation-harness) read; the
+    ``/tokenize`` and ``/detokenize`` endpoints do the work. A token the model lacks is null."""
+
+    tokenizer_class: str
+    name_or_path: str
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    add_bos_token: bool
+    add_eos_token: bool
+    model_max_length: int
+    chat_template: str | None

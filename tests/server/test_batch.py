@@ -99,8 +99,9 @@ def test_mixed_file_one_line_each_in_input_order() -> None:
     assert short["body"]["choices"][0]["finish_reason"] == "length"
     assert long["body"]["id"] == long["request_id"]
     err = rows[6]["response"]["body"]["error"]
-    assert err["param"] == "temperature" and err["code"] == 400
+    assert err["param"] == "temperature" and err["code"] is None
     assert rows[7]["response"]["body"]["error"]["type"] == "not_found_error"
+    assert rows[7]["response"]["body"]["error"]["code"] == "model_not_found"
     assert rows[8]["response"]["body"]["error"]["param"] == "stream"
     assert engine.peak >= 2  # the three good lines overlapped in the engine
     assert engine.running == set() and engine.aborted == []

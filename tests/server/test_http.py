@@ -10,9 +10,9 @@ deltas, NS = the text of the same request with ``stream=false``.
 
 Semantics asserted where a case leaves a choice:
 
-- Prompts (case 18): only single prompts are supported. ``prompt=""``, ``[""]``, ``[]``, ``[[]]`` and
-  chat ``messages=[]`` are all 400 with an OpenAI-style error body (SmolLM2 adds no BOS, so an empty
-  prompt has 0 tokens and is rejected, not completed).
+- Prompts (case 18): ``prompt=""``, ``[""]``, ``[]``, ``[[]]`` (empty, alone or in a batch; batches
+  are tested in test_batched_http.py) and chat ``messages=[]`` are all 400 with an OpenAI-style
+  error body (SmolLM2 adds no BOS, so an empty prompt has 0 tokens and is rejected, not completed).
 - Over-long prompts (case 19): a prompt of >= max_model_len tokens is 400, also for stream=true (the
   server awaits the engine's first output before sending any byte); the message names the prompt
   length and max_model_len.

@@ -82,7 +82,7 @@ def test_overload_refuses_with_503_and_completes_the_admitted(engine) -> None:
     for r in responses:
         if r.status_code == 503:
             err = r.json()["error"]
-            assert r.headers["retry-after"] == "1" and err["code"] == 503
+            assert r.headers["retry-after"] == "1" and err["code"] is None
             assert err["type"] == "server_error" and "overloaded" in err["message"]
         else:
             choice = r.json()["choices"][0]

@@ -12,7 +12,7 @@ Semantics asserted (docs/api.md#behaviour-chosen-where-the-openai-api-leaves-roo
   token (0: an empty list / dict), and one entry per generated token (a stop token included), so
   ``len(entries) == usage.completion_tokens``.
 - ``echo=true`` with ``logprobs`` returns the prompt's tokens first, the first with logprob
-  null; ``max_tokens=0`` (prompt scoring) is a 400.
+  null; with ``max_tokens=0`` (prompt scoring) only those.
 - ``top_k`` >= vocabulary size means off; ``top_k`` < -1, ``top_p`` = 0, ``min_p`` > 1 and
   non-finite numbers are 400s.
 """
@@ -179,9 +179,14 @@ def test_echo_with_logprobs(http, kw) -> None:
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
     events = _sse(http, COMPL, body)
     assert "".join(ch["choices"][0]["text"] for ch in events) == c["text"]
-    # prompt scoring alone (max_tokens 0) is not supported: a clean 400
-    _error(http.post(COMPL, json={"prompt": prompt, "echo": True, "logprobs": 1,
-                                  "max_tokens": 0}), "max_tokens")
+    # scoring the prompt alone (max_tokens 0): its entries, whatever the sampling settings
+    scored = _post(http, COMPL, {**body, "max_tokens": 0})
+    s = scored["choices"][0]
+    assert s["text"] == prompt and scored["usage"]["completion_tokens"] == 0
+    assert s["logprobs"]["token_logprobs"] == lp["token_logprobs"][:usage["prompt_tokens"]]
+    # without echo, max_tokens 0 is a 400
+    _error(http.post(COMPL, json={"prompt": prompt, "logprobs": 1, "max_tokens": 0}),
+           "max_tokens")
 
 
 # ---- case 16: exactly N alternatives, raw values ----------------------------------------------

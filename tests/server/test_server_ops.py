@@ -6,7 +6,7 @@ JSON logs, /tokenize and /detokenize, and /openapi.json.
 Semantics chosen (docs/api.md#behaviour-chosen-where-the-openai-api-leaves-room): a wrong or missing key is 401; a full queue or a draining
 server is 503 with ``Retry-After``; a timed-out request is 504 (``timeout_error``) or, once a
 stream has started, an error event then ``[DONE]``; the drain answers what is left at its
-timeout with 503 / an error event with code 503, and the process exits 0.
+timeout with 503 / an error event (``server_error``), and the process exits 0.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -56,7 +57,8 @@ def assert_error(resp: httpx.Response, status: int) -> dict:
     assert resp.status_code == status, resp.text
     assert resp.headers["content-type"].startswith("application/json")
     err = resp.json()["error"]
-    assert err["message"] and err["type"] and err["code"] == status
+    assert err["message"] and err["type"]
+    assert err["code"] is None or isinstance(err["code"], str)  # as OpenAI: never the status
     return err
 
 
@@ -245,7 +247,7 @@ def test_request_timeout_mid_stream_sends_error_then_done() -> None:
     data = sse(resp.text)
     assert len(data) > 3 and json.loads(data[0])["choices"][0]["text"] == "H"
     err = json.loads(data[-2])["error"]
-    assert err["code"] == 504 and err["type"] == "timeout_error"
+    assert err["code"] is None and err["type"] == "timeout_error"
     assert engine.aborted == ["cmpl-t3"] and engine.running == set()
 
 
@@ -347,7 +349,7 @@ def test_sigterm_drain_timeout_aborts_the_rest_and_exits_0() -> None:
         assert time.monotonic() - t0 < 10
         assert data[-1] == "[DONE]"
         err = json.loads(data[-2])["error"]
-        assert err["code"] == 503 and "shut down" in err["message"]
+        assert err["type"] == "server_error" and "shut down" in err["message"]
         logs = _logs(proc)
     finally:
         proc.kill()
@@ -438,7 +440,9 @@ def test_openapi_document(api_key: str | None) -> None:
     client, _ = make(ServerConfig(api_key=api_key))
     doc = client.get("/openapi.json").json()
     assert doc["openapi"].startswith("3.1")
-    routes = {r.path: {m.lower() for m in r.methods if m != "HEAD"}
+    # OpenAPI writes a path parameter as {name}; Starlette's route may add a converter
+    routes = {re.sub(r"\{(\w+):\w+\}", r"{\1}", r.path): {m.lower() for m in r.methods
+                                                          if m != "HEAD"}
               for r in client.app.routes if isinstance(r, Route)}  # type: ignore[attr-defined]
     assert {path: set(ops) for path, ops in doc["paths"].items()} == routes
     schemas = doc["components"]["schemas"]

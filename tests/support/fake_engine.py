@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from jaxserve.engine.metrics import EngineMetrics
-from jaxserve.errors import InvalidRequest
+from jaxserve.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequest
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -23,6 +23,16 @@ class FakeTokenizer:
 
     vocab_size = 0x110000
     eos_token_ids = frozenset({EOS})
+    bos_token_id = None
+    eos_token_id = EOS
+    add_bos_token = False
+    add_eos_token = False
+    has_chat_template = True
+    chat_template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+    def id_to_token(self, token_id: int) -> str:
+        return chr(token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(ch) for ch in text]
@@ -103,7 +113,7 @@ class FakeEngine:
             raise InvalidRequest("prompt is empty", param="prompt")
         if n >= self.max_model_len:
             raise InvalidRequest(f"prompt has {n} tokens; max_model_len is {self.max_model_len}",
-                                 param="prompt")
+                                 param="prompt", code=CONTEXT_LENGTH_EXCEEDED)
         for t in prompt_token_ids:
             if not 0 <= t < self.tokenizer.vocab_size:
                 raise InvalidRequest(
