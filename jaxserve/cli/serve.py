@@ -18,6 +18,7 @@ from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.data_parallel import build_data_parallel
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.metrics import EngineMetrics
+from jaxserve.loading.load import served_name
 from jaxserve.server.app import OpenAIServer, build_app
 from jaxserve.server.batch import read_lines, run_batch_file
 from jaxserve.server.gate import run_server
@@ -40,7 +41,7 @@ def check_port_free(host: str, port: int) -> None:
 def start_engine(cfg: EngineConfig, load: LoadConfig, out: typing.TextIO) -> AsyncEngine:
     """Load the model and compile every step program, printing progress to ``out``."""
     t0 = time.perf_counter()
-    engine = LLMEngine(cfg, load, metrics=EngineMetrics())
+    engine = LLMEngine(cfg, load, metrics=EngineMetrics(served_name(load)))
     print(f"loaded {engine.model_name} in {engine.load_s:.1f} s ({engine.weights_summary()}, "
           f"{engine.num_blocks} KV blocks of {cfg.block_size} tokens "
           f"({engine.kv_cache_summary()}), max_model_len "
@@ -78,7 +79,7 @@ def serve(ns: argparse.Namespace) -> None:
         aeng = build_data_parallel(cfg, load, ns.data_parallel_size)
         engine = aeng.replicas[0].engine
     else:
-        engine = LLMEngine(cfg, load, metrics=EngineMetrics())
+        engine = LLMEngine(cfg, load, metrics=EngineMetrics(served_name(load)))
         aeng = AsyncEngine(engine)
     print(f"loaded {engine.model_name} in {engine.load_s:.1f} s ({engine.weights_summary()}, "
           f"{engine.num_blocks} KV blocks of {cfg.block_size} tokens "

@@ -23,6 +23,7 @@ from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.metrics import EngineMetrics
+from jaxserve.loading.load import served_name
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -175,7 +176,8 @@ def build_data_parallel(config: EngineConfig, load: LoadConfig, data_parallel_si
                          f"devices; {len(devs)} available ({jax.default_backend()})")
     replicas = []
     for i in range(dp):
-        eng = LLMEngine(config, load, metrics=EngineMetrics() if with_metrics else None,
+        metrics = EngineMetrics(served_name(load)) if with_metrics else None
+        eng = LLMEngine(config, load, metrics=metrics,
                         devices=devs[i * tp:(i + 1) * tp])
         replicas.append(AsyncEngine(eng))
     return DataParallelEngine(replicas)

@@ -205,12 +205,13 @@ def _chat_stream(client, q, **kw):
 
 
 def _metrics(http) -> dict[str, float]:
+    """The ``jaxserve:`` samples labelled with the model name alone, by name."""
     text = http.get("/metrics").text
     out = {}
     for line in text.splitlines():
-        if line.startswith("jaxserve:") and "{" not in line:
+        if line.startswith("jaxserve:") and line.count("=") <= 1:
             name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
+            out[name.removesuffix(f'{{model_name="{MODEL}"}}')] = float(value)
     return out
 
 

@@ -211,10 +211,11 @@ def _bench_ns(ns: argparse.Namespace, base_url: str, concurrency: int, num_promp
 
 
 def _scrape(text: str) -> dict[str, float]:
+    """Each sample with no label but ``model_name`` (one model is served), by name."""
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if not s.labels:
+            if set(s.labels) <= {"model_name"}:
                 out[s.name] = s.value
     return out
 
