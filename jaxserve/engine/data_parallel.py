@@ -13,7 +13,7 @@ vLLM's data-parallel front end does.
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import jax
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -98,10 +98,20 @@ class DataParallelEngine:
         """True once every replica has compiled its programs."""
         return all(r.ready for r in self.replicas)
 
-    def start(self, warmup: bool = True, progress: bool = True) -> None:
-        """Warm up and start every replica (one after another)."""
+    @property
+    def alive(self) -> bool:
+        """False once any replica's engine thread has died."""
+        return all(r.alive for r in self.replicas)
+
+    def start(self, warmup: bool = True, progress: bool = True,
+              on_compiled: Callable[[int, int], None] | None = None) -> None:
+        """Warm up and start every replica (one after another); ``on_compiled(done, total)``
+        counts the programs of all replicas."""
+        n = len(self.replicas)
         for i, r in enumerate(self.replicas):
-            r.start(warmup=warmup, progress=progress)
+            report = None if on_compiled is None else (
+                lambda done, total, i=i: on_compiled(i * total + done, n * total))
+            r.start(warmup=warmup, progress=progress, on_compiled=report)
             if i == 0:
                 self.warmup_stats = dict(r.warmup_stats)
             elif r.warmup_stats:

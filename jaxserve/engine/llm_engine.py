@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -158,14 +158,21 @@ class LLMEngine:
         """One line for start-up logs: the KV cache's dtype, size per token and scales."""
         return self.kv_layout.summary()
 
-    def warmup(self, progress: bool = True) -> dict[str, float]:
+    def warmup(self, progress: bool = True,
+               on_compiled: Callable[[int, int], None] | None = None) -> dict[str, float]:
         """Compile every step program (and the host tier's copy programs); returns
-        {"num_programs", "compile_s"}."""
-        stats = self.runner.warmup(progress)
+        {"num_programs", "compile_s"}. ``on_compiled(done, total)`` is called as step programs
+        compile (``ModelRunner.warmup``)."""
+        stats = self.runner.warmup(progress, on_compiled)
         if self.host_kv is not None:
             host = self.host_kv.warmup()
             stats = {k: stats[k] + host[k] for k in stats}
         return stats
+
+    def probe(self) -> float:
+        """Run one step of the smallest program on the padding block and wait for it (no
+        request, no metrics); returns its seconds. Start-up runs it once after ``warmup``."""
+        return self.runner.probe()
 
     # -- requests ------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:

@@ -142,4 +142,5 @@ def test_tokens_in_flight_and_prefill_backlog_follow_the_engine() -> None:
     assert metrics.registry.get_sample_value(
         "jaxserve:cache_config_info",
         {**label, "block_size": "16", "num_gpu_blocks": str(eng.num_blocks)}) == 1
+    assert eng.probe() > 0  # the start-up probe step leaves no trace in the series
     assert gauge("prompt_tokens_total") == 50
