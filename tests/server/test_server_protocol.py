@@ -265,9 +265,10 @@ def test_models_health_metrics() -> None:
     assert [(m["id"], m["object"], m["max_model_len"]) for m in models["data"]] == [
         (MODEL, "model", engine.max_model_len)
     ]
-    assert client.get("/health").status_code == 200
-    engine.ready = False
-    assert_error(client.get("/health"), 503)
+    assert client.get("/health").json() == {"status": "ok"}
+    engine.alive = False  # the engine thread died
+    err = assert_error(client.get("/health"), 500)
+    assert "died" in err["message"]
     client.post(COMPL, json={"prompt": "x", "max_tokens": 2})
     resp = client.get("/metrics")
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")

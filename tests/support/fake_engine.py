@@ -68,7 +68,7 @@ class FakeEngine:
         self.max_model_len = max_model_len
         self.model_name = "fake-model"
         self.metrics = EngineMetrics(self.model_name)
-        self.ready = True
+        self.alive = True
         self.script = script
         self.step_s = step_s
         self.fail_after = fail_after
