@@ -195,6 +195,7 @@ class LoadConfig:
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
+METRICS_COMPAT = ("vllm",)
 API_KEY_ENV = "JAXSERVE_API_KEY"
 """Where ``jaxserve serve`` reads the API key from when ``--api-key`` is not given."""
 
@@ -240,7 +241,7 @@ class ServerConfig:
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "port to listen on (0: any free)"})
-    # else 401; /health, /metrics and /openapi.json stay open
+    # else 401; /health, /ready, /metrics and /openapi.json stay open
     api_key: str | None = field(default=None, metadata={
         "help": f"require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize; when "
                 f"not given, ${API_KEY_ENV} if set"})
@@ -252,8 +253,16 @@ class ServerConfig:
     request_timeout_s: float | None = field(default=None, metadata={
         "help": "abort a generation request unfinished after this many seconds (504); None: no "
                 "limit"})
-    drain_timeout_s: float = field(default=30.0, metadata={
+    # vLLM's and uvicorn's flag names (seconds both); see docs/configuration.md#kubernetes
+    shutdown_timeout: float = field(default=30.0, metadata={
         "help": "on SIGTERM, seconds in-flight requests get to finish before they are aborted"})
+    timeout_keep_alive: int = field(default=120, metadata={
+        "help": "seconds an idle keep-alive connection stays open (sent as 'Keep-Alive: "
+                "timeout=N'); above the idle timeout of the proxies in front"})
+    metrics_compat: str | None = field(default=None, metadata={
+        "help": "vllm: /metrics also exports the series vLLM has under vLLM's names (vllm:*), "
+                "for routers and autoscalers set up for vLLM; unset: jaxserve:* names only",
+        "choices": METRICS_COMPAT})
     log_level: str = field(default="info", metadata={"help": "log level", "choices": LOG_LEVELS})
     log_format: str = field(default="text", metadata={
         "help": "text, or json: one object per line (time, level, logger, message, request_id)",
@@ -268,8 +277,12 @@ class ServerConfig:
             raise ValueError(f"{self.max_waiting_requests=} must be >= 1")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ValueError(f"{self.request_timeout_s=} must be > 0")
-        if not self.drain_timeout_s >= 0:
-            raise ValueError(f"{self.drain_timeout_s=} must be >= 0")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"{self.shutdown_timeout=} must be >= 0")
+        if self.timeout_keep_alive < 1:
+            raise ValueError(f"{self.timeout_keep_alive=} must be >= 1")
+        if self.metrics_compat not in (None, *METRICS_COMPAT):
+            raise ValueError(f"{self.metrics_compat=} must be None or one of {METRICS_COMPAT}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"{self.log_level=} must be debug, info, warning or error")
         if self.log_format not in LOG_FORMATS:

@@ -47,7 +47,7 @@ def main() -> None:
     from jaxserve.config import EngineConfig, LoadConfig
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.engine.metrics import EngineMetrics
-    from jaxserve.loading.load import resolve_dtype
+    from jaxserve.loading.load import resolve_dtype, served_name
     from jaxserve.sampling_params import SamplingParams
     from models.config import builtin_config
     from pallas_kernels import kv_cache_bytes_per_block
@@ -70,14 +70,16 @@ def main() -> None:
                                                  mc.head_dim, resolve_dtype("auto"))
             blocks = (num_prompts + 1) * -(-a.prompt_len // a.block_size)
             cfg = cfg.replace(kv_offloading_size=blocks * per_block / 2**30)
-        engine = LLMEngine(cfg, LoadConfig(a.model, a.load_format), metrics=EngineMetrics())
+        load = LoadConfig(a.model, a.load_format)
+        engine = LLMEngine(cfg, load, metrics=EngineMetrics(served_name(load)))
         engine.warmup(progress=False)
         reg = engine.metrics.registry
         ttfts: list[list[float]] = []
         prefill: list[float] = []
         for r in range(a.rounds):
             ttfts.append([])
-            before = reg.get_sample_value("jaxserve:prompt_tokens_total") or 0.0
+            label = {"model_name": engine.model_name}
+            before = reg.get_sample_value("jaxserve:prompt_tokens_total", label) or 0.0
             for i, prefix in enumerate(prompts):
                 ids = prefix + rng.integers(100, vocab, a.suffix_len).tolist()
                 engine.add_request(f"r{r}-{i}", ids, params)
@@ -88,7 +90,8 @@ def main() -> None:
                     if first is None and outs:
                         first = time.perf_counter()
                 ttfts[-1].append(1000 * (first - t0))
-            prefill.append((reg.get_sample_value("jaxserve:prompt_tokens_total") or 0.0) - before)
+            prefill.append((reg.get_sample_value("jaxserve:prompt_tokens_total", label) or 0.0)
+                           - before)
         later = [t for rnd in ttfts[1:] for t in rnd]
         st = engine.scheduler.kv_stats
         key = "host_tier" if host else "recompute"

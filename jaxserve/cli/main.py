@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module, text in (
             ("step", step, ("one engine step's time per batch size and sampling mode, split "
                            "into device and host")),
-            ("startup", startup, ("seconds from launching 'jaxserve serve' to /health 200, cold "
+            ("startup", startup, ("seconds from launching 'jaxserve serve' to /ready 200, cold "
                                  "and warm compilation cache")),
             ("prefix-cache", prefix_cache, ("requests sharing a long system prompt with prefix "
                                            "caching off and on: prefill tokens and TTFT"))):

@@ -1,9 +1,14 @@
-"""``jaxserve serve`` and ``jaxserve run-batch``: load, compile every step program, then serve
-HTTP until SIGTERM has drained the server (or SIGINT stops it), or run an OpenAI Batch file."""
+"""``jaxserve serve`` and ``jaxserve run-batch``.
+
+serve: bind the HTTP port at once (``/health`` and ``/ready`` answer from then on), load the
+model and compile every step program on a thread (``/ready`` reports the stage), open the
+model endpoints, and serve until SIGTERM has drained the server (or SIGINT stops it).
+run-batch: load and compile, then run an OpenAI Batch file."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 import time
@@ -15,12 +20,14 @@ from jaxserve.cli.args import engine_config_from_args, limits_from_args, server_
 from jaxserve.cli.multihost import initialize
 from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.engine.data_parallel import build_data_parallel
+from jaxserve.engine.data_parallel import DataParallelEngine, build_data_parallel
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.metrics import EngineMetrics
+from jaxserve.loading.load import served_name
 from jaxserve.server.app import OpenAIServer, build_app
 from jaxserve.server.batch import read_lines, run_batch_file
 from jaxserve.server.gate import run_server
+from jaxserve.server.lifecycle import Lifecycle
 from jaxserve.server.logs import configure_logging
 
 
@@ -40,7 +47,7 @@ def check_port_free(host: str, port: int) -> None:
 def start_engine(cfg: EngineConfig, load: LoadConfig, out: typing.TextIO) -> AsyncEngine:
     """Load the model and compile every step program, printing progress to ``out``."""
     t0 = time.perf_counter()
-    engine = LLMEngine(cfg, load, metrics=EngineMetrics())
+    engine = LLMEngine(cfg, load, metrics=EngineMetrics(served_name(load)))
     print(f"loaded {engine.model_name} in {engine.load_s:.1f} s ({engine.weights_summary()}, "
           f"{engine.num_blocks} KV blocks of {cfg.block_size} tokens "
           f"({engine.kv_cache_summary()}), max_model_len "
@@ -54,7 +61,9 @@ def start_engine(cfg: EngineConfig, load: LoadConfig, out: typing.TextIO) -> Asy
 
 
 def serve(ns: argparse.Namespace) -> None:
-    """Load, compile, then serve until SIGTERM has drained the server or SIGINT stops it."""
+    """Bind the port, load and compile on a thread, then serve until SIGTERM has drained the
+    server or SIGINT stops it (the module docstring)."""
+    t0 = time.perf_counter()
     if ns.model and ns.model_opt and ns.model != ns.model_opt:
         raise ValueError(f"MODEL {ns.model!r} and --model {ns.model_opt!r} disagree")
     server_cfg = server_config_from_args(ns)
@@ -69,37 +78,58 @@ def serve(ns: argparse.Namespace) -> None:
                 f"with --num-processes {ns.num_processes} the model spans every process's "
                 f"devices: --tensor-parallel-size must be {len(jax.devices())}, got {tp}")
     if ns.process_id == 0:
-        check_port_free(server_cfg.host, server_cfg.port)  # fail before minutes of loading
+        check_port_free(server_cfg.host, server_cfg.port)  # a clear error before anything runs
     configure_logging(server_cfg.log_level, server_cfg.log_format)
     cfg = engine_config_from_args(ns)
     load = LoadConfig(ns.model or ns.model_opt, ns.load_format, ns.served_model_name)
-    t0 = time.perf_counter()
+    name = served_name(load)
+    if multi and ns.process_id != 0:  # a follower: same programs, steps from process 0
+        engine = _load(cfg, load, ns, name)[1]
+        engine.warmup(progress=False)
+        steps = engine.runner.follow()
+        print(f"process {ns.process_id}: process 0 stopped after {steps} steps", flush=True)
+        return
+    started: list[tuple[AsyncEngine | DataParallelEngine, LLMEngine]] = []
+
+    def start(lifecycle: Lifecycle) -> AsyncEngine | DataParallelEngine:
+        aeng, engine = _load(cfg, load, ns, name)
+        started.append((aeng, engine))
+        aeng.start(warmup=True, progress=True, on_compiled=lifecycle.compiling)
+        st = aeng.warmup_stats
+        print(f"compiled {int(st['num_programs'])} programs in {st['compile_s']:.1f} s; ready in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+        return aeng
+
+    finished = False
+    try:
+        finished = run_server(build_app(None, name, server_cfg, limits), start)
+    finally:
+        for aeng, engine in started:
+            aeng.shutdown()
+            if multi and finished:
+                engine.runner.stop_followers()
+    if not finished:  # stopped during start-up: the loading thread cannot be cancelled
+        print("stopped before the model was ready", file=sys.stderr, flush=True)
+        os._exit(0)
+
+
+def _load(cfg: EngineConfig, load: LoadConfig, ns: argparse.Namespace, name: str
+          ) -> tuple[AsyncEngine | DataParallelEngine, LLMEngine]:
+    """Load the engine(s) (unstarted) and print the start-up line; returns the engine the
+    server talks to and the first ``LLMEngine``."""
     if ns.data_parallel_size > 1:
-        aeng = build_data_parallel(cfg, load, ns.data_parallel_size)
-        engine = aeng.replicas[0].engine
+        dp = build_data_parallel(cfg, load, ns.data_parallel_size)
+        aeng: AsyncEngine | DataParallelEngine = dp
+        engine = dp.replicas[0].engine
     else:
-        engine = LLMEngine(cfg, load, metrics=EngineMetrics())
+        engine = LLMEngine(cfg, load, metrics=EngineMetrics(name))
         aeng = AsyncEngine(engine)
     print(f"loaded {engine.model_name} in {engine.load_s:.1f} s ({engine.weights_summary()}, "
           f"{engine.num_blocks} KV blocks of {cfg.block_size} tokens "
           f"({engine.kv_cache_summary()}), max_model_len "
           f"{engine.max_model_len}, {ns.data_parallel_size} replica(s) x "
           f"{cfg.tensor_parallel_size} device(s))", flush=True)
-    if multi and ns.process_id != 0:  # a follower: same programs, steps from process 0
-        engine.warmup(progress=False)
-        steps = engine.runner.follow()
-        print(f"process {ns.process_id}: process 0 stopped after {steps} steps", flush=True)
-        return
-    aeng.start(warmup=True, progress=True)
-    st = aeng.warmup_stats
-    print(f"compiled {int(st['num_programs'])} programs in {st['compile_s']:.1f} s; ready in "
-          f"{time.perf_counter() - t0:.1f} s", flush=True)
-    try:
-        run_server(build_app(aeng, engine.model_name, server_cfg, limits))
-    finally:
-        aeng.shutdown()
-        if multi:
-            engine.runner.stop_followers()
+    return aeng, engine
 
 
 def run_batch(ns: argparse.Namespace) -> None:

@@ -152,6 +152,22 @@ class Scheduler:
         """True while any sequence is waiting or running."""
         return self.num_unfinished() > 0
 
+    def num_tokens_pending(self) -> tuple[int, int]:
+        """Work left in the waiting and running sequences, in tokens: ``(prefill, decode)``.
+
+        prefill: tokens to compute before a sequence samples again, beyond the one token a
+          decode step feeds (a fresh prompt's uncomputed part; for a preempted sequence that
+          recomputes, its prompt and outputs but the last). Prefix-cache hits not yet looked
+          up are counted, so this is an upper bound.
+        decode: tokens still to generate, up to each sequence's (clamped) ``max_tokens``.
+        """
+        prefill = decode = 0
+        for seq in (*self.running, *self.waiting):
+            num_out = len(seq.token_ids) - seq.num_prompt_tokens
+            prefill += max(0, len(seq.token_ids) - seq.num_computed_tokens - (num_out > 0))
+            decode += seq.max_tokens - num_out
+        return prefill, decode
+
     def add(self, seq: SeqState) -> None:
         """Queue a fresh sequence (no computed tokens, no blocks) at the back of ``waiting``.
 

@@ -19,7 +19,7 @@ under a second flag, so ordinary steps keep computing logits for the sampled row
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -220,11 +220,13 @@ class ModelRunner:
 
         return step
 
-    def warmup(self, progress: bool = True) -> dict[str, float]:
+    def warmup(self, progress: bool = True,
+               on_compiled: Callable[[int, int], None] | None = None) -> dict[str, float]:
         """Compile every bucket's program (once; the persistent cache makes reruns cheap).
 
         Returns {"num_programs", "compile_s"}; the programs are one per bucket plus the
-        logit_bias row writer.
+        logit_bias row writer. ``on_compiled(done, total)`` is called before the first bucket
+        (``done`` 0) and after each, ``total`` counting the buckets not compiled yet.
         """
         t0 = time.perf_counter()
         if self._set_bias is None:
@@ -237,14 +239,27 @@ class ModelRunner:
         bar = None
         if progress:
             bar = tqdm(total=len(todo), desc="compiling step programs", unit="program")
-        for b in todo:
+        if on_compiled is not None:
+            on_compiled(0, len(todo))
+        for i, b in enumerate(todo):
             self.compile_bucket(b)
             if bar is not None:
                 bar.update(1)
+            if on_compiled is not None:
+                on_compiled(i + 1, len(todo))
         if bar is not None:
             bar.close()
         return {"num_programs": float(len(self.buckets) + 1),
                 "compile_s": time.perf_counter() - t0}
+
+    def probe(self) -> float:
+        """Run the smallest bucket's program once on one greedy token in the padding block
+        (block 0, which no request holds) and wait for the sampled id; returns the seconds it
+        took. Proves that a compiled program runs, not only that it compiled."""
+        t0 = time.perf_counter()
+        bucket, packed = self.pack_step([[0]], [0], [[0]], [RowParams(0.0, 0, 1.0, 0, 0)])
+        self.execute(bucket, packed)  # StepOutput.ids is already on the host
+        return time.perf_counter() - t0
 
     def compile_bucket(self, bucket: Bucket) -> None:
         """Compile one bucket's step program (``warmup`` compiles them all).

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from jaxserve.engine.llm_engine import LLMEngine
@@ -35,7 +35,7 @@ class AsyncEngine:
     """Async front of an ``LLMEngine``; what the HTTP server talks to.
 
     Attributes: ``tokenizer``, ``max_model_len``, ``metrics``, ``model_name``, ``ready`` (True
-    once warm-up has compiled every program).
+    once warm-up has compiled every program and the probe step ran).
     """
 
     def __init__(self, engine: LLMEngine) -> None:
@@ -55,13 +55,23 @@ class AsyncEngine:
         self.warmup_stats: dict[str, float] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------
-    def start(self, warmup: bool = True, progress: bool = True) -> None:
-        """Compile every program (blocking), then start the engine thread."""
+    def start(self, warmup: bool = True, progress: bool = True,
+              on_compiled: Callable[[int, int], None] | None = None) -> None:
+        """Compile every program and run one probe step (blocking; ``on_compiled(done, total)``
+        follows the compiles, as ``LLMEngine.warmup``), then start the engine thread."""
         if warmup:
-            self.warmup_stats = self.engine.warmup(progress)
+            self.warmup_stats = self.engine.warmup(progress, on_compiled)
+            self.warmup_stats["probe_s"] = self.engine.probe()
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
         self.ready = True
+
+    @property
+    def alive(self) -> bool:
+        """False once the engine thread has ended without ``shutdown()`` (it died; the error
+        is logged); True before it starts."""
+        thread = self._thread
+        return thread is None or thread.is_alive() or self._stop.is_set()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the engine thread (in-flight requests are left unfinished)."""
@@ -157,6 +167,12 @@ class AsyncEngine:
             self._num_engine_waiting = self.engine.num_waiting
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception:
+            log.exception("the engine thread died; /health reports it")
+
+    def _loop(self) -> None:
         eng = self.engine
         while not self._stop.is_set():
             block = not eng.has_unfinished_requests()

@@ -13,7 +13,7 @@ vLLM's data-parallel front end does.
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import jax
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -23,6 +23,7 @@ from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.metrics import EngineMetrics
+from jaxserve.loading.load import served_name
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -97,10 +98,20 @@ class DataParallelEngine:
         """True once every replica has compiled its programs."""
         return all(r.ready for r in self.replicas)
 
-    def start(self, warmup: bool = True, progress: bool = True) -> None:
-        """Warm up and start every replica (one after another)."""
+    @property
+    def alive(self) -> bool:
+        """False once any replica's engine thread has died."""
+        return all(r.alive for r in self.replicas)
+
+    def start(self, warmup: bool = True, progress: bool = True,
+              on_compiled: Callable[[int, int], None] | None = None) -> None:
+        """Warm up and start every replica (one after another); ``on_compiled(done, total)``
+        counts the programs of all replicas."""
+        n = len(self.replicas)
         for i, r in enumerate(self.replicas):
-            r.start(warmup=warmup, progress=progress)
+            report = None if on_compiled is None else (
+                lambda done, total, i=i: on_compiled(i * total + done, n * total))
+            r.start(warmup=warmup, progress=progress, on_compiled=report)
             if i == 0:
                 self.warmup_stats = dict(r.warmup_stats)
             elif r.warmup_stats:
@@ -175,7 +186,8 @@ def build_data_parallel(config: EngineConfig, load: LoadConfig, data_parallel_si
                          f"devices; {len(devs)} available ({jax.default_backend()})")
     replicas = []
     for i in range(dp):
-        eng = LLMEngine(config, load, metrics=EngineMetrics() if with_metrics else None,
+        metrics = EngineMetrics(served_name(load)) if with_metrics else None
+        eng = LLMEngine(config, load, metrics=metrics,
                         devices=devs[i * tp:(i + 1) * tp])
         replicas.append(AsyncEngine(eng))
     return DataParallelEngine(replicas)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -92,6 +92,10 @@ class LLMEngine:
             config.quantization, config.quantization_group_size, config.quantize_embeddings))
         params, self.tokenizer, self.load_report = loaded.params, loaded.tokenizer, loaded.report
         self.model_name = load.served_model_name or loaded.name
+        if metrics is not None and metrics.model_name != self.model_name:
+            raise ValueError(f"metrics are labelled model_name={metrics.model_name!r}; the "
+                             f"engine serves {self.model_name!r} (build them with "
+                             f"EngineMetrics(loading.served_name(load)))")
         self.model_config = mc = loaded.model_config
         kv_sharding = scale_sharding = None
         if self.mesh is not None:
@@ -144,6 +148,7 @@ class LLMEngine:
             self.host_kv.num_blocks if self.host_kv is not None else 0))
         if metrics is not None:
             metrics.set_batch_limits(config.max_num_seqs, config.max_num_batched_tokens)
+            metrics.set_cache_config(config.block_size, self.num_blocks)
         self.requests: dict[str, Choice] = {}  # by sequence id
         self.groups: dict[str, RequestGroup] = {}  # by request id
         self.slots = PenaltySlots(self.runner)
@@ -159,14 +164,21 @@ class LLMEngine:
         """One line for start-up logs: the KV cache's dtype, size per token and scales."""
         return self.kv_layout.summary()
 
-    def warmup(self, progress: bool = True) -> dict[str, float]:
+    def warmup(self, progress: bool = True,
+               on_compiled: Callable[[int, int], None] | None = None) -> dict[str, float]:
         """Compile every step program (and the host tier's copy programs); returns
-        {"num_programs", "compile_s"}."""
-        stats = self.runner.warmup(progress)
+        {"num_programs", "compile_s"}. ``on_compiled(done, total)`` is called as step programs
+        compile (``ModelRunner.warmup``)."""
+        stats = self.runner.warmup(progress, on_compiled)
         if self.host_kv is not None:
             host = self.host_kv.warmup()
             stats = {k: stats[k] + host[k] for k in stats}
         return stats
+
+    def probe(self) -> float:
+        """Run one step of the smallest program on the padding block and wait for it (no
+        request, no metrics); returns its seconds. Start-up runs it once after ``warmup``."""
+        return self.runner.probe()
 
     # -- requests ------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -233,7 +245,10 @@ class LLMEngine:
             self.slots.release(self.requests.pop(sid))
         if self.metrics is not None:
             for g in groups:
-                self.metrics.record_finished("abort", time.monotonic() - g.arrival_time)
+                self.metrics.record_finished(
+                    "abort", time.monotonic() - g.arrival_time,
+                    num_prompt_tokens=len(g.prompt_token_ids),
+                    num_generation_tokens=sum(len(c.output_token_ids) for c in g.choices))
         if aborted:
             self._record_step()  # the gauges must show the freed blocks even if no step follows
         return aborted
@@ -252,6 +267,7 @@ class LLMEngine:
                                      num_generation_tokens, num_preemptions)
             if plan is not None:  # batch occupancy of the step that ran (0, 0 when idle)
                 self.metrics.record_batch(len(plan.scheduled), plan.num_scheduled_tokens)
+            self.metrics.record_tokens_pending(*self.scheduler.num_tokens_pending())
             host = self.scheduler.host_pool
             self.metrics.record_kv_stats(self.scheduler.kv_stats,
                                          None if host is None else 1 - host.num_free_blocks /
@@ -278,6 +294,7 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns outputs of requests with new text or a finish."""
+        t0 = time.perf_counter()
         preempted_before = self.scheduler.num_preemptions_total
         plan = self.scheduler.schedule()
         self._copy_blocks(plan)
@@ -323,6 +340,8 @@ class LLMEngine:
         row_of = {s.request_id: i for i, s in enumerate(plan.scheduled)}
         sampled = [int(out.ids[i]) if s.sample else None for i, s in enumerate(plan.scheduled)]
         result = self.scheduler.update(plan, sampled)
+        if self.metrics is not None:  # the ids are on the host: the step's device work is done
+            self.metrics.record_prefill_rate(num_prompt_tokens, time.perf_counter() - t0)
         now = time.monotonic()
         touched: dict[str, RequestGroup] = {}
         for rid, tok in result.new_token_ids.items():
@@ -385,8 +404,10 @@ class LLMEngine:
         if out.finished:
             del self.groups[g.request_id]
             if self.metrics is not None:
-                self.metrics.record_finished(g.choices[0].output.finish_reason,
-                                             now - g.arrival_time)
+                self.metrics.record_finished(
+                    g.choices[0].output.finish_reason, now - g.arrival_time,
+                    num_prompt_tokens=len(g.prompt_token_ids),
+                    num_generation_tokens=sum(len(c.output_token_ids) for c in g.choices))
         return out
 
     def next_request_id(self) -> str:

@@ -60,6 +60,21 @@ class LoadedModel:
     report: LoadReport | None = None
 
 
+def default_name(load: LoadConfig) -> str:
+    """The model's own served name (``LoadedModel.name``), without reading any weights."""
+    if load.load_format == "dummy":
+        return builtin_config(load.model or "smollm2-135m").name
+    path = load.model or default_gguf_path()
+    if os.path.isdir(path):
+        return os.path.basename(os.path.normpath(path))
+    return gguf_name(path)
+
+
+def served_name(load: LoadConfig) -> str:
+    """The id the server answers to: ``load.served_model_name``, else ``default_name``."""
+    return load.served_model_name or default_name(load)
+
+
 def setup_compilation_cache(cache_dir: str) -> None:
     """Turn on JAX's persistent compilation cache in ``cache_dir`` ("" leaves it off)."""
     if not cache_dir:
@@ -109,11 +124,10 @@ def load_model(load: LoadConfig, dtype: jnp.dtype, seed: int, mesh: Mesh | None 
             params = dummy_params(get_architecture(cfg.architecture).model(cfg, dtype), seed)
         else:
             params, report = sharded.load_dummy_sharded(cfg, dtype, seed, mesh)
-        tokenizer, name = Tokenizer.from_gguf(default_gguf_path()), cfg.name
+        tokenizer = Tokenizer.from_gguf(default_gguf_path())
     elif os.path.isdir(path := load.model or default_gguf_path()):
         cfg, params, report = _load_dir(path, dtype, mesh)
         tokenizer = Tokenizer.from_pretrained_dir(path)
-        name = os.path.basename(os.path.normpath(path))
     else:
         if not path.lower().endswith(".gguf"):
             raise ValueError(
@@ -127,7 +141,7 @@ def load_model(load: LoadConfig, dtype: jnp.dtype, seed: int, mesh: Mesh | None 
             cfg, params = load_gguf_params(path, dtype, reader)
         else:
             cfg, params, report = sharded.load_gguf_sharded(path, reader, dtype, mesh)
-        tokenizer, name = Tokenizer.from_gguf(path, reader), gguf_name(path)
+        tokenizer = Tokenizer.from_gguf(path, reader)
     if report is not None:
         log.info("loaded %s weights (%s, %s) over %d devices in %.2f s:\n%s", report.source,
                  report.method, report.timing, len(report.devices), report.total_s,
@@ -139,7 +153,7 @@ def load_model(load: LoadConfig, dtype: jnp.dtype, seed: int, mesh: Mesh | None 
                              f"the model's vocabulary has {cfg.vocab_size}")
     if quantization is not None:
         params = _quantize(params, cfg, quantization, mesh)
-    return LoadedModel(cfg, params, tokenizer, name, report)
+    return LoadedModel(cfg, params, tokenizer, default_name(load), report)
 
 
 def load_tokenizer(path: str) -> Tokenizer:

@@ -27,10 +27,10 @@
 
 Before any endpoint, ``gate.GateMiddleware`` picks the request id (``X-Request-Id`` or a
 random hex id; echoed in the response header and carried by every log line of the request),
-checks the API key, refuses requests while draining or while the waiting queue is full (503),
-and gives generation requests a ``RequestBudget``: every engine output is awaited under it, and a
-request past its deadline is aborted and answered 504 (an error event then ``[DONE]`` once a
-stream has started). The engine request id and the response ``id`` are ``cmpl-<id>`` /
+checks the API key, refuses requests before the model is ready, while draining or while the
+waiting queue is full (503), and gives generation requests a ``RequestBudget``: every engine
+output is awaited under it, and a request past its deadline is aborted and answered 504 (an
+error event then ``[DONE]`` once a stream has started). The engine request id and the response ``id`` are ``cmpl-<id>`` /
 ``chatcmpl-<id>``. Every error is an OpenAI-style JSON body (protocol.ErrorResponse); bad input
 never gives a 500.
 """
@@ -47,6 +47,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import msgspec
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Gauge,
+    ProcessCollector,
+    generate_latest,
+)
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -56,7 +63,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from jaxserve.config import RequestLimits, ServerConfig
-from jaxserve.engine.metrics import EngineMetrics
+from jaxserve.engine.metrics import MODEL_LABEL, PREFIX, EngineMetrics, vllm_compat
 from jaxserve.errors import InvalidRequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -64,6 +71,7 @@ from jaxserve.server import decode, encode
 from jaxserve.server import protocol as p
 from jaxserve.server.gate import Gate, GateMiddleware, RequestBudget
 from jaxserve.server.gate import error_response as _error
+from jaxserve.server.lifecycle import Lifecycle
 from jaxserve.server.logs import install_request_id
 from jaxserve.server.openapi import openapi_document
 
@@ -95,8 +103,8 @@ class EngineClient(Protocol):
 
     tokenizer: Tokenizer
     max_model_len: int
-    metrics: EngineMetrics
-    ready: bool
+    metrics: EngineMetrics | None
+    alive: bool  # False once the engine thread has died
 
     def generate(
         self,
@@ -129,6 +137,14 @@ class _StreamState:
 
 class _ClientGone(Exception):
     """The client disconnected before the response was sent."""
+
+
+class _NotStarted:
+    """Stands in for the engine until start-up attaches it (the gate keeps every endpoint that
+    would touch it closed until then)."""
+
+    def __getattr__(self, name: str) -> object:
+        raise RuntimeError(f"the engine is not started yet (asked for {name!r})")
 
 
 def _json(obj: msgspec.Struct, headers: dict[str, str] | None = None) -> Response:
@@ -558,15 +574,6 @@ class OpenAIServer:
                                      param="tokens")
         return _json(p.DetokenizeResponse(prompt=self.engine.tokenizer.decode(req.tokens)))
 
-    async def health(self, request: Request) -> Response:
-        if not self.engine.ready:
-            return _error(503, "the engine is still warming up", "server_error")
-        return JSONResponse({"status": "ok"})
-
-    async def metrics(self, request: Request) -> Response:
-        m = self.engine.metrics
-        return Response(m.render(), headers={"Content-Type": m.content_type})
-
 
 def _too_large(size: int, cap: int) -> p.RequestError:
     return p.RequestError(
@@ -645,8 +652,56 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return _error(500, f"internal server error: {type(exc).__name__}", "server_error")
 
 
+class _Probes:
+    """``/health``, ``/ready`` and ``/metrics``: what probes and scrapers read, answered from
+    process start (before an engine is attached) to exit.
+
+    ``/metrics`` is the server's own series (``jaxserve:draining``, prometheus-client's
+    ``process_*``) followed, once an engine is attached, by the engine's (and with
+    ``metrics_compat="vllm"`` their ``vllm:`` copies, ``jaxserve.engine.metrics.vllm_compat``).
+    """
+
+    def __init__(self, gate: Gate, served_model_name: str, compat: str | None) -> None:
+        self.gate = gate
+        self.lifecycle: Lifecycle = gate.lifecycle
+        self.engine: EngineClient | None = None
+        self.compat = compat
+        self._compat: CollectorRegistry | None = None
+        self.registry = CollectorRegistry(auto_describe=False)
+        ProcessCollector(registry=self.registry)
+        Gauge(PREFIX + "draining", "1 from the moment a SIGTERM starts the drain, else 0.",
+              (MODEL_LABEL,), registry=self.registry).labels(served_model_name).set_function(
+            lambda: float(gate.draining))
+
+    def attach(self, engine: EngineClient) -> None:
+        m = engine.metrics
+        if self.compat == "vllm" and m is not None:
+            self._compat = vllm_compat(m.registry)
+        self.engine = engine
+
+    async def health(self, request: Request) -> Response:
+        if self.engine is not None and not self.engine.alive:
+            return _error(500, "the engine thread has died (its error is in the log)",
+                          "server_error")
+        return JSONResponse({"status": "ok"})
+
+    async def ready(self, request: Request) -> Response:
+        st = self.lifecycle.status()
+        return Response(msgspec.json.encode(st), status_code=200 if st.stage == "ready" else 503,
+                        media_type="application/json")
+
+    async def metrics(self, request: Request) -> Response:
+        parts = [generate_latest(self.registry)]
+        m = None if self.engine is None else self.engine.metrics
+        if m is not None:
+            parts.append(m.render())
+            if self._compat is not None:
+                parts.append(generate_latest(self._compat))
+        return Response(b"".join(parts), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
 def build_app(
-    engine: EngineClient,
+    engine: EngineClient | None,
     served_model_name: str,
     config: ServerConfig | None = None,
     limits: RequestLimits | None = None,
@@ -654,17 +709,32 @@ def build_app(
     """The OpenAI-compatible Starlette app serving ``engine`` as ``served_model_name``.
 
     Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET
-    /v1/models/{id}, POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /health (503
-    until ``engine.ready`` and while draining), GET /metrics (Prometheus text), GET
-    /openapi.json. ``config`` supplies the API key, queue bound and
+    /v1/models/{id}, POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /health
+    (liveness: 200 unless the engine thread died, then 500), GET /ready
+    (``lifecycle.ReadyStatus``; 200 in stage "ready", else 503), GET /metrics (Prometheus
+    text), GET /openapi.json. ``config`` supplies the API key, queue bound and
     timeouts (default: ``ServerConfig()``), ``limits`` the per-request caps (default:
     ``RequestLimits()``); ``app.state.gate`` is the admission state that
     ``gate.run_server`` drains.
+
+    With ``engine`` None the app starts in stage "loading" (model endpoints 503) until
+    ``app.state.attach_engine(engine)`` and ``lifecycle.set_ready()`` (``gate.run_server``
+    does both); with an engine it is ready at once.
     """
     config = config or ServerConfig()
     install_request_id()
-    api = OpenAIServer(engine, served_model_name, limits)
+    placeholder: EngineClient = _NotStarted()  # type: ignore[assignment]
+    api = OpenAIServer(placeholder if engine is None else engine, served_model_name, limits)
     doc = msgspec.json.encode(openapi_document(api_key=config.api_key is not None))
+    gate = Gate(api.engine, config, Lifecycle(ready=engine is not None))
+    probes = _Probes(gate, served_model_name, config.metrics_compat)
+
+    def attach_engine(eng: EngineClient) -> None:
+        api.engine = gate.engine = eng
+        probes.attach(eng)
+
+    if engine is not None:
+        attach_engine(engine)
 
     async def openapi(request: Request) -> Response:
         return Response(doc, media_type="application/json")
@@ -677,15 +747,16 @@ def build_app(
         Route("/tokenizer_info", _endpoint(api.tokenizer_info), methods=["GET"]),
         Route("/tokenize", _endpoint(api.tokenize), methods=["POST"]),
         Route("/detokenize", _endpoint(api.detokenize), methods=["POST"]),
-        Route("/health", _endpoint(api.health), methods=["GET"]),
-        Route("/metrics", _endpoint(api.metrics), methods=["GET"]),
+        Route("/health", _endpoint(probes.health), methods=["GET"]),
+        Route("/ready", _endpoint(probes.ready), methods=["GET"]),
+        Route("/metrics", _endpoint(probes.metrics), methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
     ]
-    gate = Gate(engine, config)
     app = Starlette(
         routes=routes,
         middleware=[Middleware(GateMiddleware, gate=gate)],
         exception_handlers={HTTPException: _http_error, Exception: _internal_error},
     )
     app.state.gate = gate
+    app.state.attach_engine = attach_engine
     return app

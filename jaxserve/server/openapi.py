@@ -12,20 +12,23 @@ import msgspec
 from jaxserve import __version__
 from jaxserve.server import protocol as p
 from jaxserve.server.gate import is_protected
+from jaxserve.server.lifecycle import ReadyStatus
 
 _REF = "#/components/schemas/{name}"
 _STRUCTS = (
     p.CompletionRequest, p.ChatCompletionRequest, p.TokenizeRequest, p.DetokenizeRequest,
     p.CompletionResponse, p.ChatCompletionResponse, p.CompletionChunk, p.ChatCompletionChunk,
     p.ModelList, p.ModelCard, p.TokenizeResponse, p.DetokenizeResponse, p.TokenizerInfoResponse,
-    p.ErrorResponse,
+    p.ErrorResponse, ReadyStatus,
 )  # fmt: skip
 _ERRORS = {
     "400": "invalid request",
     "401": "missing or wrong API key (only with --api-key)",
     "404": "unknown model",
     "413": "request body larger than --max-request-body-bytes",
-    "503": "overloaded (queue full; Retry-After) or shutting down",
+    "500": "the engine thread has died",
+    "503": "not ready yet, overloaded (queue full) or shutting down; Retry-After says when to "
+           "retry",
     "504": "the request timed out (--request-timeout-s)",
 }
 
@@ -66,7 +69,7 @@ def openapi_document(api_key: bool) -> dict:
     """The OpenAPI document; with ``api_key`` the protected operations declare bearer auth."""
     _, schemas = msgspec.json.schema_components(_STRUCTS, ref_template=_REF)
     text = {"description": "text", "content": {"text/plain": {"schema": {"type": "string"}}}}
-    status = {"description": "ready", "content": {"application/json": {"schema": {
+    status = {"description": "alive", "content": {"application/json": {"schema": {
         "type": "object", "properties": {"status": {"type": "string"}}}}}}  # fmt: skip
     paths = {
         "/v1/completions": {"post": _generation(
@@ -87,8 +90,13 @@ def openapi_document(api_key: bool) -> dict:
                                   p.TokenizeRequest, ("400", "404", "413"))},
         "/detokenize": {"post": _op("Text of token ids", _json(p.DetokenizeResponse, "the text"),
                                     p.DetokenizeRequest, ("400", "404", "413"))},
-        "/health": {"get": _op("200 once warmed up; 503 while warming up or shutting down",
-                               status, errors=("503",))},
+        "/health": {"get": _op("Liveness: 200 from process start while the engine thread lives",
+                               status, errors=("500",))},
+        "/ready": {"get": {"summary": "Readiness: 200 once every program is compiled and a probe "
+                                      "step ran; 503 before and from the start of a drain",
+                           "responses": {"200": _json(ReadyStatus, "ready"),
+                                         "503": _json(ReadyStatus, "loading, compiling or "
+                                                                   "draining")}}},
         "/metrics": {"get": _op("Prometheus metrics", text)},
         "/openapi.json": {"get": _op("This document", {"description": "the OpenAPI document"})},
     }  # fmt: skip

@@ -74,6 +74,7 @@ def test_bench_startup_command(tmp_path: Path) -> None:
         r = res[kind]
         assert r["num_programs"] > 0 and r["median_load_s"] >= 0 and r["median_compile_s"] >= 0
         assert r["median_ready_s"] > r["median_load_s"]
+        assert 0 < r["median_port_s"] <= r["median_ready_s"]  # the port answers first
         assert len(res["runs"][kind]) == 1
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from jaxserve.cli.args import engine_config_from_args
 from jaxserve.cli.bench.sweep import (
+    _scrape,
     gains,
     knee_concurrency,
     meets_slo,
@@ -25,16 +26,16 @@ from tests.conftest import REPO_ROOT
 
 
 def test_batch_occupancy_gauges() -> None:
-    m = EngineMetrics()
+    m = EngineMetrics("m")
     m.record_batch(3, 100)  # before the limits are known the ratios read 0
-    assert "jaxserve:batch_seqs_usage_perc 0.0" in m.render().decode().splitlines()
+    assert _scrape(m.render().decode())["jaxserve:batch_seqs_usage_perc"] == 0.0
     m.set_batch_limits(max_num_seqs=8, max_num_batched_tokens=512)
     m.record_batch(6, 128)
-    lines = m.render().decode().splitlines()
-    for line in ("jaxserve:num_scheduled_seqs 6.0", "jaxserve:num_scheduled_tokens 128.0",
-                 "jaxserve:max_num_seqs 8.0", "jaxserve:max_num_batched_tokens 512.0",
-                 "jaxserve:batch_seqs_usage_perc 0.75", "jaxserve:batch_tokens_usage_perc 0.25"):
-        assert line in lines, line
+    got = _scrape(m.render().decode())
+    for name, value in (("num_scheduled_seqs", 6), ("num_scheduled_tokens", 128),
+                        ("max_num_seqs", 8), ("max_num_batched_tokens", 512),
+                        ("batch_seqs_usage_perc", 0.75), ("batch_tokens_usage_perc", 0.25)):
+        assert got["jaxserve:" + name] == value, name
 
 
 # -- knee, SLO and stopping on synthetic curves ---------------------------------------------------
@@ -129,7 +130,7 @@ def test_sweep_real_server_real_model(engine, tmp_path: Path) -> None:  # type: 
     from jaxserve.server.app import build_app
     from tests.support.http_server import serve_app
 
-    metrics = EngineMetrics()
+    metrics = EngineMetrics(engine.model_name)
     metrics.set_batch_limits(engine.config.max_num_seqs, engine.config.max_num_batched_tokens)
     engine.metrics = metrics
     aeng = AsyncEngine(engine)

@@ -61,7 +61,7 @@ def test_tensor_parallel_across_two_processes(tmp_path: Path) -> None:
         deadline = time.monotonic() + 300
         while True:
             try:
-                if httpx.get(f"http://127.0.0.1:{http}/health", timeout=5).status_code == 200:
+                if httpx.get(f"http://127.0.0.1:{http}/ready", timeout=5).status_code == 200:
                     break
             except httpx.TransportError:
                 pass

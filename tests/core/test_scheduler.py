@@ -213,6 +213,8 @@ def test_preempt_newest_then_it_recomputes_prompt_and_outputs() -> None:
     b_tokens = list(b.token_ids)
     assert b_tokens == [100, 101, 102, 103, 50, 51, 52, 53, 54]
     assert sched.num_preemptions_total == 1 and held(sched) == 3
+    # prefill: b recomputes its 9 tokens but the last, c's prompt is 1; decode: 2 + 3 + 1 left
+    assert sched.num_tokens_pending() == (9, 6)
     # b waits (it needs 2 blocks, 1 is free) until a finishes and frees its blocks at once
     while True:
         out, res = step(sched, token=60)
@@ -228,6 +230,20 @@ def test_preempt_newest_then_it_recomputes_prompt_and_outputs() -> None:
         _, res = step(sched, token=62)
     assert res.finished == {"b": "length"} and held(sched) == 0
     assert not sched.has_unfinished() and sched.num_preemptions_total == 1
+
+
+def test_tokens_pending_counts_prefill_left_and_outputs_left() -> None:
+    sched = make_scheduler(max_num_batched_tokens=8)
+    assert sched.num_tokens_pending() == (0, 0)
+    sched.add(make_seq("a", 12, max_tokens=5))
+    sched.add(make_seq("b", 3, max_tokens=2))
+    assert sched.num_tokens_pending() == (15, 7)
+    step(sched)  # a: 8 of its 12 prompt tokens; b waits for budget
+    assert sched.num_tokens_pending() == (4 + 3, 7)
+    step(sched)  # a: the last 4 and its first token; b: its 3 and its first token
+    assert sched.num_tokens_pending() == (0, 4 + 1)
+    step(sched)  # one decode each: b reaches max_tokens and leaves
+    assert sched.num_tokens_pending() == (0, 3)
 
 
 def test_request_being_scheduled_preempts_itself_when_newest() -> None:

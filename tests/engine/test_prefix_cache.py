@@ -130,7 +130,7 @@ def small(engine: LLMEngine, monkeypatch_module) -> LLMEngine:
                      max_num_batched_tokens=128, max_num_seqs=8,
                      kv_offloading_size=SMALL_HOST_GIB,
                      compilation_cache_dir=engine.config.compilation_cache_dir),
-        metrics=EngineMetrics())
+        metrics=EngineMetrics(engine.model_name))
     eng.warmup(progress=False)
     return eng
 
@@ -187,13 +187,12 @@ def test_small_pool_swaps_and_offloads_without_changing_tokens(
     assert small.scheduler.num_preemptions_total > preempted
     pool = small.scheduler.block_pool
     assert pool.num_free_blocks == pool.num_usable_blocks and pool.usage == 0.0
-    text = small.metrics.render().decode()
+    sample = lambda name: small.metrics.registry.get_sample_value(
+        f"jaxserve:{name}", {"model_name": small.model_name})
     for name in ("num_swaps_total", "host_prefix_cache_hits_total", "kv_offloaded_blocks_total",
                  "prefix_cache_hits_total", "num_preemptions_total"):
-        value = next(float(line.split()[-1]) for line in text.splitlines()
-                     if line.startswith(f"jaxserve:{name} "))
-        assert value > 0, name
-    assert "jaxserve:kv_cache_usage_perc 0.0" in text
+        assert sample(name) > 0, name
+    assert sample("kv_cache_usage_perc") == 0.0
 
 
 def test_request_that_can_never_fit_is_refused_with_the_numbers(small: LLMEngine) -> None:

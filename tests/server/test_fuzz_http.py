@@ -35,7 +35,7 @@ CHECKS = [status_code_conformance, content_type_conformance, response_schema_con
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
               ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/models"),
               ("GET", "/v1/models/{model_id}"), ("GET", "/tokenizer_info"),
-              ("GET", "/health"), ("GET", "/metrics")]  # schemathesis skips /openapi.json
+              ("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics")]  # schemathesis skips /openapi.json
 NORMAL = {"/v1/completions": {"prompt": "hi", "max_tokens": 2},
           "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}],
                                    "max_tokens": 2}}

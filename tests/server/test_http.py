@@ -3,7 +3,7 @@ official ``openai`` client (and ``httpx`` for raw SSE bytes and malformed bodies
 
 The server (SmolLM2-135M-Instruct, ``--max-model-len 1024 --num-kv-blocks 300 --port 0``) is started
 once for the module, its bound port parsed from uvicorn's "Uvicorn running on http://..." line, and
-/health polled until 200 (at most 180 s). It is terminated (then killed) at the end, also when a
+/ready polled until 200 (at most 180 s). It is terminated (then killed) at the end, also when a
 test fails. Generation on the 2-core CPU runs at roughly 10 tokens/s, so every request is short and
 greedy (``temperature=0``). Notation as in /work/shared/serving-cases.md: S = concatenated streamed
 deltas, NS = the text of the same request with ``stream=false``.
@@ -111,14 +111,14 @@ def _start(log_path: Path, port: int) -> tuple[subprocess.Popen, int]:
             return proc, 0  # the caller retries with an explicit port
         while True:
             try:
-                if httpx.get(f"http://127.0.0.1:{bound}/health", timeout=5).status_code == 200:
+                if httpx.get(f"http://127.0.0.1:{bound}/ready", timeout=5).status_code == 200:
                     return proc, bound
             except httpx.TransportError:
                 pass
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"/health not 200 within {STARTUP_TIMEOUT_S} s")
+                raise TimeoutError(f"/ready not 200 within {STARTUP_TIMEOUT_S} s")
             time.sleep(0.2)
     except BaseException as exc:  # noqa: BLE001 (also KeyboardInterrupt: never leak it)
         _stop(proc)
@@ -205,12 +205,13 @@ def _chat_stream(client, q, **kw):
 
 
 def _metrics(http) -> dict[str, float]:
+    """The ``jaxserve:`` samples labelled with the model name alone, by name."""
     text = http.get("/metrics").text
     out = {}
     for line in text.splitlines():
-        if line.startswith("jaxserve:") and "{" not in line:
+        if line.startswith("jaxserve:") and line.count("=") <= 1:
             name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
+            out[name.removesuffix(f'{{model_name="{MODEL}"}}')] = float(value)
     return out
 
 

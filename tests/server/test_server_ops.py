@@ -84,7 +84,7 @@ def test_api_key_guards_v1_tokenize_detokenize_only() -> None:
     assert_error(client.post("/v1/nope", json={}), 401)  # the key is checked before routing
     assert_error(client.post("/tokenize", json={"prompt": "hi"}), 401)
     assert_error(client.post("/detokenize", json={"tokens": [104]}), 401)
-    for path in ("/health", "/metrics", "/openapi.json"):
+    for path in ("/health", "/ready", "/metrics", "/openapi.json"):
         assert client.get(path).status_code == 200, path
     assert client.post(COMPL, json={"prompt": "hi"}, headers=good).status_code == 200
     assert client.post(CHAT, json={"messages": HI},
@@ -111,15 +111,18 @@ def test_server_flags_and_api_key_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert server_config_from_args(parse(["serve"])).api_key == "from-env"
     cfg = server_config_from_args(parse([
         "serve", "--api-key", "flag", "--max-waiting-requests", "7", "--request-timeout-s", "2.5",
-        "--drain-timeout-s", "4", "--log-format", "json", "--port", "0"]))
+        "--shutdown-timeout", "4", "--timeout-keep-alive", "75", "--metrics-compat", "vllm",
+        "--log-format", "json", "--port", "0"]))
     assert cfg == ServerConfig(port=0, api_key="flag", max_waiting_requests=7,
-                               request_timeout_s=2.5, drain_timeout_s=4.0, log_format="json")
+                               request_timeout_s=2.5, shutdown_timeout=4.0,
+                               timeout_keep_alive=75, metrics_compat="vllm", log_format="json")
     # invalid server settings fail before any model is loaded
     for bad in (["--max-waiting-requests", "0"], ["--request-timeout-s", "0"],
-                ["--drain-timeout-s", "-1"]):
+                ["--shutdown-timeout", "-1"], ["--timeout-keep-alive", "0"]):
         assert main(["serve", *bad]) == 2
-    with pytest.raises(SystemExit):
-        parse(["serve", "--log-format", "xml"])
+    for bad in (["--log-format", "xml"], ["--metrics-compat", "sglang"]):
+        with pytest.raises(SystemExit):
+            parse(["serve", *bad])
 
 
 # ---- the bounded waiting queue ---------------------------------------------------------------
@@ -223,6 +226,22 @@ def test_async_engine_counts_waiting_requests() -> None:
         aeng.shutdown()
 
 
+def test_async_engine_reports_a_dead_engine_thread() -> None:
+    class Broken(_StubLLMEngine):
+        def has_unfinished_requests(self) -> bool:
+            raise RuntimeError("scheduler state corrupted")
+
+    aeng = AsyncEngine(Broken())  # type: ignore[arg-type]
+    assert aeng.alive  # not started: nothing has died
+    aeng.start(warmup=False)
+    for _ in range(2000):
+        if not aeng.alive:
+            break
+        time.sleep(0.001)
+    assert not aeng.alive
+    aeng.shutdown()
+
+
 # ---- per-request timeout ---------------------------------------------------------------------
 
 
@@ -254,16 +273,22 @@ def test_request_timeout_mid_stream_sends_error_then_done() -> None:
 # ---- draining ------------------------------------------------------------------------------
 
 
-def test_draining_refuses_everything_but_metrics() -> None:
-    client, _ = make()
+def test_draining_refuses_everything_but_the_probes() -> None:
+    client, _ = make(ServerConfig(shutdown_timeout=20.0))
     gate = client.app.state.gate  # type: ignore[attr-defined]
-    assert client.get("/health").status_code == 200
+    assert client.get("/ready").json()["stage"] == "ready"
+    assert 'jaxserve:draining{model_name="test-model"} 0.0' in client.get("/metrics").text
     gate.start_drain()
-    for resp in (client.get("/health"), client.post(COMPL, json={"prompt": "hi"}),
-                 client.get("/v1/models")):
+    for resp in (client.post(COMPL, json={"prompt": "hi"}), client.get("/v1/models"),
+                 client.get("/openapi.json")):
         assert_error(resp, 503)
         assert resp.headers["retry-after"] == "1"
-    assert client.get("/metrics").status_code == 200
+    ready = client.get("/ready")
+    body = ready.json()
+    assert ready.status_code == 503 and body["stage"] == "draining"
+    assert 0 <= body["progress"] < 1 and 0 < body["eta_s"] <= 20.0  # until the drain timeout
+    assert client.get("/health").status_code == 200  # still alive: liveness must not fail
+    assert 'jaxserve:draining{model_name="test-model"} 1.0' in client.get("/metrics").text
 
 
 def _free_port() -> int:
@@ -281,7 +306,7 @@ def _start_fake_server(*args: str) -> tuple[subprocess.Popen, str]:
     deadline = time.monotonic() + 20
     while True:
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
+            if httpx.get(url + "/ready", timeout=1).status_code == 200:
                 return proc, url
         except httpx.TransportError:
             pass
@@ -304,10 +329,11 @@ def _stream_then_sigterm(proc: subprocess.Popen, url: str, body: dict, rid: str)
         proc.send_signal(signal.SIGTERM)
         with httpx.Client(base_url=url, timeout=5) as other:
             deadline = time.monotonic() + 5  # the drain starts at once, at the signal
-            while (health := other.get("/health")).status_code == 200:
+            while (ready := other.get("/ready")).status_code == 200:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
-            assert_error(health, 503)
+            assert ready.status_code == 503 and ready.json()["stage"] == "draining"
+            assert other.get("/health").status_code == 200
             refused = other.post(COMPL, json={"prompt": "hi"})
             assert_error(refused, 503)
             assert refused.headers["retry-after"] == "1"
@@ -342,7 +368,7 @@ def test_sigterm_drain_finishes_the_stream_and_exits_0() -> None:
 
 
 def test_sigterm_drain_timeout_aborts_the_rest_and_exits_0() -> None:
-    proc, url = _start_fake_server("--step-s", "0.01", "--drain-timeout-s", "0.5")
+    proc, url = _start_fake_server("--step-s", "0.01", "--shutdown-timeout", "0.5")
     try:
         t0 = time.monotonic()
         data = _stream_then_sigterm(proc, url, LONG, "d2")
@@ -457,7 +483,7 @@ def test_openapi_document(api_key: str | None) -> None:
                     if "$ref" in media["schema"]:
                         resolve(media["schema"]["$ref"])
             assert ("security" in op) == (api_key is not None and path not in
-                                          ("/health", "/metrics", "/openapi.json"))
+                                          ("/health", "/ready", "/metrics", "/openapi.json"))
     compl = resolve(doc["paths"][COMPL]["post"]["requestBody"]["content"]["application/json"]
                     ["schema"]["$ref"])
     assert "prompt" in compl["required"] and "max_tokens" in compl["properties"]
@@ -479,13 +505,14 @@ def test_gate_counts_admitted_requests_not_yet_queued() -> None:
     experiments/2026-12-01-overload: 200 simultaneous requests against a cap of 8 were all
     admitted)."""
     from jaxserve.server.gate import Gate, RequestBudget
+    from jaxserve.server.lifecycle import Lifecycle
 
     class Idle:
         def num_waiting(self) -> int:
             return 0
 
     async def run() -> None:
-        gate = Gate(Idle(), ServerConfig(max_waiting_requests=2))
+        gate = Gate(Idle(), ServerConfig(max_waiting_requests=2), Lifecycle(ready=True))
         scope = {"type": "http", "path": "/v1/completions", "headers": []}
         assert gate.refusal(scope) is None
         first, second = RequestBudget(None), RequestBudget(None)

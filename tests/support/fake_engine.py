@@ -76,9 +76,9 @@ class FakeEngine:
     ) -> None:
         self.tokenizer = FakeTokenizer()
         self.max_model_len = max_model_len
-        self.metrics = EngineMetrics()
         self.model_name = "fake-model"
-        self.ready = True
+        self.metrics = EngineMetrics(self.model_name)
+        self.alive = True
         self.script = script
         self.step_s = step_s
         self.fail_after = fail_after
@@ -99,7 +99,9 @@ class FakeEngine:
         if request_id in self.running:
             self.running.discard(request_id)
             self.aborted.append(request_id)
-            self.metrics.record_finished("abort", 0.0)
+            prompt = self.requests[request_id][0]
+            self.metrics.record_finished("abort", 0.0, num_prompt_tokens=len(prompt),
+                                         num_generation_tokens=self.steps[request_id])
 
     async def generate(
         self,
@@ -181,7 +183,8 @@ class FakeEngine:
             delta, sent = text[sent:visible], max(sent, visible)
             if finish is not None:
                 self.running.discard(rid)
-                self.metrics.record_finished(finish, 0.01)
+                self.metrics.record_finished(finish, 0.01, num_prompt_tokens=len(ids),
+                                             num_generation_tokens=len(token_ids))
             out = CompletionOutput(
                 index=0,
                 text=text[:sent],

@@ -11,7 +11,7 @@ Modules:
   throughput    ``jaxserve bench throughput``: offline, continuous against static batching.
   step          ``jaxserve bench step``: one engine step per batch size and sampling mode.
   prefix_cache  ``jaxserve bench prefix-cache``: a shared system prompt, caching off and on.
-  startup       ``jaxserve bench startup``: launch to /health 200, cold and warm.
+  startup       ``jaxserve bench startup``: launch to /ready 200, cold and warm.
   common        the in-process commands' model flags, percentiles and JSON file.
   sweep         ``jaxserve sweep``: concurrency (and engine-setting) sweep, knee, SLO limit,
                 plots and recommended ``--config`` files.

@@ -28,6 +28,7 @@ from jaxserve.cli.bench.common import add_model_flags, percentile, write_json
 from jaxserve.config import LoadConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.metrics import EngineMetrics
+from jaxserve.loading.load import served_name
 from jaxserve.sampling_params import SamplingParams
 
 SETTINGS = (("prefix_caching_off", False), ("prefix_caching_on", True))
@@ -47,7 +48,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 
 def _counter(engine: LLMEngine, name: str) -> float:
-    return engine.metrics.registry.get_sample_value(f"jaxserve:{name}_total") or 0.0
+    return engine.metrics.registry.get_sample_value(
+        f"jaxserve:{name}_total", {"model_name": engine.model_name}) or 0.0
 
 
 def run_once(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
@@ -88,8 +90,9 @@ def run(ns: argparse.Namespace) -> int:
                               "question_len": [ns.question_min, ns.question_max],
                               "max_tokens": ns.max_tokens, "seed": cfg.seed}
     for key, caching in SETTINGS:
-        engine = LLMEngine(cfg.replace(enable_prefix_caching=caching),
-                           LoadConfig(ns.model, ns.load_format), metrics=EngineMetrics())
+        load = LoadConfig(ns.model, ns.load_format)
+        engine = LLMEngine(cfg.replace(enable_prefix_caching=caching), load,
+                           metrics=EngineMetrics(served_name(load)))
         engine.warmup(progress=False)
         rng = np.random.default_rng(cfg.seed)  # the same prompts for both settings
         lo, hi = 100, engine.tokenizer.vocab_size

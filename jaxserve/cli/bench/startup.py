@@ -1,10 +1,11 @@
-"""``jaxserve bench startup``: seconds from launching ``jaxserve serve`` to ``/health`` 200.
+"""``jaxserve bench startup``: seconds from launching ``jaxserve serve`` to ``/ready`` 200.
 
     jaxserve bench startup --model SmolLM2-135M-Instruct.Q4_1.gguf --repeats 3 \\
         --serve-args "--max-model-len 2048" --output-json results/startup.json
 
-Each run starts ``jaxserve serve`` in a fresh process on a free local port and polls ``/health``
-every 0.1 s; beside the time to ready it reads the server's own figures from its output: the
+Each run starts ``jaxserve serve`` in a fresh process on a free local port and polls ``/ready``
+every 0.1 s; beside the time to ready (``ready_s``) and to the port's first answer (``port_s``,
+when probes start getting answers) it reads the server's own figures from its output: the
 load time (weights on the device, tokenizer) and the compile time of every step program. A
 cold start has an empty persistent compilation cache; the warm start that follows reuses the
 cache the cold one wrote. ``--repeats`` pairs, each with a new cache; medians are reported. For
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from typing import Any
 
@@ -30,7 +32,7 @@ from jaxserve.cli.bench.common import write_json
 
 POLL_S = 0.1
 KINDS = ("cold", "warm")
-FIGURES = ("ready_s", "load_s", "compile_s")
+FIGURES = ("port_s", "ready_s", "load_s", "compile_s")
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -52,6 +54,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _status(url: str) -> int | None:
+    """The HTTP status of GET ``url``, or None when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            return r.status
+    except urllib.error.HTTPError as e:  # /ready is 503 while loading and compiling
+        return e.code
+    except OSError:
+        return None
+
+
 def parse_server_output(text: str) -> dict[str, float]:
     """The server's load and compile figures from its start-up lines (-1 when absent)."""
     load = re.search(r"^loaded .* in ([\d.]+) s", text, re.MULTILINE)
@@ -62,7 +75,7 @@ def parse_server_output(text: str) -> dict[str, float]:
 
 
 def start_once(serve_args: list[str], cache_dir: str, timeout_s: float) -> dict[str, float]:
-    """Launch ``jaxserve serve`` with this compilation cache, wait for ``/health`` 200, stop it.
+    """Launch ``jaxserve serve`` with this compilation cache, wait for ``/ready`` 200, stop it.
 
     Raises:
       ValueError: the server exited or was not ready within ``timeout_s`` (its output quoted).
@@ -71,6 +84,7 @@ def start_once(serve_args: list[str], cache_dir: str, timeout_s: float) -> dict[
     cmd = [sys.executable, "-m", "jaxserve.cli.main", "serve", *serve_args, "--host",
            "127.0.0.1", "--port", str(port), "--compilation-cache-dir", cache_dir]
     t0 = time.perf_counter()
+    port_s = None
     with tempfile.TemporaryFile(mode="w+") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -81,12 +95,11 @@ def start_once(serve_args: list[str], cache_dir: str, timeout_s: float) -> dict[
                 if time.perf_counter() - t0 > timeout_s:
                     log.seek(0)
                     raise ValueError(f"server not ready in {timeout_s} s: {log.read()[-2000:]}")
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    pass
+                status = _status(f"http://127.0.0.1:{port}/ready")
+                if status is not None and port_s is None:
+                    port_s = time.perf_counter() - t0
+                if status == 200:
+                    break
                 time.sleep(POLL_S)
             ready_s = time.perf_counter() - t0
         finally:
@@ -97,7 +110,7 @@ def start_once(serve_args: list[str], cache_dir: str, timeout_s: float) -> dict[
                 proc.kill()
                 proc.wait()
         log.seek(0)
-        return {"ready_s": ready_s, **parse_server_output(log.read())}
+        return {"port_s": port_s, "ready_s": ready_s, **parse_server_output(log.read())}
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -130,9 +143,10 @@ def format_table(result: dict[str, Any]) -> str:
     """Cold and warm start side by side (medians)."""
     lines = [(f"jaxserve serve {shlex.join(result['serve_args'])}: median of "
              f"{result['repeats']} start(s)"),
-             f"{'':6}{'ready s':>9}{'load s':>8}{'compile s':>10}{'programs':>9}"]
+             f"{'':6}{'port s':>8}{'ready s':>9}{'load s':>8}{'compile s':>10}{'programs':>9}"]
     for kind in KINDS:
         r = result[kind]
-        lines.append(f"{kind:6}{r['median_ready_s']:9.2f}{r['median_load_s']:8.2f}"
+        lines.append(f"{kind:6}{r['median_port_s']:8.2f}{r['median_ready_s']:9.2f}"
+                     f"{r['median_load_s']:8.2f}"
                      f"{r['median_compile_s']:10.2f}{r['num_programs']:9d}")
     return "\n".join(lines)

@@ -211,10 +211,11 @@ def _bench_ns(ns: argparse.Namespace, base_url: str, concurrency: int, num_promp
 
 
 def _scrape(text: str) -> dict[str, float]:
+    """Each sample with no label but ``model_name`` (one model is served), by name."""
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if not s.labels:
+            if set(s.labels) <= {"model_name"}:
                 out[s.name] = s.value
     return out
 
@@ -296,13 +297,13 @@ def _free_port() -> int:
 
 
 class ServerProcess:
-    """A ``jaxserve serve`` subprocess on a free local port, ready once ``/health`` answers 200.
+    """A ``jaxserve serve`` subprocess on a free local port, ready once ``/ready`` answers 200.
 
     Args:
       args: the ``jaxserve serve`` arguments (host and port are added).
       timeout_s: how long loading and compiling may take.
     Raises (on entering):
-      ValueError: the server exited or did not become healthy in time (its last output quoted).
+      ValueError: the server exited or was not ready in time (its last output quoted).
     """
 
     def __init__(self, args: list[str], timeout_s: float, log_path: str) -> None:
@@ -323,13 +324,13 @@ class ServerProcess:
                 self.__exit__(None, None, None)
                 raise ValueError(f"server exited with {self.proc.returncode}: {self._tail()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                if httpx.get(f"{self.url}/ready", timeout=2.0).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
         self.__exit__(None, None, None)
-        raise ValueError(f"server not healthy after {self.timeout_s} s: {self._tail()}")
+        raise ValueError(f"server not ready after {self.timeout_s} s: {self._tail()}")
 
     def _tail(self) -> str:
         with open(self.log_path, encoding="utf-8", errors="replace") as fh:
