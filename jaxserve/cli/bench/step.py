@@ -127,7 +127,10 @@ def measure(engine: LLMEngine, timer: _ExecuteTimer, mode: str, batch: int, cont
     """
     kw, n = MODES[mode]
     vocab = engine.tokenizer.vocab_size
-    params = SamplingParams(max_tokens=num_steps + NUM_UNTIMED_STEPS + 8, ignore_eos=True,
+    # the first sequences decode while later ones prefill: enough tokens to outlast that
+    prefill_steps = -(-batch * context // engine.config.max_num_batched_tokens)
+    params = SamplingParams(max_tokens=num_steps + NUM_UNTIMED_STEPS + prefill_steps + 8,
+                            ignore_eos=True,
                             seed=int(rng.integers(1 << 31)), **kw)
     ids = [f"step-{mode}-{batch}-{i}" for i in range(batch // n)]
     for rid in ids:
