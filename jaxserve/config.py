@@ -88,6 +88,10 @@ class EngineConfig:
                 "input dims (576 and 1536 for SmolLM2)"})
     quantize_embeddings: bool = field(default=False, metadata={
         "help": "also quantise the embedding table and the LM head (needs --quantization)"})
+    step_trace_file: str | None = field(default=None, metadata={
+        "help": "append one JSON line per engine step (schedule, pack, device and output "
+                "milliseconds; jaxserve/engine/step_trace.py) to this file; summarise it with "
+                "`jaxserve bench step-trace FILE`"})
 
     def __post_init__(self) -> None:
         self._check_types()

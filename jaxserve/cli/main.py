@@ -33,6 +33,7 @@ from jaxserve.cli.args import (
 )
 from jaxserve.cli.bench import serve as bench_serve_cmd
 from jaxserve.cli.bench import startup
+from jaxserve.cli.bench import step_trace as step_trace_cmd
 from jaxserve.cli.bench import sweep as sweep_cmd
 from jaxserve.config import LoadConfig
 
@@ -109,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("startup", startup, ("seconds from launching 'jaxserve serve' to /ready 200, cold "
                                  "and warm compilation cache")),
             ("prefix-cache", prefix_cache, ("requests sharing a long system prompt with prefix "
-                                           "caching off and on: prefill tokens and TTFT"))):
+                                           "caching off and on: prefill tokens and TTFT")),
+            ("step-trace", step_trace_cmd, ("where the steps of a --step-trace file spent "
+                                            "their time, per bucket and phase"))):
         module.add_cli_args(bsub.add_parser(
             name, help=text, formatter_class=HelpFormatter))
     sweep_cmd.add_cli_args(sub.add_parser(
@@ -149,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         elif ns.command == "bench" and ns.bench_command == "throughput":
             return throughput.run(ns)
         elif ns.command == "bench":
-            runs = {"step": step.run, "startup": startup.run, "prefix-cache": prefix_cache.run}
+            runs = {"step": step.run, "startup": startup.run, "prefix-cache": prefix_cache.run,
+                    "step-trace": step_trace_cmd.run}
             return runs[ns.bench_command](ns)
         elif ns.command == "sweep":
             return sweep_cmd.run(ns)

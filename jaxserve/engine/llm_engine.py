@@ -41,6 +41,7 @@ from jaxserve.engine.request_state import (
     record_logprobs,
     record_prompt_logprobs,
 )
+from jaxserve.engine.step_trace import StepTrace
 from jaxserve.engine.validation import (
     RequestBounds,
     stop_ids_of,
@@ -152,6 +153,7 @@ class LLMEngine:
         self.requests: dict[str, Choice] = {}  # by sequence id
         self.groups: dict[str, RequestGroup] = {}  # by request id
         self.slots = PenaltySlots(self.runner)
+        self.step_trace = StepTrace(config.step_trace_file) if config.step_trace_file else None
         self._rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self.load_s = time.perf_counter() - t0
@@ -302,6 +304,7 @@ class LLMEngine:
             self._record_step(plan=plan)
             return []
         self._release_idle_slots()
+        t_sched = time.perf_counter()
         now = time.monotonic()
         rows, num_prompt_tokens, want_lp, prompt_lp_rows = [], 0, False, []
         vocab = self.tokenizer.vocab_size
@@ -332,7 +335,9 @@ class LLMEngine:
                                                [s.start_pos for s in plan.scheduled],
                                                [s.block_ids for s in plan.scheduled], rows,
                                                want_logprobs=want_lp)
+        t_pack = time.perf_counter()
         out = self.runner.execute(bucket, packed)
+        t_device = time.perf_counter()
         if prompt_lp_rows:
             record_prompt_logprobs(self.tokenizer, plan.scheduled, self.requests, rows,
                                    prompt_lp_rows, out.prompt_logprobs())
@@ -353,6 +358,15 @@ class LLMEngine:
         outputs = [self._group_output(g, now) for g in touched.values()]
         self._record_step(num_prompt_tokens, len(result.new_token_ids),
                           self.scheduler.num_preemptions_total - preempted_before, plan)
+        if self.step_trace is not None:
+            t_end = time.perf_counter()
+            self.step_trace.write({
+                "t": time.time(), "bucket_tokens": bucket.num_tokens,
+                "bucket_seqs": bucket.num_seqs, "num_seqs": len(plan.scheduled),
+                "num_tokens": plan.num_scheduled_tokens, "num_prompt_tokens": num_prompt_tokens,
+                "schedule_ms": 1e3 * (t_sched - t0), "pack_ms": 1e3 * (t_pack - t_sched),
+                "device_ms": 1e3 * (t_device - t_pack), "post_ms": 1e3 * (t_end - t_device),
+                "step_ms": 1e3 * (t_end - t0)})
         return outputs
 
     def _copy_blocks(self, plan: SchedulerOutput) -> None:

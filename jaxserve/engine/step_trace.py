@@ -1,0 +1,103 @@
+"""Per-step phase timings: one JSON line per engine step (``--step-trace FILE``), and their
+summary per bucket (``jaxserve bench step-trace FILE``).
+
+A line: ``t`` (unix seconds at the step's end), the bucket (``bucket_tokens``,
+``bucket_seqs``), what ran (``num_seqs``, ``num_tokens``, ``num_prompt_tokens``) and the
+phases in milliseconds, which add up to ``step_ms``:
+
+- ``schedule_ms``: the scheduler's plan and any host-tier block copies;
+- ``pack_ms``: per-row sampling inputs and the packed step buffer;
+- ``device_ms``: the compiled step program (forward pass and sampling) until the sampled ids
+  are on the host;
+- ``post_ms``: scheduler update, logprobs, detokenisation, stop checks and the outputs.
+
+What happens after ``step()`` returns (the server's event loop, SSE encoding) is not in it;
+the gap between one line's ``t`` and the next line's start (``t - step_ms``) is.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any, TextIO
+
+PHASES = ("schedule_ms", "pack_ms", "device_ms", "post_ms")
+
+
+class StepTrace:
+    """Appends step lines to ``path`` (line-buffered, so a killed server keeps its lines)."""
+
+    def __init__(self, path: str) -> None:
+        self._file: TextIO = open(path, "a", buffering=1)  # noqa: SIM115 (lives with the engine)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """One step's line (see the module docstring for its fields)."""
+        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read(path: str) -> list[dict[str, Any]]:
+    """The lines of a trace file.
+
+    Raises:
+      ValueError: naming the line, for a line that is not a step record.
+    """
+    out = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not JSON ({e.msg})") from None
+            if not isinstance(rec, dict) or any(k not in rec for k in PHASES + ("step_ms",)):
+                raise ValueError(f"{path}:{i}: not a step record (needs {', '.join(PHASES)}, "
+                                 "step_ms)")
+            out.append(rec)
+    return out
+
+
+def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Per bucket (``"TOKENSxSEQS"``): steps, median step and phase ms, total seconds and its
+    share of all step time; plus ``gaps_s``, the time between steps (outside ``step()``)."""
+    recs = sorted(records, key=lambda r: r["t"])
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in recs:
+        groups[f"{r['bucket_tokens']}x{r['bucket_seqs']}"].append(r)
+    total = sum(r["step_ms"] for r in recs) / 1e3
+    buckets = {}
+    for name, rs in sorted(groups.items(), key=lambda kv: -sum(r["step_ms"] for r in kv[1])):
+        secs = sum(r["step_ms"] for r in rs) / 1e3
+        buckets[name] = {
+            "steps": len(rs), "total_s": secs, "share": secs / total if total else 0.0,
+            "median_step_ms": statistics.median(r["step_ms"] for r in rs),
+            **{f"median_{p}": statistics.median(r[p] for r in rs) for p in PHASES},
+            "mean_num_seqs": statistics.fmean(r["num_seqs"] for r in rs),
+            "tokens": sum(r["num_tokens"] for r in rs),
+        }
+    gaps = [b["t"] - b["step_ms"] / 1e3 - a["t"] for a, b in itertools.pairwise(recs)]
+    span = recs[-1]["t"] - (recs[0]["t"] - recs[0]["step_ms"] / 1e3) if recs else 0.0
+    return {"num_steps": len(recs), "span_s": span, "step_s": total,
+            "gaps_s": sum(g for g in gaps if g > 0),
+            "phase_s": {p: sum(r[p] for r in recs) / 1e3 for p in PHASES}, "buckets": buckets}
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """The summary as a table."""
+    lines = [(f"{s['num_steps']} steps over {s['span_s']:.1f} s: {s['step_s']:.1f} s in steps, "
+             f"{s['gaps_s']:.1f} s between them"),
+             "phases: " + ", ".join(f"{p[:-3]} {v:.1f} s" for p, v in s["phase_s"].items()),
+             (f"{'bucket':>10} {'steps':>6} {'seqs':>6} {'share':>6} {'step ms':>8} "
+             f"{'sched':>6} {'pack':>6} {'device':>8} {'post':>6}")]
+    for name, b in s["buckets"].items():
+        lines.append(f"{name:>10} {b['steps']:6d} {b['mean_num_seqs']:6.1f} {b['share']:6.1%} "
+                     f"{b['median_step_ms']:8.1f} {b['median_schedule_ms']:6.2f} "
+                     f"{b['median_pack_ms']:6.2f} {b['median_device_ms']:8.1f} "
+                     f"{b['median_post_ms']:6.2f}")
+    return "\n".join(lines)
