@@ -42,7 +42,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -54,6 +54,8 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -652,13 +654,34 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return _error(500, f"internal server error: {type(exc).__name__}", "server_error")
 
 
+class _TimeToReady(Collector):
+    """``jaxserve:time_to_ready_seconds``: seconds from start-up to ready
+    (``Lifecycle.ready_s``), exported from the moment the server is ready; what a new replica
+    costs before it serves."""
+
+    def __init__(self, lifecycle: Lifecycle, served_model_name: str) -> None:
+        self.lifecycle = lifecycle
+        self.model_name = served_model_name
+
+    def collect(self) -> Iterator[Metric]:
+        ready_s = self.lifecycle.ready_s
+        if ready_s is None:
+            return
+        g = GaugeMetricFamily(PREFIX + "time_to_ready_seconds",
+                              "Seconds from start-up (the port bound) to ready.",
+                              labels=(MODEL_LABEL,))
+        g.add_metric((self.model_name,), ready_s)
+        yield g
+
+
 class _Probes:
     """``/health``, ``/ready`` and ``/metrics``: what probes and scrapers read, answered from
     process start (before an engine is attached) to exit.
 
-    ``/metrics`` is the server's own series (``jaxserve:draining``, prometheus-client's
-    ``process_*``) followed, once an engine is attached, by the engine's (and with
-    ``metrics_compat="vllm"`` their ``vllm:`` copies, ``jaxserve.engine.metrics.vllm_compat``).
+    ``/metrics`` is the server's own series (``jaxserve:draining``, from ready on
+    ``jaxserve:time_to_ready_seconds``, prometheus-client's ``process_*``) followed, once an
+    engine is attached, by the engine's (and with ``metrics_compat="vllm"`` their ``vllm:``
+    copies, ``jaxserve.engine.metrics.vllm_compat``).
     """
 
     def __init__(self, gate: Gate, served_model_name: str, compat: str | None) -> None:
@@ -672,6 +695,7 @@ class _Probes:
         Gauge(PREFIX + "draining", "1 from the moment a SIGTERM starts the drain, else 0.",
               (MODEL_LABEL,), registry=self.registry).labels(served_model_name).set_function(
             lambda: float(gate.draining))
+        self.registry.register(_TimeToReady(self.lifecycle, served_model_name))
 
     def attach(self, engine: EngineClient) -> None:
         m = engine.metrics

@@ -116,6 +116,7 @@ def test_port_answers_while_loading_and_the_stages_advance() -> None:
         metrics = http.get("/metrics").text
         assert "process_cpu_seconds_total" in metrics and "jaxserve:draining" in metrics
         assert "jaxserve:num_requests_running" not in metrics  # no engine yet
+        assert "jaxserve:time_to_ready_seconds" not in metrics
         assert http.get("/openapi.json").status_code == 200
 
         gates["compile"].set()
@@ -136,8 +137,11 @@ def test_port_answers_while_loading_and_the_stages_advance() -> None:
         assert (body["stage"], body["progress"], body["eta_s"]) == ("ready", 1.0, 0.0)
         out = http.post(COMPL, json={"prompt": "hi", "max_tokens": 2})
         assert out.status_code == 200 and out.json()["choices"][0]["text"] == "Hi"
-        assert 'jaxserve:num_requests_running{model_name="fake-model"}' in http.get(
-            "/metrics").text
+        metrics = http.get("/metrics").text
+        assert 'jaxserve:num_requests_running{model_name="fake-model"}' in metrics
+        (ready_s,) = [float(ln.split()[-1]) for ln in metrics.splitlines()
+                      if ln.startswith(f'jaxserve:time_to_ready_seconds{{model_name="{MODEL}"}}')]
+        assert 0 < ready_s <= http.get("/ready").json()["elapsed_s"]
     assert result == [True]
 
 
