@@ -18,6 +18,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from jaxserve.engine.compile_events import counting_compiles
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -168,7 +169,8 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            self._loop()
+            with counting_compiles(self.metrics):  # warm-up is done: serving compiles nothing
+                self._loop()
         except Exception:
             log.exception("the engine thread died; /health reports it")
 

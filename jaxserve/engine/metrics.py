@@ -23,7 +23,9 @@ to histograms; importing this module turns off the ``_created`` series process-w
              tokens left over that rate; 0 until a prefill step has been measured)
   counters   jaxserve:prompt_tokens_total, jaxserve:generation_tokens_total,
              jaxserve:request_success_total{finished_reason}, jaxserve:num_preemptions_total,
-             jaxserve:num_aborted_requests_total
+             jaxserve:num_aborted_requests_total, jaxserve:num_compiles_after_warmup_total
+             (XLA compiles on the engine thread, ``compile_events``; 0 unless warm-up missed a
+             program)
   prefix cache and host tier (kv_manager.KVStats; tokens where the name says so):
              jaxserve:prefix_cache_queries_total (prompt tokens looked up),
              jaxserve:prefix_cache_hits_total (of those, found in either tier),
@@ -189,6 +191,9 @@ class EngineMetrics:
         self.num_preemptions = counter("num_preemptions", "Requests preempted to free KV blocks.")
         self.num_aborted_requests = counter("num_aborted_requests",
                                             "Requests aborted (client disconnect or cancel).")
+        self.num_compiles_after_warmup = counter(
+            "num_compiles_after_warmup",
+            "XLA compiles on the engine thread after warm-up (0 unless warm-up missed a program).")
         self.kv_counters = {field: counter(name, text)
                             for field, (name, text) in KV_COUNTERS.items()}
         self._kv_seen: dict[str, int] = dict.fromkeys(KV_COUNTERS, 0)
@@ -237,6 +242,10 @@ class EngineMetrics:
             self.generation_tokens.inc(num_generation_tokens)
         if num_preemptions:
             self.num_preemptions.inc(num_preemptions)
+
+    def record_compile(self) -> None:
+        """Count one XLA compile after warm-up (``compile_events.counting_compiles``)."""
+        self.num_compiles_after_warmup.inc()
 
     def record_tokens_pending(self, num_prefill_tokens: int, num_decode_tokens: int) -> None:
         """Set the work-left gauges from ``Scheduler.num_tokens_pending()``."""

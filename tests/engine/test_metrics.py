@@ -1,15 +1,22 @@
 """The metrics contract (jaxserve.engine.metrics): names and the ``model_name`` label, no
-``_created`` series, the vLLM-named copies that routers and autoscalers read, and the work-left
-gauges against a real engine held between steps."""
+``_created`` series, the vLLM-named copies that routers and autoscalers read, the work-left
+gauges against a real engine held between steps, and the compiles counted after warm-up."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
+import jax
+import numpy as np
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.core.kv_manager import KVStats
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.compile_events import counting_compiles
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.metrics import EngineMetrics, vllm_compat
 from jaxserve.sampling_params import SamplingParams
@@ -144,3 +151,62 @@ def test_tokens_in_flight_and_prefill_backlog_follow_the_engine() -> None:
         {**label, "block_size": "16", "num_gpu_blocks": str(eng.num_blocks)}) == 1
     assert eng.probe() > 0  # the start-up probe step leaves no trace in the series
     assert gauge("prompt_tokens_total") == 50
+
+
+def _jit_new_program() -> None:
+    # a fresh function each call: jax compiles it (or looks it up in the persistent cache)
+    jax.jit(lambda x: x * 3 + 1)(np.zeros(5, np.float32)).block_until_ready()
+
+
+def test_compiles_are_counted_on_the_watching_thread_only() -> None:
+    watched, other = EngineMetrics("w"), EngineMetrics("o")
+    count = lambda m: m.registry.get_sample_value(
+        "jaxserve:num_compiles_after_warmup_total", {"model_name": m.model_name})
+
+    def engine_thread() -> None:
+        with counting_compiles(watched):
+            _jit_new_program()
+            _jit_new_program()
+        _jit_new_program()  # after the engine loop ended
+
+    t = threading.Thread(target=engine_thread)
+    t.start()
+    t.join()
+    _jit_new_program()  # another thread's compile
+    assert (count(watched), count(other)) == (2, 0)
+
+
+def test_serving_after_warmup_compiles_nothing_and_a_compile_is_counted() -> None:
+    """The real engine behind ``AsyncEngine``: warm-up's compiles are not counted, requests of
+    every prompt bucket compile nothing, and a compile on the engine thread is counted."""
+    metrics = EngineMetrics("tiny")
+    eng = LLMEngine(EngineConfig(max_model_len=128, num_kv_blocks=24, max_num_seqs=4,
+                                 max_num_batched_tokens=16,
+                                 compilation_cache_dir=str(REPO_ROOT / ".jax_cache")),
+                    LoadConfig(model="tiny", load_format="dummy"), metrics=metrics)
+    aeng = AsyncEngine(eng)
+    aeng.start(warmup=True, progress=False)
+    count = lambda: metrics.registry.get_sample_value(
+        "jaxserve:num_compiles_after_warmup_total", {"model_name": "tiny"})
+
+    async def run(prompt_len: int, rid: str) -> None:
+        params = SamplingParams(max_tokens=3, temperature=0.7, seed=1, ignore_eos=True)
+        async for out in aeng.generate(list(range(1, prompt_len + 1)), params, rid):
+            last = out
+        assert last.finished
+
+    try:
+        for n in (1, 5, 9, 16, 40):  # every token bucket up to 16, and a chunked prefill
+            asyncio.run(run(n, f"r{n}"))
+        assert count() == 0
+        step = eng.step
+
+        def compiling_step():
+            _jit_new_program()
+            return step()
+
+        eng.step = compiling_step  # the engine thread now compiles before each step
+        asyncio.run(run(3, "compiles"))
+        assert count() >= 1
+    finally:
+        aeng.shutdown()
