@@ -55,8 +55,8 @@ def exported() -> set[str]:
 def test_the_scrape_is_the_full_exposition(exported: set[str]) -> None:
     # guards the test below against an empty or engine-less scrape
     for name in ("jaxserve:num_requests_waiting", "jaxserve:time_to_first_token_seconds_bucket",
-                 "jaxserve:draining", "process_start_time_seconds",
-                 "vllm:num_requests_waiting"):
+                 "jaxserve:draining", "jaxserve:time_to_ready_seconds",
+                 "process_start_time_seconds", "vllm:num_requests_waiting"):
         assert name in exported, name
 
 
@@ -85,7 +85,8 @@ def test_the_dashboard_shows_what_operators_read() -> None:
                    "jaxserve:num_tokens_in_flight", "jaxserve:prefill_backlog_seconds",
                    "jaxserve:kv_cache_usage_perc", "jaxserve:batch_seqs_usage_perc",
                    "jaxserve:batch_tokens_usage_perc", "jaxserve:num_preemptions_total",
-                   "jaxserve:draining"):
+                   "jaxserve:draining", "jaxserve:time_to_ready_seconds",
+                   "jaxserve:num_compiles_after_warmup_total"):
         assert needed in names, needed
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
@@ -105,7 +106,8 @@ def test_the_rules_alert_on_what_the_issue_names() -> None:
     (doc,) = load_yaml(RULES)
     alerts = {r["alert"]: r for g in doc["groups"] for r in g["rules"] if "alert" in r}
     assert {"JaxserveQueueGrowing", "JaxserveTTFTOverSLO", "JaxserveKVCacheUsageHigh",
-            "JaxserveTargetDown", "JaxserveNoReadyReplica"} <= alerts.keys()
+            "JaxserveCompilesAfterWarmup", "JaxserveTargetDown",
+            "JaxserveNoReadyReplica"} <= alerts.keys()
     for name, rule in alerts.items():
         assert rule["labels"]["severity"] in ("warning", "critical"), name
         assert rule["annotations"]["summary"], name
