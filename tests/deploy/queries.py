@@ -1,4 +1,5 @@
-"""The deployment files under deploy/ and the Prometheus queries in them, for the deploy tests.
+"""The deployment files (the Dockerfile, deploy/) and the Prometheus queries in them, for the
+deploy tests.
 
 Queries are collected from every place one lives (the Grafana dashboard's panels and template
 variables, the rule file, the KEDA triggers, the prometheus-adapter rules) with Grafana's and the
@@ -20,6 +21,7 @@ from jaxserve.server.app import build_app
 from tests.conftest import REPO_ROOT
 from tests.support.fake_engine import FakeEngine
 
+DOCKERFILE = REPO_ROOT / "Dockerfile"
 DEPLOY = REPO_ROOT / "deploy"
 KUBERNETES = DEPLOY / "kubernetes"
 DASHBOARD = DEPLOY / "grafana" / "jaxserve-dashboard.json"
@@ -37,6 +39,26 @@ _GRAFANA_VAR = re.compile(r"\$\{(\w+)\}|\$(\w+)")
 _LABEL_VALUES = re.compile(r"^label_values\((.*),\s*(\w+)\)$", re.DOTALL)
 _ADAPTER_VARS = {"<<.LabelMatchers>>": 'namespace="jaxserve",pod="jaxserve-0"',
                  "<<.GroupBy>>": "namespace, pod"}
+
+
+def instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments dropped."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for raw in path.read_text(encoding="utf-8").splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if line.startswith("#"):  # a comment inside a continued instruction
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        word, _, args = (pending + line).partition(" ")
+        out.append((word.upper(), args.strip()))
+        pending = ""
+    assert not pending, "the Dockerfile ends inside a continued line"
+    return out
 
 
 def load_yaml(path: Path) -> list[dict]:

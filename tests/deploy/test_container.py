@@ -12,35 +12,14 @@ import shutil
 import subprocess
 import sys
 import tomllib
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 
 import pytest
 
 from jaxserve.cli.args import engine_config_from_args, server_config_from_args
 from jaxserve.cli.main import build_parser
 from tests.conftest import REPO_ROOT
-
-DOCKERFILE = REPO_ROOT / "Dockerfile"
-
-
-def instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments dropped."""
-    out: list[tuple[str, str]] = []
-    pending = ""
-    for raw in path.read_text(encoding="utf-8").splitlines():
-        line = raw.strip()
-        if not pending and (not line or line.startswith("#")):
-            continue
-        if line.startswith("#"):  # a comment inside a continued instruction
-            continue
-        if line.endswith("\\"):
-            pending += line[:-1] + " "
-            continue
-        word, _, args = (pending + line).partition(" ")
-        out.append((word.upper(), args.strip()))
-        pending = ""
-    assert not pending, "the Dockerfile ends inside a continued line"
-    return out
+from tests.deploy.queries import DOCKERFILE, instructions
 
 
 def one(name: str) -> str:

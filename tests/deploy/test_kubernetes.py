@@ -16,8 +16,7 @@ import yaml
 
 from jaxserve.cli.args import engine_config_from_args, server_config_from_args
 from jaxserve.cli.main import build_parser
-from tests.deploy.queries import ADAPTER, HPA, KEDA, KUBERNETES, load_yaml
-from tests.deploy.test_container import instructions
+from tests.deploy.queries import ADAPTER, HPA, KEDA, KUBERNETES, instructions, load_yaml
 
 kv = pytest.importorskip("kubernetes_validate",
                          reason="kubernetes-validate is not installed (a test extra)")
