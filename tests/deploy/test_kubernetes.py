@@ -181,6 +181,7 @@ def test_keda_scaled_object_structure(version: str) -> None:
     assert so["apiVersion"] == "keda.sh/v1alpha1" and so["kind"] == "ScaledObject"
     dep = _by_kind(_base(), "Deployment")
     assert so["metadata"]["namespace"] == dep["metadata"]["namespace"]
+    served = build_parser().parse_args(_container(dep)["args"]).served_model_name
     spec = so["spec"]
     assert set(spec) <= {"scaleTargetRef", "minReplicaCount", "maxReplicaCount",
                          "pollingInterval", "cooldownPeriod", "idleReplicaCount", "fallback",
@@ -203,7 +204,9 @@ def test_keda_scaled_object_structure(version: str) -> None:
         assert md["serverAddress"].startswith("http")
         assert all(isinstance(v, str) for v in md.values())  # KEDA's metadata is strings
         assert float(md["threshold"]) > 0
+        # the series of this Deployment: its namespace and its --served-model-name
         assert f'namespace="{so["metadata"]["namespace"]}"' in md["query"]
+        assert f'model_name="{served}"' in md["query"]
 
 
 def _up_fast_down_slow(behavior: dict) -> None:
