@@ -20,7 +20,8 @@ ENV PIP_NO_CACHE_DIR=1 \
 WORKDIR /opt/jaxserve
 COPY . .
 RUN JAXSERVE_EXTRAS="${JAXSERVE_EXTRAS}" bash scripts/setup.sh \
-    && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin jaxserve \
+    && groupadd --gid 10001 jaxserve \
+    && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin jaxserve \
     && mkdir -p /models /var/cache/jaxserve/xla \
     && chown -R 10001:10001 /models /var/cache/jaxserve
 
