@@ -297,3 +297,82 @@ def llama_hf_params(tensors: SafetensorsDir, cfg: ModelConfig, dtype: jnp.dtype)
     """
     return jax.tree_util.tree_map(lambda leaf: jnp.asarray(leaf.read(), dtype),
                                   llama_hf_sources(tensors, cfg))
+
+
+def hf_config_dict(cfg: ModelConfig, dtype: str, bos_token_id: int | None = None,
+                   eos_token_id: int | None = None) -> dict:
+    """The ``config.json`` of an HF directory holding a Llama-family ``cfg`` (what
+    ``llama_hf_config`` reads back to ``cfg``); ``dtype`` names the stored dtype.
+
+    Raises:
+      ValueError: for a config that is not of the Llama family.
+    """
+    if cfg.architecture != "llama":
+        raise ValueError(f"an HF directory is written for the Llama family only, not "
+                         f"{cfg.architecture!r}")
+    # the family by its features, as llama_hf_config maps them (names from GGUF are free text)
+    family = "qwen2" if cfg.qkv_bias else "mistral" if cfg.sliding_window else "llama"
+    arch = {f: name for name, f in LLAMA_FAMILY.items()}[family]
+    data = {"architectures": [arch], "model_type": family, "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "hidden_act": "silu",
+            "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+            "max_position_embeddings": cfg.max_position_embeddings,
+            "tie_word_embeddings": cfg.tie_word_embeddings, "torch_dtype": dtype,
+            "attention_bias": cfg.qkv_bias, "mlp_bias": False}
+    if cfg.rope_scaling is not None:
+        s = cfg.rope_scaling
+        data["rope_scaling"] = {
+            "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings}
+    if cfg.sliding_window is not None:
+        data["sliding_window"] = cfg.sliding_window
+    if bos_token_id is not None:
+        data["bos_token_id"] = bos_token_id
+    if eos_token_id is not None:
+        data["eos_token_id"] = eos_token_id
+    return data
+
+
+def save_hf_dir(path: str, cfg: ModelConfig, params: dict, dtype: jnp.dtype,
+                bos_token_id: int | None = None, eos_token_id: int | None = None) -> None:
+    """Write Llama-family ``params`` (float, not quantised) as ``path/model.safetensors`` and
+    ``path/config.json`` in HF's layout: linears back to ``[out, in]``, one tensor per layer;
+    what other engines (transformers, vLLM) load. The tokenizer files are the caller's.
+
+    Raises:
+      ValueError: a non-Llama config, quantised params, or a ``path`` that holds a model.
+    """
+    from safetensors.numpy import save_file
+
+    data = hf_config_dict(cfg, jnp.dtype(dtype).name, bos_token_id, eos_token_id)
+    if os.path.exists(os.path.join(path, CONFIG_FILE)):
+        raise ValueError(f"{path} already holds a model ({CONFIG_FILE})")
+
+    def host(x) -> np.ndarray:
+        if not isinstance(x, jax.Array | np.ndarray):
+            raise ValueError(f"quantised weights ({type(x).__name__}) cannot be written as an "
+                             f"HF directory; convert without --quantization")
+        return np.asarray(jnp.asarray(x, dtype))
+
+    spec = dict(LAYER_TENSORS)
+    if cfg.qkv_bias:
+        spec.update({p: (hf, False) for p, hf in _BIAS_TENSORS.items()})
+    out = {"model.embed_tokens.weight": host(params["embed"]),
+           "model.norm.weight": host(params["final_norm"]["weight"])}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = np.ascontiguousarray(host(params["lm_head"]).T)
+    for p, (hf, transpose) in spec.items():
+        node = params["layers"]
+        for key in p:
+            node = node[key]
+        stacked = host(node)
+        for i in range(cfg.num_layers):
+            t = stacked[i].T if transpose else stacked[i]
+            out[f"model.layers.{i}.{hf}"] = np.ascontiguousarray(t)
+    os.makedirs(path, exist_ok=True)
+    save_file(out, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, CONFIG_FILE), "w") as f:
+        json.dump(data, f, indent=2)

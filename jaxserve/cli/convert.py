@@ -1,4 +1,5 @@
-"""``jaxserve convert SRC DST [--dtype D]``: write a model as an orbax checkpoint directory.
+"""``jaxserve convert SRC DST [--dtype D]``: write a model as an orbax checkpoint directory
+(or, with ``--format hf``, as an HF safetensors directory for other engines).
 
 SRC is anything ``jaxserve serve`` loads (a GGUF file, an HF safetensors directory, another
 orbax checkpoint). DST gets the params pytree as an orbax checkpoint in ``--dtype`` (weights
@@ -26,6 +27,7 @@ from jaxserve.config import DTYPES, QUANTIZATION_METHODS, LoadConfig
 from jaxserve.device import kv_calibration as cal
 from jaxserve.loading.load import load_model, resolve_dtype
 from models.checkpoint import save_checkpoint, save_kv_scales
+from models.hf import save_hf_dir
 from models.quant import QuantConfig, apply_quantization
 from models.registry import get_architecture
 from pallas_kernels.kv_cache import KV_QUANT_DTYPES
@@ -34,7 +36,11 @@ from pallas_kernels.kv_cache import KV_QUANT_DTYPES
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     """The ``convert`` subcommand's arguments."""
     p.add_argument("src", help="a GGUF file, an HF safetensors directory, or an orbax checkpoint")
-    p.add_argument("dst", help="new directory for the orbax checkpoint")
+    p.add_argument("dst", help="new directory for the checkpoint")
+    p.add_argument("--format", default="orbax", choices=["orbax", "hf"],
+                   help="orbax: what jaxserve loads fastest; hf: an HF safetensors directory "
+                        "(Llama family, float weights) for other engines, e.g. to run vLLM "
+                        "on the same weights")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="stored dtype; store the dtype you serve in so loading casts nothing "
                         "(auto: what 'serve --dtype auto' uses here: float32 on CPU, bfloat16 "
@@ -56,10 +62,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 def convert(src: str, dst: str, dtype: str = "auto", quantization: str = "none",
             quantization_group_size: int = 32, quantize_embeddings: bool = False,
-            kv_cache_dtype: str | None = None, kv_calibration_file: str | None = None
-            ) -> dict[str, float]:
+            kv_cache_dtype: str | None = None, kv_calibration_file: str | None = None,
+            format: str = "orbax") -> dict[str, float]:
     """Load ``src`` (quantising it as ``models.quant.apply_quantization`` does for serving)
-    and write it to ``dst`` as an orbax checkpoint; returns ``{"load_s", "save_s"}`` (and
+    and write it to ``dst`` as an orbax checkpoint (``format="hf"``: an HF safetensors
+    directory, ``models.hf.save_hf_dir``, float weights only); returns ``{"load_s", "save_s"}`` (and
     ``"calibrate_s"`` with ``kv_cache_dtype``).
 
     Raises:
@@ -68,6 +75,11 @@ def convert(src: str, dst: str, dtype: str = "auto", quantization: str = "none",
         an unreadable calibration file.
     """
     qcfg = QuantConfig(quantization, quantization_group_size, quantize_embeddings)
+    if format not in ("orbax", "hf"):
+        raise ValueError(f"format={format!r} must be 'orbax' or 'hf'")
+    if format == "hf" and (quantization != "none" or kv_cache_dtype is not None):
+        raise ValueError("format='hf' writes float weights only: no --quantization or "
+                         "--kv-cache-dtype")
     if kv_calibration_file is not None and kv_cache_dtype is None:
         raise ValueError("kv_calibration_file is used only with kv_cache_dtype fp8 or int8 "
                          "(--kv-cache-dtype); nothing would be calibrated")
@@ -87,7 +99,10 @@ def convert(src: str, dst: str, dtype: str = "auto", quantization: str = "none",
     params = apply_quantization(params, arch.quant_targets, qcfg, arch.name,
                                 delete_source=True)
     t1 = time.perf_counter()
-    save_checkpoint(dst, cfg, params, dt)
+    if format == "hf":
+        save_hf_dir(dst, cfg, params, dt, tokenizer.bos_token_id, tokenizer.eos_token_id)
+    else:
+        save_checkpoint(dst, cfg, params, dt)
     tokenizer.save_pretrained(dst)
     times = {"load_s": t1 - t0, "save_s": time.perf_counter() - t1}
     if kv_cache_dtype is not None:
@@ -110,7 +125,8 @@ def _save_kv_scales(dst: str, cfg, params, dt, kv_cache_dtype: str, ids: list[in
 def run(ns: argparse.Namespace) -> int:
     """The ``convert`` command: convert and print what was written."""
     times = convert(ns.src, ns.dst, ns.dtype, ns.quantization, ns.quantization_group_size,
-                    ns.quantize_embeddings, ns.kv_cache_dtype, ns.kv_calibration_file)
+                    ns.quantize_embeddings, ns.kv_cache_dtype, ns.kv_calibration_file,
+                    ns.format)
     flags = ""
     if ns.quantization != "none":
         flags = f" --quantization {ns.quantization}"

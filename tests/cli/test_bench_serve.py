@@ -418,3 +418,23 @@ def test_trace_end_to_end_keeps_arrival_times(tmp_path: Path) -> None:
     assert rc == 0 and res["completed"] == 3 and res["output_lens"] == [3, 3, 3]
     assert res["input_lens"] == [5, 5, 5]
     assert res["start_times"][1] >= 0.29 and res["start_times"][2] >= 0.59
+
+
+def test_server_pid_reports_the_server_process_tree_cpu(tmp_path: Path) -> None:
+    """--server-pid: the in-process fake server is this process, so its CPU time is ours."""
+    import os
+
+    from jaxserve.cli.bench.serve import process_tree_cpu_s
+
+    eng = CountingEngine(max_model_len=128, step_s=0.001)
+    with serve_app(build_app(eng, "m")) as url:
+        before = process_tree_cpu_s(os.getpid())
+        rc, res = _bench(url, tmp_path, "--num-prompts", "8", "--random-input-len", "4",
+                         "--random-output-len", "6", "--server-pid", str(os.getpid()))
+        after = process_tree_cpu_s(os.getpid())
+    assert rc == 0
+    assert 0 < res["server_cpu_s"] <= after - before
+    assert res["server_cpu_s_per_output_token"] == pytest.approx(
+        res["server_cpu_s"] / res["total_output_tokens"])
+    with pytest.raises(ValueError, match="no such process"):
+        process_tree_cpu_s(2 ** 22 + 12345)

@@ -53,6 +53,27 @@ def test_convert_then_load_is_bit_identical_to_the_gguf(engine, tmp_path) -> Non
         src.eos_token_ids, src.bos_token_id, src.add_bos_token, src.vocab_size)
 
 
+def test_convert_to_hf_loads_back_to_the_same_model(engine, tmp_path) -> None:
+    """``--format hf`` (for other engines on the same weights): our own HF loader reads it back
+    to the same config and bitwise the same params, and the tokenizer files come along."""
+    dst = str(tmp_path / "smollm2-hf")
+    assert cli_main(["convert", default_gguf_path(), dst, "--dtype", "float32",
+                     "--format", "hf"]) == 0
+    data = json.loads((Path(dst) / "config.json").read_text())
+    assert data["architectures"] == ["LlamaForCausalLM"] and data["torch_dtype"] == "float32"
+    assert data["eos_token_id"] == engine.tokenizer.eos_token_id
+    loaded = load_model(LoadConfig(dst), engine.dtype, seed=0)
+    assert loaded.model_config == engine.model_config.replace(name="llama")
+    assert _bitwise_equal(loaded.params, engine.runner.params)
+    text = "Hello, wörld! <|im_start|>user"
+    assert loaded.tokenizer.encode(text) == engine.tokenizer.encode(text)
+    with pytest.raises(ValueError, match="float weights only"):
+        from jaxserve.cli.convert import convert
+        convert(default_gguf_path(), str(tmp_path / "q"), quantization="int8", format="hf")
+    with pytest.raises(ValueError, match="already holds a model"):
+        convert(default_gguf_path(), dst, format="hf")
+
+
 @pytest.fixture()
 def tiny(tmp_path):
     """A tiny-config checkpoint stored in bfloat16 (and its float32 source params)."""

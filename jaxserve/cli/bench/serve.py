@@ -113,6 +113,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
       help="comma-separated metrics with statistics: ttft,tpot,itl,e2el")
     a("--metric-percentiles", default="90,95,99", help="comma-separated percentiles")
     a("--request-id-prefix", default="bench-", help="X-Request-Id prefix (then the index)")
+    a("--server-pid", type=int, default=None,
+      help="a local server's process id: also report the CPU seconds its process tree used "
+           "during the run, per output token (Linux /proc; compare engines by work done)")
     a("--save-result", action="store_true", help="write the result JSON")
     a("--result-dir", default=None, help="directory for the JSON (default: current)")
     a("--result-filename", default=None,
@@ -162,6 +165,36 @@ def build_workload(ns: argparse.Namespace, chat: bool
     return sharegpt_like_dataset(ns.num_prompts, ns.seed, chat, corpus), None
 
 
+def process_tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and all its descendants (Linux /proc).
+
+    Raises:
+      ValueError: if ``pid`` is not a running process.
+    """
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(d))
+    if not os.path.exists(f"/proc/{pid}/stat"):
+        raise ValueError(f"--server-pid {pid}: no such process")
+    total, todo, tick = 0, [pid], os.sysconf("SC_CLK_TCK")
+    while todo:
+        p = todo.pop()
+        todo += children.get(p, [])
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / tick
+
+
 async def run_benchmark(ns: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """Run the benchmark; returns (the result JSON dict, the model id)."""
     _check(ns)
@@ -203,18 +236,26 @@ async def run_benchmark(ns: argparse.Namespace) -> tuple[dict[str, Any], str]:
         pbar = None
         if not ns.disable_tqdm:
             pbar = tqdm(total=len(samples))
+        cpu0 = process_tree_cpu_s(ns.server_pid) if ns.server_pid else None
         start = time.perf_counter()
         tasks = [asyncio.create_task(one(samples[i], f"{ns.request_id_prefix}{i}", pbar))
                  async for i in paced(offsets)]
         outputs = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        cpu_s = process_tree_cpu_s(ns.server_pid) - cpu0 if cpu0 is not None else None
         if pbar is not None:
             pbar.close()
     failed = [o.error for o in outputs if not o.success]
     for k, err in enumerate(failed[:10]):
         print(f"Error {k}: {err.strip()}")
     res = build_result(outputs, duration, percentiles, metrics_sel, goodput)
+    if cpu_s is not None:
+        res["server_cpu_s"] = cpu_s
+        res["server_cpu_s_per_output_token"] = cpu_s / max(res["total_output_tokens"], 1)
     print(format_table(res, metrics_sel, percentiles, cap, ns.request_rate), flush=True)
+    if cpu_s is not None:
+        print(f"Server CPU seconds: {cpu_s:.1f} ({res['server_cpu_s_per_output_token'] * 1e3:.1f}"
+              " ms per output token)", flush=True)
     head = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "backend": "openai-chat" if chat else "openai",
