@@ -138,11 +138,10 @@ def run(ns: argparse.Namespace) -> int:
     inp = PlanInputs(slos, _time_to_ready(ns), ns.growth_rps, ns.growth_concurrency,
                      ns.metric_delay_s, ns.sync_period_s, ns.headroom, ns.tolerance,
                      ns.min_replicas, ns.max_num_seqs, ns.tokens_per_request)
-    curve, index = load_curve(ns.sweep, ns.percentile, ns.config_index, slos)
+    curve, _ = load_curve(ns.sweep, ns.percentile, ns.config_index, slos)
     p = plan(curve, inp)
     print(format_plan(p, inp, curve))
-    out = snippet(p, inp, ns.model_name,
-                  curve.source if index is None else f"{curve.source} configuration {index}")
+    out = snippet(p, inp, ns.model_name, curve.source)
     out["inputs"] = {k: v for k, v in asdict(inp).items() if v is not None}
     if ns.simulate:
         signal = ns.sim_signal or out["recommended_signal"]

@@ -215,7 +215,7 @@ def plan(curve: Curve, inp: PlanInputs) -> Plan:
     w = c / x
     g_c = (inp.growth_concurrency_per_s if inp.growth_concurrency_per_s is not None
            else inp.growth_rps_per_s * w) / inp.min_replicas  # type: ignore[operator]
-    m = inp.max_num_seqs if inp.max_num_seqs is not None else c
+    m = inp.max_num_seqs if inp.max_num_seqs is not None else int(c)
     signals = {"running": _signal(
         "running", float(min(c, m)), g_c, inp,
         "" if m >= c else f"max_num_seqs {m} < c_slo {c:g}: running saturates at {m}")}
@@ -245,7 +245,7 @@ def plan(curve: Curve, inp: PlanInputs) -> Plan:
 
         signals["tokens"] = _signal("tokens", c, g_c, inp,
                                     f"{tpr:.1f} tokens per request in flight at c_slo", tokens)
-    return Plan(c, x, w, inp.lag_s, g_c, int(m), signals)
+    return Plan(c, x, w, inp.lag_s, g_c, m, signals)
 
 
 def naive_threshold(capacity: float, fraction: float = 0.9) -> float:
