@@ -12,6 +12,9 @@ are errors.
 same way, then runs an OpenAI Batch file through the engine (``jaxserve.server.batch``) and exits 0,
 also when some lines failed (each failure is its own output line).
 
+``jaxserve plan-autoscaling SWEEP --slo ttft:MS --time-to-ready-s S --growth-rps R`` turns a
+sweep into KEDA / HPA thresholds (``jaxserve.cli.autoscaling``); it needs no jax.
+
 ``jaxserve eval [--model MODEL] [--compare int8,kv-fp8,...] [--flags]`` scores a corpus and a
 prompt set with the unquantised model and with each configuration (``jaxserve.cli.eval``), prints
 one table row per configuration and, with ``--output``, writes them as JSON.
@@ -31,6 +34,7 @@ from jaxserve.cli.args import (
     add_server_args,
     engine_config_from_args,
 )
+from jaxserve.cli.autoscaling import command as plan_cmd
 from jaxserve.cli.bench import serve as bench_serve_cmd
 from jaxserve.cli.bench import startup
 from jaxserve.cli.bench import step_trace as step_trace_cmd
@@ -119,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
         "sweep", help="raise concurrency (and optionally vary engine settings) to find the knee, "
                       "the SLO limit and recommended configurations",
         formatter_class=HelpFormatter))
+    plan_cmd.add_cli_args(sub.add_parser(
+        "plan-autoscaling", help="KEDA / HPA thresholds from a sweep, the time to ready, an "
+                                 "SLO and a traffic growth rate",
+        formatter_class=HelpFormatter))
     return p
 
 
@@ -157,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             return runs[ns.bench_command](ns)
         elif ns.command == "sweep":
             return sweep_cmd.run(ns)
+        elif ns.command == "plan-autoscaling":
+            return plan_cmd.run(ns)
     except (ValueError, FileNotFoundError) as e:
         print(f"jaxserve: error: {e}", file=sys.stderr)
         return 2
