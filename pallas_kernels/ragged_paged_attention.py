@@ -23,6 +23,7 @@ no per-element multiply.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -108,7 +109,8 @@ def _finish(l, acc):
     return jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "logit_soft_cap", "q_tile", "kv_chunk"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "logit_soft_cap", "q_tile", "kv_chunk",
+                                             "decode_kv_chunk"))
 def ragged_paged_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -126,6 +128,7 @@ def ragged_paged_attention(
     v_scale: jax.Array | None = None,
     q_tile: int = 128,
     kv_chunk: int = 128,
+    decode_kv_chunk: int = 64,
 ) -> jax.Array:
     """Attention of a ragged token batch over the paged KV cache (pure jnp).
 
@@ -148,6 +151,8 @@ def ragged_paged_attention(
         for one, None for a float cache): keys are read as ``k * k_scale[layer, head]``.
       q_tile: query rows per tile on the prefill path.
       kv_chunk: keys per online-softmax step (rounded to whole pages).
+      decode_kv_chunk: the decode path's step, at most ``kv_chunk``: its gathers are
+        ``S x chunk`` pages, and 64 keys ran 1.2-1.7x faster than 128 at 64 rows on XLA CPU.
     Returns:
       ``[T, num_q_heads, head_dim]`` in q's dtype; padding rows are 0.
 
@@ -166,7 +171,9 @@ def ragged_paged_attention(
     group = num_q_heads // num_kv_heads
     ppc = max(1, kv_chunk // block_size)  # pages per chunk
     chunk = ppc * block_size
-    pad = -max_blocks % ppc
+    ppc_d = max(1, min(kv_chunk, decode_kv_chunk) // block_size)  # the decode path's
+    chunk_d = ppc_d * block_size
+    pad = -max_blocks % math.lcm(ppc, ppc_d)
     tables = jnp.pad(block_tables, ((0, 0), (0, pad))) if pad else block_tables
     qt_rows = min(q_tile, num_tokens)
     n = num_seqs[0]
@@ -177,6 +184,7 @@ def ragged_paged_attention(
     if quantized:  # scores on dequantised keys == scores of scaled queries on the stored keys
         qf = qf * k_scale[layer].astype(jnp.float32)[None, :, None, None]
     kpos0 = jnp.arange(chunk, dtype=jnp.int32)
+    kpos0_d = jnp.arange(chunk_d, dtype=jnp.int32)
 
     def keys(pages, shape):
         k = k_cache[layer, pages].reshape(shape + (num_kv_heads, head_dim))
@@ -209,11 +217,11 @@ def ragged_paged_attention(
 
     def dec_body(c, carry):
         m, l, acc = carry  # [S, kv * g], [S, kv * g], [S, kv, g, d]
-        pages = jax.lax.dynamic_slice_in_dim(tables, c * ppc, ppc, axis=1)
-        flat = (num_slots, chunk, num_kv_heads * head_dim)
+        pages = jax.lax.dynamic_slice_in_dim(tables, c * ppc_d, ppc_d, axis=1)
+        flat = (num_slots, chunk_d, num_kv_heads * head_dim)
         k = kv_to_float(k_cache[layer, pages].reshape(flat))
         v = kv_to_float(v_cache[layer, pages].reshape(flat))
-        kpos = c * chunk + kpos0
+        kpos = c * chunk_d + kpos0_d
         mask = kpos[None, :] <= qpos_d[:, None]  # [S, C]
         if sliding_window is not None:
             mask &= kpos[None, :] > qpos_d[:, None] - sliding_window
@@ -228,12 +236,12 @@ def ragged_paged_attention(
         acc = acc * alpha.reshape(num_slots, num_kv_heads, group)[..., None] + o
         return m_new, l * alpha + p.sum(axis=1), acc
 
-    n_dec_chunks = (jnp.max(ctx_d) + chunk - 1) // chunk
+    n_dec_chunks = (jnp.max(ctx_d) + chunk_d - 1) // chunk_d
     first_dec_chunk = 0
     if sliding_window is not None:  # chunks wholly before every decode row's window are skipped
         first_key = jnp.where(dec, jnp.maximum(qpos_d + 1 - sliding_window, 0),
                               jnp.iinfo(jnp.int32).max)
-        first_dec_chunk = jnp.min(first_key) // chunk
+        first_dec_chunk = jnp.min(first_key) // chunk_d
         first_dec_chunk = jnp.minimum(first_dec_chunk, n_dec_chunks)
     init = (jnp.full((num_slots, width), _MASK_VALUE, jnp.float32),
             jnp.zeros((num_slots, width), jnp.float32),
