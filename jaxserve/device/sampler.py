@@ -28,6 +28,9 @@ _NEG = -1e30
 _TOP_K_DIRECT = 64
 """Largest top_k read from ``lax.top_k`` (cheap on XLA CPU); larger ones bisect."""
 _DRAW_BLOCK = 256
+_FEW_ROWS = 8
+"""At most this many top-p rows bisect gathered apart from the batch (a prefill step, whose
+bucket holds many padding rows, or a small decode batch)."""
 PROMPT_SEEN = 1 << 30
 """Bit of a ``PenaltyState.tokens`` entry marking a token that occurs in the prompt; the bits
 below it count the token's occurrences in the output."""
@@ -205,21 +208,31 @@ def filter_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,
                        None)
     kth = jnp.where(k_on, kth, neg_inf)
 
-    def pth_bisect(_):
-        e = jnp.exp(scaled - m[:, None])  # 0 for masked ids
+    def pth_of(x, top_p, kth, m):
+        e = jnp.exp(x - m[:, None])  # 0 for masked ids
 
         def mass(v):
-            return jnp.sum(jnp.where(scaled >= v[:, None], e, 0.0), axis=-1)
+            return jnp.sum(jnp.where(x >= v[:, None], e, 0.0), axis=-1)
 
         target = top_p * mass(kth)
         # every token below m + log((1 - p) / V) together holds less than (1 - p) of the mass,
         # so the cut is not below it: a narrower bracket, fewer passes (checked, not assumed)
         low = jnp.maximum(m + jnp.log1p(-jnp.minimum(top_p, 1.0)) - jnp.log(float(vocab)), kth)
-        low = jnp.where(mass(low) >= target, low, jnp.maximum(jnp.min(scaled, axis=-1), kth))
+        low = jnp.where(mass(low) >= target, low, jnp.maximum(jnp.min(x, axis=-1), kth))
         return _largest_threshold(mass, target, low, m)
 
+    def pth_few(_):  # the few rows that ask, gathered: each pass reads `few_rows` rows, not S
+        idx = jnp.nonzero(p_on, size=few_rows, fill_value=0)[0]
+        sub = pth_of(scaled[idx], top_p[idx], kth[idx], m[idx])
+        return neg_inf.at[idx].set(sub)  # a repeated fill index writes its own row's value
+
     p_on = top_p < 1.0
-    pth = jax.lax.cond(jnp.any(p_on), pth_bisect, lambda _: neg_inf, None)
+    few_rows = min(s, _FEW_ROWS)
+    n_p = jnp.sum(p_on)
+    pth = jax.lax.cond(
+        n_p == 0, lambda _: neg_inf,
+        lambda _: jax.lax.cond(n_p <= few_rows, pth_few,
+                               lambda _: pth_of(scaled, top_p, kth, m), None), None)
     pth = jnp.where(p_on, pth, neg_inf)
     # p >= min_p * p_max  <=>  logit >= logit_max + log(min_p); log(0) = -inf keeps everything
     mth = m + jnp.log(min_p)

@@ -219,6 +219,18 @@ def test_filter_threshold_equals_the_sorted_definition() -> None:
             np.testing.assert_array_equal(got_set, ref_set, err_msg=f"V={vocab} row {i}: "
                                           f"k={top_k[i]} p={top_p[i]} min_p={min_p[i]}")
     assert checked > 250  # nearly every row is unambiguous
+    # at most 8 top-p rows among many: they bisect gathered apart (a prefill step's bucket)
+    n, vocab = 40, 300
+    x = (rng.standard_normal((n, vocab)) * 2.0).astype(np.float32)
+    top_p = np.ones(n, np.float32)
+    top_p[[0, 7, 8, 39]] = [0.9, 0.5, 0.95, 0.3]
+    top_k = np.where(np.arange(n) % 3 == 0, 20, 0).astype(np.int32)
+    cut = np.asarray(fn(jnp.asarray(x), top_k, top_p, np.zeros(n, np.float32)))
+    for i in range(n):
+        ref, clear = _ref_cut(x[i], int(top_k[i]), float(top_p[i]), 0.0)
+        assert clear
+        np.testing.assert_array_equal(np.flatnonzero(x[i] >= cut[i]),
+                                      np.flatnonzero(x[i].astype(np.float64) >= ref))
 
 
 def test_draw_follows_the_filtered_distribution() -> None:
