@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "jaxserve.llm",
     "SamplingParams": "jaxserve.sampling_params",
+    "StructuredOutputsParams": "jaxserve.sampling_params",
     "RequestOutput": "jaxserve.outputs",
     "CompletionOutput": "jaxserve.outputs",
     "EngineConfig": "jaxserve.config",

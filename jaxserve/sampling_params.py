@@ -6,6 +6,7 @@ every step, so no value here is ever a static argument of a compiled program.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -19,6 +20,88 @@ MAX_LOGIT_BIAS = 1024
 MAX_MIN_TOKENS_STOP_IDS = 32
 """Most distinct stop ids (EOS ids and ``stop_token_ids`` together) a request with
 ``min_tokens`` may have: the step program masks this many per row."""
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output, as vLLM's ``StructuredOutputsParams``: exactly one of
+    ``json``, ``regex``, ``choice``, ``grammar`` and ``json_object``.
+
+    Fields:
+      json: a JSON Schema (a dict, or its JSON text); the output is one JSON value valid
+        against it.
+      regex: the output matches this regular expression (Rust ``regex`` syntax, anchored at
+        both ends).
+      choice: the output is exactly one of these strings.
+      grammar: a context-free grammar, in Lark syntax or llama.cpp's GBNF.
+      json_object: True: the output is one JSON object (any keys and values).
+      disable_any_whitespace: JSON without whitespace (``{"a":1,"b":2}``); by default one space
+        follows each ``,`` and ``:`` and no other whitespace is generated, as many models write
+        JSON inline and a small model given free whitespace may emit it without end.
+      disable_additional_properties: objects of ``json`` whose schema does not set
+        ``additionalProperties`` get no keys beyond their ``properties``.
+      whitespace_pattern: the regular expression whitespace between JSON tokens matches
+        (overrides the two whitespace settings above).
+
+    Raises:
+      InvalidRequest: none or several constraints, or a field of the wrong type
+        (``param="structured_outputs"``). A schema, regex or grammar the grammar engine
+        refuses is found when the engine compiles it (also an ``InvalidRequest``).
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        self.validate()
+
+    def validate(self) -> None:
+        """Check the fields (see the class); raises InvalidRequest."""
+        bad = lambda msg: InvalidRequest(msg, param="structured_outputs")
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            kinds.append("json_object")
+        if len(kinds) != 1:
+            raise bad("structured outputs take exactly one of json, regex, choice, grammar and "
+                      f"json_object, got {kinds or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise bad(f"json must be a JSON Schema (an object or its JSON text), got "
+                      f"{type(self.json).__name__}")
+        if isinstance(self.json, str):
+            try:
+                if not isinstance(json.loads(self.json), dict):
+                    raise ValueError("not an object")
+            except ValueError as e:
+                raise bad(f"json is not a JSON Schema object: {e}") from None
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise bad(f"{name} must be a string, got {type(v).__name__}")
+        if self.choice is not None and (
+                not isinstance(self.choice, list) or not self.choice
+                or not all(isinstance(c, str) for c in self.choice)):
+            raise bad("choice must be a non-empty list of strings")
+        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise bad(f"{name} must be a bool, got {v!r}")
+
+    @property
+    def key(self) -> str:
+        """The constraint as canonical JSON text: equal constraints have equal keys (the
+        grammar cache's key)."""
+        fields = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        if isinstance(self.json, str):
+            fields["json"] = json.loads(self.json)
+        return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
 
 @dataclass
@@ -68,6 +151,9 @@ class SamplingParams:
         truncation, as vLLM), or -1: the last ``max_model_len - 1`` (the most the context window
         holds with room for one output token). k above ``max_model_len`` is refused by the
         engine.
+      structured_outputs: None (free text) or a ``StructuredOutputsParams``: every sampled
+        token is one the constraint allows from the output so far (masked on the device), and
+        the output ends (EOS) only where the constraint is complete.
 
     Raises:
       InvalidRequest: for any out-of-range value, ``param`` naming the field.
@@ -93,6 +179,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     min_tokens: int = 0
     truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -182,6 +269,12 @@ class SamplingParams:
         if t is not None and (not _int(t) or not (t == -1 or t >= 1)):
             raise InvalidRequest(f"truncate_prompt_tokens must be -1, an integer >= 1 or None, "
                                  f"got {t!r}", param="truncate_prompt_tokens")
+        so = self.structured_outputs
+        if so is not None:
+            if not isinstance(so, StructuredOutputsParams):
+                raise InvalidRequest(f"structured_outputs must be a StructuredOutputsParams or "
+                                     f"None, got {type(so).__name__}", param="structured_outputs")
+            so.validate()
 
     @property
     def greedy(self) -> bool:
