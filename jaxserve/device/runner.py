@@ -3,9 +3,14 @@
 Per step:
   ``SchedulerOutput`` -> ``pack_step`` (numpy, into a preallocated ``i32`` buffer of the bucket's
   layout, floats bit-cast) -> one host-to-device transfer -> the bucket's compiled program
-  ``step(params, kv_cache, penalty_state, packed) -> (kv_cache, penalty_state, sampled i32[S],
-  sample logprobs, prompt logprobs)`` with ``kv_cache`` and ``penalty_state`` donated -> sampled
-  ids back to the host. Logprobs stay on the device unless the engine asks for them.
+  ``step(params, kv_cache, penalty_state, packed, allowed) -> (kv_cache, penalty_state,
+  sampled i32[S], sample logprobs, prompt logprobs)`` with ``kv_cache`` and ``penalty_state``
+  donated -> sampled ids back to the host. Logprobs stay on the device unless the engine asks
+  for them.
+``allowed`` (``i32[S, ceil(V / 32)]``) is each row's allowed-token bitmask (constrained
+decoding, ``jaxserve/engine/structured_output.py``): a step with a constrained row fills
+``mask_buffer(bucket)`` on the host and sends it; any other step passes the bucket's all-ones
+mask, which stays on the device, so it costs no transfer and no host work.
 Every bucket's program is compiled once by ``warmup``, plus one small program that writes a
 logit_bias row into the penalty state; ``execute`` only looks programs up, so serving never
 compiles (``num_compiles`` counts, and a test checks the jax compile events too).
@@ -165,6 +170,9 @@ class ModelRunner:
         self.penalty_state: PenaltyState = jax.jit(
             lambda: new_penalty_state(self.num_penalty_slots, model.cfg.vocab_size),
             out_shardings=self._replicated)()
+        self.num_mask_words = -(-model.cfg.vocab_size // 32)
+        self._all_allowed: dict[Bucket, jax.Array] = {}  # i32[S, num_mask_words], all bits set
+        self._mask_buffers: dict[Bucket, np.ndarray] = {}
         self.compiled: dict[Bucket, jax.stages.Compiled] = {}
         self._set_bias: jax.stages.Compiled | None = None
         self.num_compiles = 0
@@ -182,7 +190,8 @@ class ModelRunner:
 
         limit, k = self.vocab_limit, MAX_LOGPROBS
 
-        def step(params, kv_cache: KVCache, pen: PenaltyState, packed: jax.Array):
+        def step(params, kv_cache: KVCache, pen: PenaltyState, packed: jax.Array,
+                 allowed: jax.Array):
             f = lambda name: packed[sl[name]]
             as_f32 = lambda name: jax.lax.bitcast_convert_type(f(name), jnp.float32)
             md = AttentionMetadata(
@@ -206,7 +215,7 @@ class ModelRunner:
                              as_f32("repetition_penalty"), as_f32("presence_penalty"),
                              as_f32("frequency_penalty"))
             suppress = f("suppress_ids").reshape(b.num_seqs, MAX_MIN_TOKENS_STOP_IDS)
-            ids = sample(suppress_tokens(logits, suppress), rows, pen, limit)
+            ids = sample(suppress_tokens(logits, suppress, allowed), rows, pen, limit)
             lp = jax.lax.cond(
                 (flags & self.FLAG_LOGPROBS) != 0,
                 lambda lg, ch: logprobs_of(lg, ch, k, limit),
@@ -270,9 +279,29 @@ class ModelRunner:
         lay = self.layouts[bucket]
         jitted = jax.jit(self._step_fn(lay), donate_argnums=(1, 2))
         packed = jax.ShapeDtypeStruct((lay.size,), jnp.int32, sharding=self._replicated)
+        shape = (bucket.num_seqs, self.num_mask_words)
+        allowed = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._replicated)
         self.compiled[bucket] = jitted.lower(self.params, self.kv_cache, self.penalty_state,
-                                             packed).compile()
+                                             packed, allowed).compile()
         self.num_compiles += 1
+        self._all_allowed[bucket] = self._to_device(np.full(shape, -1, np.int32))
+
+    def _to_device(self, host: np.ndarray) -> jax.Array:
+        """A host array on the step programs' devices (replicated over the mesh, if any)."""
+        if self._multiprocess:
+            return jax.make_array_from_callback(host.shape, self._replicated,
+                                                lambda idx: host[idx])
+        return jax.device_put(host, self._replicated)
+
+    def mask_buffer(self, bucket: Bucket) -> np.ndarray:
+        """The bucket's host allowed-token mask ``i32[S, num_mask_words]``, every bit set
+        (reused: fill it, pass it to ``execute``, and ask again for the next step)."""
+        buf = self._mask_buffers.get(bucket)
+        if buf is None:
+            buf = self._mask_buffers[bucket] = np.empty(
+                (bucket.num_seqs, self.num_mask_words), np.int32)
+        buf.fill(-1)
+        return buf
 
     def set_logit_bias(self, slot: int, bias: dict[int, float]) -> None:
         """Write a penalty slot's logit_bias row (zeros but for ``bias``; ids must be in range).
@@ -397,22 +426,32 @@ class ModelRunner:
                 tgt[qsl[i]:qsl[i] + q_lens[i]] = rows[i].prompt_targets
         buf[sl["flags"]] = flags
 
-    def execute(self, bucket: Bucket, packed: np.ndarray) -> StepOutput:
+    def execute(self, bucket: Bucket, packed: np.ndarray,
+                allowed: np.ndarray | None = None) -> StepOutput:
         """Run one step; the sampled ids ``i32[num_seqs_bucket]`` come back to the host.
 
+        Args:
+          bucket, packed: as ``pack_step`` returned them.
+          allowed: the rows' allowed-token masks (``mask_buffer(bucket)``, filled), or None:
+            every token allowed (the device-resident mask; nothing is sent).
         Raises:
           RuntimeError: if the bucket was not compiled by warmup (serving never compiles).
+          ValueError: a mask when one model spans several processes.
         """
         prog = self.compiled.get(bucket)
         if prog is None:
             raise RuntimeError(f"bucket {bucket} was not compiled; call warmup() first")
         if self._multiprocess:  # process 0 drives; the followers run the same program
+            if allowed is not None:
+                raise ValueError("token masks are not supported when one model spans several "
+                                 "processes")
             multihost_utils.broadcast_one_to_all(
                 np.array([self.buckets.index(bucket)], np.int32))
             packed = multihost_utils.broadcast_one_to_all(packed)
-            return self._run_global(prog, packed)
+            return self._run_global(prog, packed, self._all_allowed[bucket])
+        mask = self._all_allowed[bucket] if allowed is None else allowed
         self.kv_cache, self.penalty_state, ids, lp, plp = prog(
-            self.params, self.kv_cache, self.penalty_state, packed)
+            self.params, self.kv_cache, self.penalty_state, packed, mask)
         return StepOutput(np.asarray(ids), lp, plp)
 
     # -- several processes (jax.distributed): process 0 schedules, the others follow ----------
@@ -421,11 +460,10 @@ class ModelRunner:
         """True when the mesh spans several processes (see jaxserve.cli.multihost)."""
         return self._multiprocess
 
-    def _run_global(self, prog, packed: np.ndarray) -> StepOutput:
-        host = np.asarray(packed)
-        arr = jax.make_array_from_callback(host.shape, self._replicated, lambda idx: host[idx])
+    def _run_global(self, prog, packed: np.ndarray, allowed: jax.Array) -> StepOutput:
+        arr = self._to_device(np.asarray(packed))
         self.kv_cache, self.penalty_state, ids, lp, plp = prog(
-            self.params, self.kv_cache, self.penalty_state, arr)
+            self.params, self.kv_cache, self.penalty_state, arr, allowed)
         local = lambda tree: jax.tree_util.tree_map(lambda x: x.addressable_data(0), tree)
         return StepOutput(np.asarray(ids.addressable_data(0)), local(lp), local(plp))
 
@@ -440,7 +478,7 @@ class ModelRunner:
             bucket = self.buckets[idx]
             buf = multihost_utils.broadcast_one_to_all(
                 np.zeros(self.layouts[bucket].size, np.int32))
-            self._run_global(self.compiled[bucket], buf)
+            self._run_global(self.compiled[bucket], buf, self._all_allowed[bucket])
             steps += 1
 
     def stop_followers(self) -> None:

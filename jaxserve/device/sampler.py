@@ -69,14 +69,18 @@ def set_bias_row(state: PenaltyState, slot: jax.Array, row: jax.Array) -> Penalt
     return state._replace(bias=state.bias.at[slot].set(row))
 
 
-def suppress_tokens(logits: jax.Array, token_ids: jax.Array) -> jax.Array:
-    """f32 ``logits`` ``[S, V]`` with ``token_ids`` ``i32[S, K]`` of each row masked (never
-    sampled): the EOS and stop ids of rows short of ``min_tokens``. Ids outside ``[0, V)`` (-1:
-    padding) mask nothing; repeats are harmless.
+def suppress_tokens(logits: jax.Array, token_ids: jax.Array,
+                    allowed: jax.Array | None = None) -> jax.Array:
+    """f32 ``logits`` ``[S, V]`` with tokens masked (never sampled): ``token_ids`` ``i32[S, K]``
+    of each row (the EOS and stop ids of rows short of ``min_tokens``; ids outside ``[0, V)``,
+    -1 for padding, mask nothing; repeats are harmless) and, with ``allowed``
+    (``i32[S, ceil(V / 32)]``, token ``t`` is bit ``t & 31`` of word ``t >> 5``), every token
+    whose bit is clear: a constrained row's grammar mask; other rows send all bits set.
 
-    The ids become a ``u32[S, ceil(V / 32)]`` bitmask and one elementwise select, which XLA fuses
-    with the logits' next use; there is no ``lax.cond`` here, whose pass-through branch would
-    copy the ``[S, V]`` logits in every step without a masked row.
+    The ids become a ``u32[S, ceil(V / 32)]`` bitmask, merged with ``allowed`` word by word,
+    and one elementwise select, which XLA fuses with the logits' next use; there is no
+    ``lax.cond`` here, whose pass-through branch would copy the ``[S, V]`` logits in every step
+    without a masked row.
     """
     logits = logits.astype(jnp.float32)
     s, v = logits.shape
@@ -87,6 +91,8 @@ def suppress_tokens(logits: jax.Array, token_ids: jax.Array) -> jax.Array:
     bit = jnp.left_shift(jnp.uint32(1), (ids & 31).astype(jnp.uint32))
     rows = jnp.broadcast_to(jnp.arange(s)[:, None], ids.shape)
     bits = jnp.zeros((s, num_words), jnp.uint32).at[rows, word].add(bit, mode="drop")
+    if allowed is not None:
+        bits = bits | ~jax.lax.bitcast_convert_type(allowed, jnp.uint32)
     col = jnp.arange(v)
     masked = (bits[:, col >> 5] >> (col & 31).astype(jnp.uint32)) & 1
     return jnp.where(masked != 0, _NEG, logits)

@@ -300,3 +300,45 @@ def test_suppressed_ids_are_never_sampled_and_padding_masks_nothing() -> None:
         assert (got[::2] != 7).all() and (got[1::2] == 7).all()
     none = np.asarray(suppress(jnp.asarray(logits), jnp.full((n, 4), -1, jnp.int32)))
     np.testing.assert_array_equal(none, logits)
+
+
+def _bitmask(allowed_ids: list[list[int]] | None, n: int, vocab: int) -> np.ndarray:
+    """i32[n, ceil(vocab / 32)] with the given ids' bits set per row (None row: all bits)."""
+    words = -(-vocab // 32)
+    out = np.zeros((n, words), np.uint32)
+    for i, ids in enumerate(allowed_ids):
+        if ids is None:
+            out[i] = 0xFFFFFFFF
+        for t in ids or ():
+            out[i, t >> 5] |= np.uint32(1 << (t & 31))
+    return out.view(np.int32)
+
+
+def test_allowed_mask_keeps_only_its_tokens_per_row_and_all_ones_change_nothing() -> None:
+    """A constrained row's bitmask (bit t & 31 of word t >> 5) leaves only its tokens
+    sampleable, under greedy and random sampling, with the suppressed ids still masked; rows
+    with every bit set keep their logits bit for bit, as a step without constraints does."""
+    rng = np.random.default_rng()
+    n, vocab = 6, 70  # 70: the last mask word is partly beyond the vocabulary
+    logits = rng.standard_normal((n, vocab)).astype(np.float32)
+    logits[:, 5] = 40.0  # every row's argmax
+    rows = [[3, 33, 69], None, [64], None, [5, 6], [0, 1, 2, 40]]
+    allowed = jnp.asarray(_bitmask(rows, n, vocab))
+    ids = np.full((n, 2), -1, np.int32)
+    ids[4, 0] = 5  # row 4 also suppresses 5 (min_tokens): only 6 is left
+    masked = np.asarray(jax.jit(suppress_tokens)(jnp.asarray(logits), jnp.asarray(ids), allowed))
+    for i, keep in enumerate(rows):
+        kept = set(range(vocab)) if keep is None else set(keep) - ({5} if i == 4 else set())
+        np.testing.assert_array_equal(masked[i, sorted(kept)], logits[i, sorted(kept)])
+        assert (np.delete(masked[i], sorted(kept)) < -1e29).all()
+    seeds = np.stack([np.arange(n), np.arange(n)], 1).astype(np.uint32)
+    for temp in (0.0, 1.0):
+        for pos in range(20):
+            got = _draw(masked, temperature=np.full(n, temp, np.float32), seeds=seeds,
+                        sample_pos=np.full(n, pos, np.int32))
+            assert got[0] in rows[0] and got[2] == 64 and got[4] == 6 and got[5] in rows[5]
+            assert got[1] == 5 or temp > 0
+    ones = jnp.full((n, -(-vocab // 32)), -1, jnp.int32)
+    none = np.asarray(jax.jit(suppress_tokens)(jnp.asarray(logits), jnp.full((n, 2), -1),
+                                               ones))
+    np.testing.assert_array_equal(none, logits)
