@@ -92,6 +92,9 @@ class EngineConfig:
         "help": "append one JSON line per engine step (schedule, pack, device and output "
                 "milliseconds; jaxserve/engine/step_trace.py) to this file; summarise it with "
                 "`jaxserve bench step-trace FILE`"})
+    grammar_compile_timeout_s: float = field(default=10.0, metadata={
+        "help": "seconds a request's structured-output constraint (JSON schema, regex, choice, "
+                "grammar) may take to compile; a longer one is refused (HTTP 400)"})
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -132,6 +135,8 @@ class EngineConfig:
         if gs < 2 or gs % 2:
             raise ValueError(f"{self.quantization_group_size=} must be an even integer >= 2 "
                              f"(int4 packs two input rows per byte)")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"{self.grammar_compile_timeout_s=} must be > 0")
         if self.quantize_embeddings and self.quantization == "none":
             raise ValueError(f"{self.quantize_embeddings=} needs quantization int8, int4 or "
                              f"fp8 (got {self.quantization=})")

@@ -1,6 +1,7 @@
 """The offline API (``LLM.generate`` / ``LLM.chat``) on the real model, over the shared engine:
-outputs, bad arguments, vLLM's ``min_tokens`` and ``truncate_prompt_tokens``, ``chat``'s template
-options, and the constructor's vLLM arguments (mapped without building an engine)."""
+outputs, bad arguments, vLLM's ``min_tokens``, ``truncate_prompt_tokens`` and structured outputs,
+``chat``'s template options, and the constructor's vLLM arguments (mapped without building an
+engine)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from jaxserve.config import EngineConfig
 from jaxserve.llm import LLM, _engine_config
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
@@ -231,3 +232,16 @@ def test_vllm_constructor_arguments_map_onto_the_engine_config() -> None:
         LLM(kv_cache_dtype="fp8_e5m2")
     with pytest.raises(ValueError, match="unknown engine argument.*swap_space"):
         LLM(swap_space=4)
+
+
+def test_vllms_structured_outputs_example_runs_as_written(llm: LLM) -> None:
+    # vLLM's docs (features/structured_outputs.md, "Offline Inference"), the model aside
+    structured_outputs_params = StructuredOutputsParams(choice=["Positive", "Negative"])
+    sampling_params = SamplingParams(structured_outputs=structured_outputs_params)
+    outputs = llm.generate(
+        prompts="Classify this sentiment: vLLM is wonderful!",
+        sampling_params=sampling_params,
+    )
+    print(outputs[0].outputs[0].text)
+    assert outputs[0].outputs[0].text in ("Positive", "Negative")
+    assert outputs[0].outputs[0].finish_reason == "stop"

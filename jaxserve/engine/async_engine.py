@@ -1,12 +1,14 @@
 """``AsyncEngine``: the ``LLMEngine`` on a background thread, fed by asyncio callers.
 
 Data flow: ``generate()`` validates the request on the caller's thread (so a bad request fails at
-once, with a ValueError, and nothing reaches the engine), then sends an "add" command through a
-thread-safe queue and awaits its own ``asyncio.Queue``. The engine thread drains commands (adds,
-aborts) between steps, runs ``step()``, and hands each ``RequestOutput`` to the owning event loop
-with ``call_soon_threadsafe``. Closing or cancelling the generator sends an "abort", which frees
-the request's blocks before the next step. The engine state is touched by the engine thread only;
-``num_waiting()`` (the server's queue bound) reads counts the engine thread publishes under a lock.
+once, with a ValueError, and nothing reaches the engine), compiles its structured-output
+constraint, if any, in a worker thread (``LLMEngine.compile_grammar``: cached, bounded in time),
+then sends an "add" command through a thread-safe queue and awaits its own ``asyncio.Queue``.
+The engine thread drains commands (adds, aborts) between steps, runs ``step()``, and hands each
+``RequestOutput`` to the owning event loop with ``call_soon_threadsafe``. Closing or cancelling
+the generator sends an "abort", which frees the request's blocks before the next step. The
+engine state is touched by the engine thread only; ``num_waiting()`` (the server's queue bound)
+reads counts the engine thread publishes under a lock.
 """
 
 from __future__ import annotations
@@ -101,12 +103,16 @@ class AsyncEngine:
 
         Raises:
           ValueError: before anything is queued, for an invalid request (empty or too long
-            prompt, ids out of range, bad sampling values).
+            prompt, ids out of range, bad sampling values, a structured-output constraint
+            that does not compile).
         A request_id already running gets a ``#N`` suffix inside the engine.
           RuntimeError: if the engine failed while running this request.
         If the consumer stops early (``aclose()``, cancellation), the request is aborted.
         """
         self.engine.validate(prompt_token_ids, sampling_params)
+        grammar = None
+        if sampling_params.structured_outputs is not None:
+            grammar = await asyncio.to_thread(self.engine.compile_grammar, sampling_params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             base, n = request_id, 0
@@ -115,7 +121,8 @@ class AsyncEngine:
                 request_id = f"{base}#{n}"
             self._streams[request_id] = stream
             self._num_queued += 1
-        self._cmds.put(("add", (request_id, list(prompt_token_ids), sampling_params, prompt)))
+        self._cmds.put(("add", (request_id, list(prompt_token_ids), sampling_params, prompt,
+                                grammar)))
         finished = False
         try:
             while True:
@@ -147,12 +154,12 @@ class AsyncEngine:
     def _apply(self, cmd: str, arg) -> None:
         eng = self.engine
         if cmd == "add":
-            rid, ids, params, prompt = arg
+            rid, ids, params, prompt, grammar = arg
             with self._lock:
                 live = rid in self._streams
             try:
                 if live:  # else the caller went away before the engine saw the request
-                    eng.add_request(rid, ids, params, prompt)
+                    eng.add_request(rid, ids, params, prompt, grammar=grammar)
             except ValueError as e:
                 self._deliver(rid, e)
             finally:

@@ -7,8 +7,9 @@ asked) -> ``plan_kv_cache`` (storage dtype, block count from the memory budget, 
 ``add_request`` checks a request (``validate_request``) and queues one scheduler sequence per
 choice. ``step()`` then runs:
   ``scheduler.schedule()`` (host Python plan) -> ``runner.pack_step`` (numpy, padded to a
-  bucket) -> ``runner.execute`` (one compiled XLA program, KV cache donated, sampling on
-  device) -> ``scheduler.update`` (token-id stop checks, block frees) -> incremental
+  bucket; constrained rows' allowed-token masks from their grammars) -> ``runner.execute``
+  (one compiled XLA program, KV cache donated, sampling on device) -> each grammar advanced
+  by its sampled token -> ``scheduler.update`` (token-id stop checks, block frees) -> incremental
   detokenisation and stop strings -> one ``RequestOutput`` per request that changed
   (``request_state``).
 The async server (``AsyncEngine``) and the offline ``LLM`` both drive this object
@@ -18,6 +19,7 @@ The async server (``AsyncEngine``) and the offline ``LLM`` both drive this objec
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -42,6 +44,7 @@ from jaxserve.engine.request_state import (
     record_prompt_logprobs,
 )
 from jaxserve.engine.step_trace import StepTrace
+from jaxserve.engine.structured_output import Grammar, GrammarCompiler
 from jaxserve.engine.validation import (
     RequestBounds,
     stop_ids_of,
@@ -55,6 +58,7 @@ from models.quant import QuantConfig
 from models.registry import get_architecture
 from pallas_kernels import allocate_kv_cache, attention_fn_for_backend, kv_cache_bytes_per_block
 
+log = logging.getLogger(__name__)
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads choice seeds (SplitMix64)
 
 
@@ -154,6 +158,8 @@ class LLMEngine:
         self.groups: dict[str, RequestGroup] = {}  # by request id
         self.slots = PenaltySlots(self.runner)
         self.step_trace = StepTrace(config.step_trace_file) if config.step_trace_file else None
+        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size,
+                                        config.grammar_compile_timeout_s)
         self._rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self.load_s = time.perf_counter() - t0
@@ -193,17 +199,32 @@ class LLMEngine:
         """
         return validate_request(prompt_token_ids, params, self.bounds)
 
+    def compile_grammar(self, params: SamplingParams) -> Grammar | None:
+        """The compiled ``params.structured_outputs`` (None without one), cached; safe from any
+        thread, and meant to run off the engine thread (``AsyncEngine`` does).
+
+        Raises:
+          InvalidRequest: ``param="structured_outputs"``: a constraint the grammar engine
+            refuses, or one that takes longer than ``grammar_compile_timeout_s`` to compile.
+        """
+        if params.structured_outputs is None:
+            return None
+        return self.grammars.compile(params.structured_outputs)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams | None = None, prompt: str | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request (``params.n`` sequences). Raises ValueError (see ``validate``; also
-        a duplicate id)."""
+                    arrival_time: float | None = None, grammar: Grammar | None = None) -> None:
+        """Queue a request (``params.n`` sequences); ``grammar``: its
+        ``compile_grammar(params)``, compiled here when None. Raises ValueError (see
+        ``validate`` and ``compile_grammar``; also a duplicate id)."""
         params = params or SamplingParams()
         n = params.n
         seq_ids = [request_id] if n == 1 else [f"{request_id}[{i}]" for i in range(n)]
         if request_id in self.groups or any(i in self.requests for i in seq_ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
         max_tokens = self.validate(prompt_token_ids, params)
+        if grammar is None:
+            grammar = self.compile_grammar(params)
         prompt_token_ids = [int(t) for t in truncate_prompt(prompt_token_ids, params,
                                                             self.bounds)]
         stop_ids = stop_ids_of(params, self.tokenizer.eos_token_ids)
@@ -231,7 +252,8 @@ class LLMEngine:
                     skip_special_tokens=params.skip_special_tokens, stop=params.stop,
                     include_stop_str_in_output=params.include_stop_str_in_output,
                     min_tokens=params.min_tokens),
-                logprobs=[] if params.logprobs is not None else None)
+                logprobs=[] if params.logprobs is not None else None,
+                grammar=grammar.start() if grammar is not None else None)
             group.choices.append(req)
             self.requests[sid] = req
         self.groups[request_id] = group
@@ -307,6 +329,7 @@ class LLMEngine:
         t_sched = time.perf_counter()
         now = time.monotonic()
         rows, num_prompt_tokens, want_lp, prompt_lp_rows = [], 0, False, []
+        constrained: list[tuple[int, Choice, bool]] = []  # rows sampling under a grammar
         vocab = self.tokenizer.vocab_size
         for i, s in enumerate(plan.scheduled):
             req = self.requests[s.request_id]
@@ -321,6 +344,10 @@ class LLMEngine:
                            for q in range(s.start_pos, end)]
                 prompt_lp_rows.append(i)
             want_lp |= s.sample and p.logprobs is not None
+            short = end - num_prompt < p.min_tokens  # EOS and stop ids are masked
+            if req.grammar is not None and s.sample:
+                constrained.append((i, req, short))
+                short = False  # the row's grammar mask carries it (_fill_masks)
             rows.append(RowParams(
                 p.temperature, p.top_k if 0 < p.top_k < vocab else 0, p.top_p, req.seed,
                 end - num_prompt, min_p=p.min_p,
@@ -328,15 +355,18 @@ class LLMEngine:
                 repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
                 frequency_penalty=p.frequency_penalty, reset=s.start_pos == 0,
                 num_prompt_tokens=num_prompt, prompt_targets=targets,
-                suppress_ids=tuple(req.seq.stop_token_ids) if end - num_prompt < p.min_tokens
-                else ()))
+                suppress_ids=tuple(req.seq.stop_token_ids) if short else ()))
             num_prompt_tokens += max(0, min(num_prompt, end) - s.start_pos)
         bucket, packed = self.runner.pack_step([s.token_ids for s in plan.scheduled],
                                                [s.start_pos for s in plan.scheduled],
                                                [s.block_ids for s in plan.scheduled], rows,
                                                want_logprobs=want_lp)
+        allowed, t_mask = None, time.perf_counter()
+        if constrained:
+            allowed = self.runner.mask_buffer(bucket)
+            self._fill_masks(constrained, allowed)
         t_pack = time.perf_counter()
-        out = self.runner.execute(bucket, packed)
+        out = self.runner.execute(bucket, packed, allowed)
         t_device = time.perf_counter()
         if prompt_lp_rows:
             record_prompt_logprobs(self.tokenizer, plan.scheduled, self.requests, rows,
@@ -353,7 +383,10 @@ class LLMEngine:
             req = self.requests[rid]
             if req.logprobs is not None and lp is not None:
                 record_logprobs(self.tokenizer, req, tok, lp, row_of[rid])
-            if self._process(req, tok, result.finished.get(rid), now):
+            finish = result.finished.get(rid)
+            if req.grammar is not None:
+                finish = self._advance_grammar(req, tok, finish)
+            if self._process(req, tok, finish, now):
                 touched[req.group.request_id] = req.group
         outputs = [self._group_output(g, now) for g in touched.values()]
         self._record_step(num_prompt_tokens, len(result.new_token_ids),
@@ -365,9 +398,38 @@ class LLMEngine:
                 "bucket_seqs": bucket.num_seqs, "num_seqs": len(plan.scheduled),
                 "num_tokens": plan.num_scheduled_tokens, "num_prompt_tokens": num_prompt_tokens,
                 "schedule_ms": 1e3 * (t_sched - t0), "pack_ms": 1e3 * (t_pack - t_sched),
+                "mask_ms": 1e3 * (t_pack - t_mask),
                 "device_ms": 1e3 * (t_device - t_pack), "post_ms": 1e3 * (t_end - t_device),
                 "step_ms": 1e3 * (t_end - t0)})
         return outputs
+
+    def _fill_masks(self, rows: list[tuple[int, Choice, bool]], allowed: np.ndarray) -> None:
+        """Write each constrained row's allowed tokens into ``allowed`` (``i32[S, words]``,
+        all bits set); rows are (row, choice, short of ``min_tokens``). A short row also loses
+        its stop ids, unless the grammar allows nothing else (then the grammar wins: the
+        output must be complete)."""
+        self.grammars.fill_masks([(req.grammar, i) for i, req, _ in rows], allowed)
+        for i, req, short in rows:
+            if not short:
+                continue
+            row = allowed[i].view(np.uint32)
+            kept = row.copy()
+            for t in req.seq.stop_token_ids:
+                if t >> 5 < kept.size:
+                    kept[t >> 5] &= ~np.uint32(1 << (t & 31))
+            if kept.any():
+                row[:] = kept
+
+    def _advance_grammar(self, req: Choice, token: int, finish: str | None) -> str | None:
+        """Feed a sampled token to the choice's grammar; returns its finish reason, "stop"
+        once the grammar has taken an EOS the request does not stop at (``ignore_eos``)."""
+        if not req.grammar.advance(token):
+            log.warning("request %s: the structured-output grammar refused token %d (%s); it "
+                        "allows only EOS from here", req.request_id, token, req.grammar.error)
+        if finish is None and req.grammar.done and token in self.tokenizer.eos_token_ids:
+            self.scheduler.finish([req.request_id])
+            return "stop"
+        return finish
 
     def _copy_blocks(self, plan: SchedulerOutput) -> None:
         """Run the plan's host-tier copies, offloads then loads, before its forward pass."""

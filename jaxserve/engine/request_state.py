@@ -18,6 +18,7 @@ from jaxserve.core.scheduler import ScheduledSeq
 from jaxserve.core.sequence import SeqState
 from jaxserve.device.runner import RowParams
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.structured_output import GrammarState
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
@@ -59,6 +60,7 @@ class Choice:
     cumulative_logprob: float = 0.0
     output: CompletionOutput | None = None  # the latest one
     finished: bool = False
+    grammar: GrammarState | None = None  # the structured-output constraint's state
 
 
 def logprob_entry(tokenizer: Tokenizer, ids, vals, n: int, chosen: int, chosen_lp: float,

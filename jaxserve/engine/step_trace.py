@@ -6,7 +6,8 @@ A line: ``t`` (unix seconds at the step's end), the bucket (``bucket_tokens``,
 phases in milliseconds, which add up to ``step_ms``:
 
 - ``schedule_ms``: the scheduler's plan and any host-tier block copies;
-- ``pack_ms``: per-row sampling inputs and the packed step buffer;
+- ``pack_ms``: per-row sampling inputs and the packed step buffer, and constrained rows' token
+  masks (``mask_ms``, a part of it: 0 without structured outputs);
 - ``device_ms``: the compiled step program (forward pass and sampling) until the sampled ids
   are on the host;
 - ``post_ms``: scheduler update, logprobs, detokenisation, stop checks and the outputs.

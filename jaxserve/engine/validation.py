@@ -70,10 +70,10 @@ def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams,
     Raises:
       InvalidRequest: naming the field (``param``): an empty prompt, ids out of range, a
         prompt with no room for output in the context window or the KV cache, ids of
-        ``stop_token_ids`` or ``logit_bias`` outside the vocabulary, ``logit_bias`` on a model
-        spanning processes, ``min_tokens`` with more than ``MAX_MIN_TOKENS_STOP_IDS`` stop ids,
-        ``truncate_prompt_tokens`` above max_model_len, or prompt + max_tokens over the KV
-        cache (with the numbers).
+        ``stop_token_ids`` or ``logit_bias`` outside the vocabulary, ``logit_bias`` or
+        ``structured_outputs`` on a model spanning processes, ``min_tokens`` with more than
+        ``MAX_MIN_TOKENS_STOP_IDS`` stop ids, ``truncate_prompt_tokens`` above max_model_len,
+        or prompt + max_tokens over the KV cache (with the numbers).
       ValueError: as ``SamplingParams.validate``.
     """
     params.validate()
@@ -106,6 +106,10 @@ def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams,
     if params.logit_bias and b.multiprocess:
         raise InvalidRequest("logit_bias is not supported when one model spans several "
                              "processes (--num-processes > 1)", param="logit_bias")
+    if params.structured_outputs is not None and b.multiprocess:
+        raise InvalidRequest("structured outputs are not supported when one model spans "
+                             "several processes (--num-processes > 1)",
+                             param="structured_outputs")
     cache_tokens = (b.num_blocks - 1) * b.block_size
     if n >= b.max_request_tokens:
         raise InvalidRequest(

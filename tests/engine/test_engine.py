@@ -17,7 +17,7 @@ import pytest
 
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 NEAR_TIE = 1e-3  # golden top-2 margins below this may flip under float32 rounding
 MAX_STEPS = 3000  # a bound on any loop here; a hang fails instead of spinning forever
@@ -192,8 +192,8 @@ def test_greedy_batched_matches_golden(llm: LLMEngine, goldens: dict) -> None:
 
 def test_no_compiles_after_warmup(llm: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     """A random workload (prompt lengths across every token bucket, chunked prefill, mixed
-    sampling settings, stop strings, aborts of waiting and running requests) triggers no
-    tracing, lowering, compilation or compilation-cache lookup."""
+    sampling settings, stop strings, structured outputs, aborts of waiting and running
+    requests) triggers no tracing, lowering, compilation or compilation-cache lookup."""
     watched = ("/jax/core/compile/", "/jax/compilation_cache/")
     events: collections.Counter[str] = collections.Counter()
 
@@ -220,6 +220,8 @@ def test_no_compiles_after_warmup(llm: LLMEngine, monkeypatch: pytest.MonkeyPatc
             seed=int(rng.integers(2**63)) if i % 2 else None,
             ignore_eos=i % 3 != 0,
             stop=["the"] if i % 5 == 0 else [],
+            structured_outputs=StructuredOutputsParams(regex="[a-z ]{1,40}")
+            if i % 6 == 3 else None,
         )
         requests.append((f"c{i}", rng.integers(0, vocab, n).tolist(), params))
     # c9 is aborted before its prefill completes, c13 while decoding
@@ -230,11 +232,14 @@ def test_no_compiles_after_warmup(llm: LLMEngine, monkeypatch: pytest.MonkeyPatc
     )
     compiles_before = llm.runner.num_compiles
     buckets_used = set()
+    masked_buckets = set()
     execute = llm.runner.execute
 
-    def spy(bucket, packed):
+    def spy(bucket, packed, allowed=None):
         buckets_used.add(bucket)
-        return execute(bucket, packed)
+        if allowed is not None:
+            masked_buckets.add(bucket)
+        return execute(bucket, packed, allowed)
 
     monkeypatch.setattr(llm.runner, "execute", spy)
 
@@ -271,6 +276,7 @@ def test_no_compiles_after_warmup(llm: LLMEngine, monkeypatch: pytest.MonkeyPatc
     assert not events, f"jax compiled during serving: {dict(events)}"
     assert llm.runner.num_compiles == compiles_before
     assert buckets_used == set(llm.runner.buckets), "the workload should use every program"
+    assert len(masked_buckets) >= 2, "constrained rows should run in steps of several buckets"
 
 
 # -- preemption ------------------------------------------------------------------------------
