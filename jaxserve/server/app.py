@@ -243,6 +243,9 @@ class GenerationJob:
       params: the request's sampling parameters.
       stream: the request asked for server-sent events.
       include_usage: ``stream_options.include_usage``.
+      constraint_field: the request field ``params.structured_outputs`` came from
+        (``response_format``, ``structured_outputs``, ``guided_json``, ...), which the
+        engine's errors about it name; None without one.
     """
 
     chat: bool
@@ -250,6 +253,7 @@ class GenerationJob:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    constraint_field: str | None = None
 
     @property
     def kind(self) -> str:
@@ -355,7 +359,8 @@ class OpenAIServer:
             ids = await asyncio.to_thread(tok.encode, text, False)
             engine_prompts = [EnginePrompt(ids, text, self._logprob_format(params))]
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return GenerationJob(chat, engine_prompts, params, bool(req.stream), include_usage)
+        return GenerationJob(chat, engine_prompts, params, bool(req.stream), include_usage,
+                             decode.constraint_field(req))
 
     def _logprob_format(self, params: SamplingParams, echo: bool = False,
                         echo_text: str | None = None, ids: list[int] | None = None,
@@ -376,8 +381,10 @@ class OpenAIServer:
             return await anext(gen)
         except InvalidRequest as exc:
             where = f"prompt[{index}]: " if len(job.prompts) > 1 else ""
-            raise p.RequestError(where + str(exc), param=_request_param(exc.param, job.chat),
-                                 code=exc.code) from None
+            param = _request_param(exc.param, job.chat)
+            if param == "structured_outputs" and job.constraint_field is not None:
+                param = job.constraint_field
+            raise p.RequestError(where + str(exc), param=param, code=exc.code) from None
         except StopAsyncIteration:
             raise RuntimeError("the engine produced no output") from None
 

@@ -11,7 +11,7 @@ from msgspec import UNSET
 
 from jaxserve.config import RequestLimits
 from jaxserve.errors import InvalidRequest
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -119,9 +119,7 @@ def decode_chat_request(
 def _check_common(req: _SamplingFields) -> None:
     if req.n < 1:
         raise RequestError(f"n must be at least 1, got {req.n}", param="n")
-    rf = req.response_format
     unsupported = {
-        "response_format": rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"),
         "tools": bool(req.tools),
         "tool_choice": req.tool_choice not in (None, "none"),
         "functions": bool(req.functions),
@@ -132,10 +130,6 @@ def _check_common(req: _SamplingFields) -> None:
         "length_penalty": req.length_penalty not in (None, 1.0),
         # the HTTP form of prompt logprobs is echo=true with logprobs (completions)
         "prompt_logprobs": req.prompt_logprobs is not None,
-        "guided_json": req.guided_json is not None,
-        "guided_regex": req.guided_regex is not None,
-        "guided_choice": req.guided_choice is not None,
-        "guided_grammar": req.guided_grammar is not None,
     }
     for name, used in unsupported.items():
         if used:
@@ -144,6 +138,78 @@ def _check_common(req: _SamplingFields) -> None:
         raise RequestError(
             "stream_options is only allowed with stream=true", param="stream_options"
         )
+
+
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def constraint_field(req: _SamplingFields) -> str | None:
+    """The request field the output's constraint comes from: ``response_format`` (other than
+    ``text``), ``structured_outputs`` or one of vLLM's older ``guided_*``; None: none.
+
+    Raises:
+      RequestError: two of them set, naming the second.
+    """
+    rf = req.response_format
+    used = [name for name, on in (
+        ("response_format", rf is not None and rf.type != "text"),
+        ("structured_outputs", req.structured_outputs is not None),
+        *((g, getattr(req, g) is not None) for g in _GUIDED)) if on]
+    if len(used) > 1:
+        raise RequestError(f"{used[0]} and {used[1]} both constrain the output; send one of "
+                           "them", param=used[1])
+    return used[0] if used else None
+
+
+def structured_outputs_of(req: _SamplingFields) -> StructuredOutputsParams | None:
+    """The request's output constraint (``constraint_field`` says where it came from), or None.
+
+    ``response_format`` ``json_object`` is any JSON object, ``json_schema`` its ``schema``
+    (``strict`` true: no keys beyond ``properties`` where the schema does not say);
+    ``guided_whitespace_pattern`` applies to whichever field set the constraint.
+
+    Raises:
+      RequestError: two constraints, a ``json_schema`` without ``schema``, a
+        ``structural_tag`` (not built), ``guided_whitespace_pattern`` without a constraint, or
+        a constraint of the wrong shape, naming the field.
+    """
+    field = constraint_field(req)
+    ws = req.guided_whitespace_pattern
+    if field is None:
+        if ws is not None:
+            raise RequestError("guided_whitespace_pattern needs a JSON constraint "
+                               "(response_format, structured_outputs or guided_json)",
+                               param="guided_whitespace_pattern")
+        return None
+    try:
+        if field == "response_format":
+            rf = req.response_format
+            if rf.type == "structural_tag":
+                raise RequestError("response_format type structural_tag is not supported",
+                                   param=field, code=UNSUPPORTED)
+            if rf.type == "json_object":
+                return StructuredOutputsParams(json_object=True, whitespace_pattern=ws)
+            if rf.json_schema is None or rf.json_schema.schema is None:
+                raise RequestError("response_format of type json_schema needs "
+                                   "json_schema.schema (a JSON Schema object)", param=field)
+            return StructuredOutputsParams(
+                json=rf.json_schema.schema, whitespace_pattern=ws,
+                disable_additional_properties=bool(rf.json_schema.strict))
+        if field == "structured_outputs":
+            so = req.structured_outputs
+            if so.structural_tag is not None:
+                raise RequestError("structured_outputs.structural_tag is not supported",
+                                   param=field, code=UNSUPPORTED)
+            return StructuredOutputsParams(
+                json=so.json, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace,
+                disable_additional_properties=so.disable_additional_properties,
+                whitespace_pattern=so.whitespace_pattern if so.whitespace_pattern is not None
+                else ws)
+        return StructuredOutputsParams(**{field.removeprefix("guided_"): getattr(req, field)},
+                                       whitespace_pattern=ws)
+    except InvalidRequest as exc:
+        raise RequestError(str(exc), param=field) from exc
 
 
 def decode_tokenize_request(
@@ -297,6 +363,7 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest) -> Sampli
             prompt_logprobs=prompt_logprobs,
             min_tokens=req.min_tokens or 0,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
+            structured_outputs=structured_outputs_of(req),
         )
     except InvalidRequest as exc:
         # the engine's field name -> the request's (the message starts with the field name)

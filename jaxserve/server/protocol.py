@@ -1,8 +1,8 @@
 """OpenAI-compatible request and response bodies, as msgspec Structs (the wire format).
 
 ``server.decode`` reads requests into these strictly (no type coercion: ``"ten"`` is not an
-int); unknown fields are ignored, known but unimplemented ones (tools, ``response_format``,
-beam search, ...) are refused when set. ``server.encode`` builds the responses; fields left
+int); unknown fields are ignored, known but unimplemented ones (tools, beam search, ...) are
+refused when set. ``server.encode`` builds the responses; fields left
 ``UNSET`` are omitted (a chat finish chunk's ``delta`` encodes as ``{}``, and ``usage`` is absent
 from stream chunks unless ``stream_options.include_usage`` asked for it). Every client mistake
 is a ``RequestError``, which the server turns into an OpenAI-style error body with a 4xx status.
@@ -87,6 +87,44 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """``response_format.json_schema``: OpenAI's named JSON Schema. ``strict`` true gives every
+    object schema that does not set ``additionalProperties`` none (OpenAI's strict mode forbids
+    keys beyond ``properties``); the schema is enforced either way."""
+
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object) or
+    ``json_schema`` (one value valid against ``json_schema.schema``)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's ``structured_outputs`` extra field (``jaxserve.sampling_params.
+    StructuredOutputsParams``): exactly one of ``json``, ``regex``, ``choice``, ``grammar``,
+    ``json_object``. ``disable_fallback`` is accepted (there is one grammar engine, so nothing
+    to fall back to); ``structural_tag`` is refused. Unknown keys are a 400 (a misspelt
+    constraint must not pass as no constraint)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    disable_fallback: bool = False
+    structural_tag: Any = None
+
+
 class _SamplingFields(msgspec.Struct, kw_only=True):
     """Fields shared by both endpoints (vLLM's extra sampling fields included)."""
 
@@ -112,8 +150,16 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None
     min_tokens: int | None = None
     truncate_prompt_tokens: int | None = None
+    # structured output (decode.structured_outputs_of): OpenAI's field, vLLM's, and vLLM's
+    # older guided_* names
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
     # features not built: accepted by the decoder only to be rejected with a 400 naming them
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -123,10 +169,6 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     use_beam_search: bool | None = None
     length_penalty: float | None = None
     prompt_logprobs: int | None = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):

@@ -88,7 +88,11 @@ MALFORMED_CHAT = [
     (json.dumps({"messages": HI, "logit_bias": {"+5": 5}}).encode(), J, 400),
     (json.dumps({"messages": HI, "logit_bias": {"5_0": 5}}).encode(), J, 400),
     (json.dumps({"messages": HI, "logit_bias": {"\u0665": 5}}).encode(), J, 400),
-    (json.dumps({"messages": HI, "response_format": {"type": "json_object"}}).encode(), J, 400),
+    (json.dumps({"messages": HI, "response_format": {"type": "json_schema"}}).encode(), J, 400),
+    (json.dumps({"messages": HI, "response_format": {"type": "xml"}}).encode(), J, 400),
+    (json.dumps({"messages": HI, "structured_outputs": {"choices": ["a"]}}).encode(), J, 400),
+    (json.dumps({"messages": HI, "structured_outputs": {}}).encode(), J, 400),
+    (json.dumps({"messages": HI, "guided_choice": []}).encode(), J, 400),
     (json.dumps({"messages": HI, "tools": [{"type": "function"}]}).encode(), J, 400),
     (json.dumps({"messages": HI, "tool_choice": "auto"}).encode(), J, 400),
     (json.dumps({"messages": HI, "functions": [{"name": "f"}]}).encode(), J, 400),
@@ -97,7 +101,9 @@ MALFORMED_CHAT = [
     (json.dumps({"messages": HI, "min_tokens": 20, "max_tokens": 5}).encode(), J, 400),
     (json.dumps({"messages": HI, "repetition_penalty": 5.0}).encode(), J, 400),
     (json.dumps({"messages": HI, "use_beam_search": True}).encode(), J, 400),
-    (json.dumps({"messages": HI, "guided_json": {"type": "object"}}).encode(), J, 400),
+    (json.dumps({"messages": HI, "guided_json": 5}).encode(), J, 400),
+    (json.dumps({"messages": HI, "guided_json": {"type": "object"}, "guided_regex": "a"}).encode(),
+     J, 400),
     (json.dumps({"messages": HI, "echo": True}).encode(), J, 400),
     (b'{"messages": [{"role": "user", "content": "hi"}], "x": ' + b"[" * 5000 + b"]" * 5000
      + b"}", J, 400),  # nesting deeper than the decoder's recursion limit

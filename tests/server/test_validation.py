@@ -189,7 +189,8 @@ def test_unknown_fields_are_ignored() -> None:
     ("functions", [{"name": "f"}]), ("function_call", "auto"),
     ("response_format", {"type": "json_schema"}), ("audio", {"voice": "alloy"}),
     ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
-    ("web_search_options", {}), ("guided_regex", "a+"), ("use_beam_search", True),
+    ("web_search_options", {}), ("response_format", {"type": "structural_tag"}),
+    ("use_beam_search", True),
     ("suffix", "bye"),
 ])  # fmt: skip
 def test_unsupported_features_are_400_naming_them(field: str, value: object) -> None:
