@@ -9,8 +9,9 @@ Per step:
   for them.
 ``allowed`` (``i32[S, ceil(V / 32)]``) is each row's allowed-token bitmask (constrained
 decoding, ``jaxserve/engine/structured_output.py``): a step with a constrained row fills
-``mask_buffer(bucket)`` on the host and sends it; any other step passes the bucket's all-ones
-mask, which stays on the device, so it costs no transfer and no host work.
+``mask_buffer(bucket)`` on the host and sends it, with a flag that makes the program read it;
+any other step passes the bucket's all-ones mask, which stays on the device, and the program
+skips it, so it costs no transfer, no host work and no device work.
 Every bucket's program is compiled once by ``warmup``, plus one small program that writes a
 logit_bias row into the penalty state; ``execute`` only looks programs up, so serving never
 compiles (``num_compiles`` counts, and a test checks the jax compile events too).
@@ -148,6 +149,7 @@ class ModelRunner:
 
     FLAG_LOGPROBS = 1
     FLAG_PROMPT_LOGPROBS = 2
+    FLAG_ALLOWED = 4  # set by execute when a mask is sent
 
     def __init__(self, model: CausalLM, params, kv_cache: KVCache, *,
                  max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
@@ -215,7 +217,8 @@ class ModelRunner:
                              as_f32("repetition_penalty"), as_f32("presence_penalty"),
                              as_f32("frequency_penalty"))
             suppress = f("suppress_ids").reshape(b.num_seqs, MAX_MIN_TOKENS_STOP_IDS)
-            ids = sample(suppress_tokens(logits, suppress, allowed), rows, pen, limit)
+            ids = sample(suppress_tokens(logits, suppress, allowed,
+                                         (flags & self.FLAG_ALLOWED) != 0), rows, pen, limit)
             lp = jax.lax.cond(
                 (flags & self.FLAG_LOGPROBS) != 0,
                 lambda lg, ch: logprobs_of(lg, ch, k, limit),
@@ -431,7 +434,7 @@ class ModelRunner:
         """Run one step; the sampled ids ``i32[num_seqs_bucket]`` come back to the host.
 
         Args:
-          bucket, packed: as ``pack_step`` returned them.
+          bucket, packed: as ``pack_step`` returned them (``packed``'s mask flag is set here).
           allowed: the rows' allowed-token masks (``mask_buffer(bucket)``, filled), or None:
             every token allowed (the device-resident mask; nothing is sent).
         Raises:
@@ -441,6 +444,9 @@ class ModelRunner:
         prog = self.compiled.get(bucket)
         if prog is None:
             raise RuntimeError(f"bucket {bucket} was not compiled; call warmup() first")
+        flags = self.layouts[bucket].slices["flags"]
+        packed[flags] = (packed[flags] & ~self.FLAG_ALLOWED) | (
+            self.FLAG_ALLOWED if allowed is not None else 0)
         if self._multiprocess:  # process 0 drives; the followers run the same program
             if allowed is not None:
                 raise ValueError("token masks are not supported when one model spans several "

@@ -69,18 +69,20 @@ def set_bias_row(state: PenaltyState, slot: jax.Array, row: jax.Array) -> Penalt
     return state._replace(bias=state.bias.at[slot].set(row))
 
 
-def suppress_tokens(logits: jax.Array, token_ids: jax.Array,
-                    allowed: jax.Array | None = None) -> jax.Array:
+def suppress_tokens(logits: jax.Array, token_ids: jax.Array, allowed: jax.Array | None = None,
+                    use_allowed: jax.Array | None = None) -> jax.Array:
     """f32 ``logits`` ``[S, V]`` with tokens masked (never sampled): ``token_ids`` ``i32[S, K]``
     of each row (the EOS and stop ids of rows short of ``min_tokens``; ids outside ``[0, V)``,
     -1 for padding, mask nothing; repeats are harmless) and, with ``allowed``
     (``i32[S, ceil(V / 32)]``, token ``t`` is bit ``t & 31`` of word ``t >> 5``), every token
     whose bit is clear: a constrained row's grammar mask; other rows send all bits set.
+    ``use_allowed`` (bool scalar; None: True) says whether ``allowed`` is read at all.
 
-    The ids become a ``u32[S, ceil(V / 32)]`` bitmask, merged with ``allowed`` word by word,
-    and one elementwise select, which XLA fuses with the logits' next use; there is no
-    ``lax.cond`` here, whose pass-through branch would copy the ``[S, V]`` logits in every step
-    without a masked row.
+    The ids become a ``u32[S, ceil(V / 32)]`` bitmask, merged with ``allowed`` word by word
+    (under ``lax.cond`` on ``use_allowed``: a step without a constrained row does not touch
+    it), then one elementwise select, which XLA fuses with the logits' next use; there is no
+    ``lax.cond`` over the logits, whose pass-through branch would copy the ``[S, V]`` logits in
+    every step without a masked row.
     """
     logits = logits.astype(jnp.float32)
     s, v = logits.shape
@@ -92,7 +94,9 @@ def suppress_tokens(logits: jax.Array, token_ids: jax.Array,
     rows = jnp.broadcast_to(jnp.arange(s)[:, None], ids.shape)
     bits = jnp.zeros((s, num_words), jnp.uint32).at[rows, word].add(bit, mode="drop")
     if allowed is not None:
-        bits = bits | ~jax.lax.bitcast_convert_type(allowed, jnp.uint32)
+        merge = lambda b: b | ~jax.lax.bitcast_convert_type(allowed, jnp.uint32)
+        bits = merge(bits) if use_allowed is None else jax.lax.cond(
+            use_allowed, merge, lambda b: b, bits)
     col = jnp.arange(v)
     masked = (bits[:, col >> 5] >> (col & 31).astype(jnp.uint32)) & 1
     return jnp.where(masked != 0, _NEG, logits)

@@ -317,7 +317,8 @@ def _bitmask(allowed_ids: list[list[int]] | None, n: int, vocab: int) -> np.ndar
 def test_allowed_mask_keeps_only_its_tokens_per_row_and_all_ones_change_nothing() -> None:
     """A constrained row's bitmask (bit t & 31 of word t >> 5) leaves only its tokens
     sampleable, under greedy and random sampling, with the suppressed ids still masked; rows
-    with every bit set keep their logits bit for bit, as a step without constraints does."""
+    with every bit set keep their logits bit for bit, and so does every row when the step's
+    flag says no mask was sent."""
     rng = np.random.default_rng()
     n, vocab = 6, 70  # 70: the last mask word is partly beyond the vocabulary
     logits = rng.standard_normal((n, vocab)).astype(np.float32)
@@ -342,3 +343,9 @@ def test_allowed_mask_keeps_only_its_tokens_per_row_and_all_ones_change_nothing(
     none = np.asarray(jax.jit(suppress_tokens)(jnp.asarray(logits), jnp.full((n, 2), -1),
                                                ones))
     np.testing.assert_array_equal(none, logits)
+    # the flag decides: a mask with use_allowed False is not read, with True it is
+    flagged = jax.jit(suppress_tokens)
+    off = np.asarray(flagged(jnp.asarray(logits), jnp.full((n, 2), -1), allowed, False))
+    np.testing.assert_array_equal(off, logits)
+    on = np.asarray(flagged(jnp.asarray(logits), jnp.asarray(ids), allowed, True))
+    np.testing.assert_array_equal(on, masked)
