@@ -75,12 +75,13 @@ class StructuredOutputsParams:
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise bad(f"json must be a JSON Schema (an object or its JSON text), got "
                       f"{type(self.json).__name__}")
-        if isinstance(self.json, str):
-            try:
-                if not isinstance(json.loads(self.json), dict):
-                    raise ValueError("not an object")
-            except ValueError as e:
-                raise bad(f"json is not a JSON Schema object: {e}") from None
+        try:
+            if isinstance(self.json, str) and not isinstance(json.loads(self.json), dict):
+                raise ValueError("not an object")
+            if isinstance(self.json, dict):
+                json.dumps(self.json)
+        except (TypeError, ValueError) as e:
+            raise bad(f"json is not a JSON Schema object: {e}") from None
         for name in ("regex", "grammar", "whitespace_pattern"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):

@@ -118,7 +118,8 @@ def test_invalid_constraints_are_invalid_requests(compiler: so.GrammarCompiler, 
 
 @pytest.mark.parametrize("kw", [{}, {"json": {"type": "object"}, "regex": "a"},
                                 {"choice": []}, {"choice": ["a", 1]}, {"json": "[1]"},
-                                {"json": "{nope"}, {"regex": 5}, {"json_object": "yes"}])
+                                {"json": "{nope"}, {"json": {"enum": {1, 2}}}, {"regex": 5},
+                                {"json_object": "yes"}])
 def test_malformed_constraints_are_refused_before_compiling(kw: dict) -> None:
     with pytest.raises(InvalidRequest) as e:
         StructuredOutputsParams(**kw)
