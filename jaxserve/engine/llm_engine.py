@@ -176,7 +176,9 @@ class LLMEngine:
                on_compiled: Callable[[int, int], None] | None = None) -> dict[str, float]:
         """Compile every step program (and the host tier's copy programs); returns
         {"num_programs", "compile_s"}. ``on_compiled(done, total)`` is called as step programs
-        compile (``ModelRunner.warmup``)."""
+        compile (``ModelRunner.warmup``). The grammar compiler's tokenizer is built meanwhile,
+        in its own thread (``GrammarCompiler.prepare``)."""
+        self.grammars.prepare()
         stats = self.runner.warmup(progress, on_compiled)
         if self.host_kv is not None:
             host = self.host_kv.warmup()

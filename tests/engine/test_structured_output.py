@@ -146,6 +146,14 @@ def test_a_slow_compile_is_refused_and_then_cached(tokenizer: Tokenizer,
     assert compiler.num_compiled == 1  # the build that timed out was kept
 
 
+def test_prepare_builds_the_tokenizer_once_for_every_grammar(tokenizer: Tokenizer) -> None:
+    compiler = so.GrammarCompiler(tokenizer, tokenizer.vocab_size, timeout_s=30.0)
+    lltok = compiler.prepare().result()
+    assert compiler.prepare().result() is lltok
+    compiler.compile(StructuredOutputsParams(regex="b+"))
+    assert compiler._lltok is lltok
+
+
 def test_strict_schemas_get_no_additional_properties() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {}},
                                                "b": {"additionalProperties": True,
