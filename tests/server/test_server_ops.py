@@ -168,7 +168,7 @@ class _StubLLMEngine:
         return 1
 
     def add_request(self, rid: str, ids: list[int], params: SamplingParams,
-                    prompt: str | None) -> None:
+                    prompt: str | None, grammar: object = None) -> None:
         self.requests[rid] = params
         self.waiting.append(rid)
 
