@@ -21,15 +21,20 @@ TINY = ["--model", "tiny", "--load-format", "dummy"]
 def test_bench_step_command(tmp_path: Path) -> None:
     out = tmp_path / "step.json"
     assert main(["bench", "step", *TINY, "--batch-sizes", "4,8", "--context", "12",
-                 "--num-steps", "3", "--modes", "greedy,n4", "--max-num-batched-tokens", "32",
-                 "--num-kv-blocks", "64", "--output-json", str(out)]) == 0
+                 "--num-steps", "3", "--modes", "greedy,n4,json1,json",
+                 "--max-num-batched-tokens", "32", "--num-kv-blocks", "64",
+                 "--output-json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["model"] == "tiny" and res["num_programs"] > 0 and res["compile_s"] > 0
     assert res["engine_config"]["max_num_seqs"] == 8  # the largest batch size
-    assert [(r["mode"], r["batch"]) for r in res["rows"]] == [
-        ("greedy", 4), ("greedy", 8), ("n4", 4), ("n4", 8)]
+    assert [(r["mode"], r["batch"], r["num_constrained"]) for r in res["rows"]] == [
+        ("greedy", 4, 0), ("greedy", 8, 0), ("n4", 4, 0), ("n4", 8, 0), ("json1", 4, 1),
+        ("json1", 8, 1), ("json", 4, 4), ("json", 8, 8)]
     for r in res["rows"]:
         d = r["decode"]
+        # token masks are computed on the host only in steps with a constrained row
+        assert (d["median_mask_ms"] > 0) == (r["num_constrained"] > 0)
+        assert d["median_mask_ms"] <= d["median_step_ms"] - d["median_device_ms"]
         assert d["num_steps"] == 3 and d["bucket_seqs"] >= r["batch"]
         assert 0 < d["median_device_ms"] <= d["median_step_ms"]
         assert d["min_step_ms"] <= d["median_step_ms"] <= d["max_step_ms"]

@@ -12,13 +12,17 @@ after two untimed ones. Each ``engine.step()`` is split into:
 Prefill steps are reported per bucket (the padded shape ``tokens x seqs`` the program ran at).
 Modes: ``greedy`` (temperature 0), ``sampled`` (temperature 1, top_p 0.9), ``logprobs`` (greedy
 with 5 logprobs), ``penalties`` (greedy, repetition 1.1 and frequency 0.5), ``n4`` (batch / 4
-requests with n=4). Compare settings by running it twice (``--quantization int8``,
+requests with n=4), ``json`` (greedy, every row constrained by ``BENCH_SCHEMA``, a JSON schema
+no row can complete in the timed steps) and ``json1`` (greedy, one constrained row); for these
+the host part also shows ``mask``, the time the host spent computing the rows' token masks.
+Compare settings by running it twice (``--quantization int8``,
 ``--num-kv-blocks 256`` against 4096: equal step times show the cache is updated in place).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from typing import Any
@@ -30,7 +34,7 @@ from jaxserve.cli.bench.common import add_model_flags, write_json
 from jaxserve.config import LoadConfig
 from jaxserve.device.buckets import MIN_TOKEN_BUCKET, pick_bucket
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 MODES: dict[str, tuple[dict[str, Any], int]] = {  # SamplingParams fields, choices per request
     "greedy": ({"temperature": 0.0}, 1),
@@ -38,7 +42,16 @@ MODES: dict[str, tuple[dict[str, Any], int]] = {  # SamplingParams fields, choic
     "logprobs": ({"temperature": 0.0, "logprobs": 5}, 1),
     "penalties": ({"temperature": 0.0, "repetition_penalty": 1.1, "frequency_penalty": 0.5}, 1),
     "n4": ({"temperature": 1.0, "n": 4}, 4),
+    "json": ({"temperature": 0.0}, 1),
+    "json1": ({"temperature": 0.0}, 1),
 }
+CONSTRAINED_ROWS = {"json": None, "json1": 1}  # mode -> requests constrained (None: all)
+BENCH_SCHEMA = {  # at least 64 records: no row completes it within a benchmark's steps
+    "type": "object", "required": ["records"], "additionalProperties": False,
+    "properties": {"records": {"type": "array", "minItems": 64, "items": {
+        "type": "object", "required": ["id", "name", "score"], "additionalProperties": False,
+        "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 16},
+                       "score": {"type": "number", "minimum": 0, "maximum": 1}}}}}}
 NUM_UNTIMED_STEPS = 2
 
 
@@ -76,6 +89,20 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)  # its --seed also seeds the prompts
 
 
+class _MaskTimer:
+    """Stands in for an engine's ``_fill_masks``: keeps the seconds of each call."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self._fill = engine._fill_masks
+        self.calls: list[float] = []
+        engine._fill_masks = self
+
+    def __call__(self, *args: Any) -> None:
+        t0 = time.perf_counter()
+        self._fill(*args)
+        self.calls.append(time.perf_counter() - t0)
+
+
 class _ExecuteTimer:
     """Stands in for a runner's ``execute``: keeps the bucket and seconds of each call."""
 
@@ -84,43 +111,47 @@ class _ExecuteTimer:
         self.calls: list[tuple[Any, float]] = []
         runner.execute = self
 
-    def __call__(self, bucket: Any, packed: np.ndarray) -> Any:
+    def __call__(self, bucket: Any, packed: np.ndarray, allowed: np.ndarray | None = None
+                 ) -> Any:
         t0 = time.perf_counter()
-        out = self._execute(bucket, packed)  # returns after the sampled ids reached the host
+        out = self._execute(bucket, packed, allowed)  # returns once the ids are on the host
         self.calls.append((bucket, time.perf_counter() - t0))
         return out
 
 
-def _timed_step(engine: LLMEngine, timer: _ExecuteTimer) -> tuple[Any, float, float]:
-    """One engine step: (its bucket, its seconds, the device part of them)."""
-    n = len(timer.calls)
+Step = tuple[Any, float, float, float]  # bucket, step s, device s, mask s
+
+
+def _timed_step(engine: LLMEngine, timer: _ExecuteTimer, masks: _MaskTimer) -> Step:
+    """One engine step: (its bucket, its seconds, the device part of them, the mask part)."""
+    n, m = len(timer.calls), len(masks.calls)
     t0 = time.perf_counter()
     engine.step()
     step_s = time.perf_counter() - t0
     if len(timer.calls) != n + 1:
         raise RuntimeError("an engine step ran no device program; nothing was scheduled")
     bucket, device_s = timer.calls[-1]
-    return bucket, step_s, device_s
+    return bucket, step_s, device_s, sum(masks.calls[m:])
 
 
-def _summary(steps: list[tuple[Any, float, float]], num_seqs: int | None = None
-             ) -> dict[str, Any]:
-    step_ms = [1e3 * s for _, s, _ in steps]
-    device_ms = [1e3 * d for _, _, d in steps]
+def _summary(steps: list[Step], num_seqs: int | None = None) -> dict[str, Any]:
+    step_ms = [1e3 * s for _, s, _, _ in steps]
+    device_ms = [1e3 * d for _, _, d, _ in steps]
     host_ms = [a - b for a, b in zip(step_ms, device_ms)]
     bucket = steps[0][0]
     out = {"bucket_tokens": bucket.num_tokens, "bucket_seqs": bucket.num_seqs,
            "num_steps": len(steps), "median_step_ms": statistics.median(step_ms),
            "min_step_ms": min(step_ms), "max_step_ms": max(step_ms),
            "median_device_ms": statistics.median(device_ms),
-           "median_host_ms": statistics.median(host_ms)}
+           "median_host_ms": statistics.median(host_ms),
+           "median_mask_ms": statistics.median(1e3 * k for _, _, _, k in steps)}
     if num_seqs is not None:  # a decode step: one token per sequence
         out["tokens_per_second"] = num_seqs / (out["median_step_ms"] / 1e3)
     return out
 
 
-def measure(engine: LLMEngine, timer: _ExecuteTimer, mode: str, batch: int, context: int,
-            num_steps: int, rng: np.random.Generator) -> dict[str, Any]:
+def measure(engine: LLMEngine, timer: _ExecuteTimer, masks: _MaskTimer, mode: str, batch: int,
+            context: int, num_steps: int, rng: np.random.Generator) -> dict[str, Any]:
     """Prefill ``batch`` sequences of ``context`` tokens, then time ``num_steps`` decode steps.
 
     Returns the decode summary and one summary per prefill bucket (``prefill``).
@@ -133,22 +164,29 @@ def measure(engine: LLMEngine, timer: _ExecuteTimer, mode: str, batch: int, cont
                             ignore_eos=True,
                             seed=int(rng.integers(1 << 31)), **kw)
     ids = [f"step-{mode}-{batch}-{i}" for i in range(batch // n)]
-    for rid in ids:
-        engine.add_request(rid, rng.integers(0, vocab, context).tolist(), params)
+    num_constrained = CONSTRAINED_ROWS.get(mode, 0)
+    if num_constrained is None:
+        num_constrained = len(ids)
+    constrained = dataclasses.replace(
+        params, structured_outputs=StructuredOutputsParams(json=BENCH_SCHEMA))
+    for i, rid in enumerate(ids):
+        engine.add_request(rid, rng.integers(0, vocab, context).tolist(),
+                           constrained if i < num_constrained else params)
     decode_bucket = pick_bucket(engine.runner.buckets, batch, batch)
     prefill: dict[Any, list] = {}
-    while (step := _timed_step(engine, timer))[0] != decode_bucket:  # prefill until decode
+    while (step := _timed_step(engine, timer, masks))[0] != decode_bucket:  # prefill until decode
         prefill.setdefault(step[0], []).append(step)
     for _ in range(NUM_UNTIMED_STEPS - 1):
-        _timed_step(engine, timer)
-    decode = [_timed_step(engine, timer) for _ in range(num_steps)]
-    if any(b != decode_bucket for b, _, _ in decode):
+        _timed_step(engine, timer, masks)
+    decode = [_timed_step(engine, timer, masks) for _ in range(num_steps)]
+    if any(b != decode_bucket for b, *_ in decode):
         raise RuntimeError("a timed decode step ran at another shape; were other requests in "
                            "the engine?")
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
-    return {"mode": mode, "batch": batch, "decode": _summary(decode, batch),
+    return {"mode": mode, "batch": batch, "num_constrained": num_constrained,
+            "decode": _summary(decode, batch),
             "prefill": [_summary(s) for s in prefill.values()]}
 
 
@@ -176,9 +214,9 @@ def run(ns: argparse.Namespace) -> int:
                          f"{cfg.max_num_seqs}")
     engine = LLMEngine(cfg, LoadConfig(ns.model, ns.load_format))
     warm = engine.warmup(progress=False)
-    timer = _ExecuteTimer(engine.runner)
+    timer, masks = _ExecuteTimer(engine.runner), _MaskTimer(engine)
     rng = np.random.default_rng(cfg.seed)
-    rows = [measure(engine, timer, mode, b, ns.context, ns.num_steps, rng)
+    rows = [measure(engine, timer, masks, mode, b, ns.context, ns.num_steps, rng)
             for mode in ns.modes for b in ns.batch_sizes]
     result = {"model": engine.model_name, "dtype": str(engine.dtype), "context": ns.context, "num_steps": ns.num_steps,
               "seed": cfg.seed, "engine_config": {k: getattr(cfg, k)
@@ -200,12 +238,13 @@ def format_table(result: dict[str, Any]) -> str:
              f"{cfg['block_size']}); {int(result['num_programs'])} programs compiled in "
              f"{result['compile_s']:.1f} s"),
              (f"{'mode':<10}{'batch':>6}{'phase':>9}{'bucket':>10}{'steps':>6}{'step ms':>10}"
-             f"{'device ms':>11}{'host ms':>9}{'tok/s':>10}")]
+             f"{'device ms':>11}{'host ms':>9}{'mask ms':>9}{'tok/s':>10}")]
     for r in result["rows"]:
         for phase, s in [("decode", r["decode"])] + [("prefill", p) for p in r["prefill"]]:
             tok_s = f"{s['tokens_per_second']:>10.1f}" if phase == "decode" else f"{'':>10}"
             lines.append(f"{r['mode']:<10}{r['batch']:>6}{phase:>9}"
                          f"{str(s['bucket_tokens']) + 'x' + str(s['bucket_seqs']):>10}"
                          f"{s['num_steps']:>6}{s['median_step_ms']:>10.2f}"
-                         f"{s['median_device_ms']:>11.2f}{s['median_host_ms']:>9.2f}{tok_s}")
+                         f"{s['median_device_ms']:>11.2f}{s['median_host_ms']:>9.2f}"
+                         f"{s['median_mask_ms']:>9.2f}{tok_s}")
     return "\n".join(lines)
