@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -69,7 +70,7 @@ from jaxserve.engine.metrics import MODEL_LABEL, PREFIX, EngineMetrics, vllm_com
 from jaxserve.errors import InvalidRequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.server import decode, encode
+from jaxserve.server import decode, encode, tools
 from jaxserve.server import protocol as p
 from jaxserve.server.gate import Gate, GateMiddleware, RequestBudget
 from jaxserve.server.gate import error_response as _error
@@ -95,8 +96,9 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
     def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes: ...
     def id_to_token(self, token_id: int) -> str | None: ...
-    def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    def apply_chat_template(  # template_kwargs is passed only for requests with tools
+        self, messages: list[dict], add_generation_prompt: bool = True, *,
+        template_kwargs: dict | None = None,
     ) -> str: ...
 
 
@@ -244,8 +246,9 @@ class GenerationJob:
       stream: the request asked for server-sent events.
       include_usage: ``stream_options.include_usage``.
       constraint_field: the request field ``params.structured_outputs`` came from
-        (``response_format``, ``structured_outputs``, ``guided_json``, ...), which the
-        engine's errors about it name; None without one.
+        (``response_format``, ``structured_outputs``, ``guided_json``, ..., ``tools`` for a
+        tool choice), which the engine's errors about it name; None without one.
+      tools: how a chat request's replies become tool calls (``server.tools``), or None.
     """
 
     chat: bool
@@ -254,6 +257,7 @@ class GenerationJob:
     stream: bool
     include_usage: bool
     constraint_field: str | None = None
+    tools: tools.ToolPlan | None = None
 
     @property
     def kind(self) -> str:
@@ -350,14 +354,22 @@ class OpenAIServer:
             self._check_model(req.model)
             self._check_chat_template()
             params = decode.to_sampling_params(req)
+            plan = tools.tool_plan(req, tok.chat_template)
+            constraint_field = decode.constraint_field(req)
+            if plan is not None:
+                params, constraint_field = _with_tools(params, plan, constraint_field)
+            render = tok.apply_chat_template if plan is None else functools.partial(
+                tok.apply_chat_template, template_kwargs={"tools": plan.template_tools()})
             try:
-                text = await asyncio.to_thread(
-                    tok.apply_chat_template, decode.chat_messages(req), req.add_generation_prompt
-                )
+                text = await asyncio.to_thread(render, decode.chat_messages(req),
+                                               req.add_generation_prompt)
             except ValueError as exc:
                 raise p.RequestError(f"invalid messages: {exc}", param="messages") from exc
             ids = await asyncio.to_thread(tok.encode, text, False)
             engine_prompts = [EnginePrompt(ids, text, self._logprob_format(params))]
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            return GenerationJob(chat, engine_prompts, params, bool(req.stream), include_usage,
+                                 constraint_field, plan)
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         return GenerationJob(chat, engine_prompts, params, bool(req.stream), include_usage,
                              decode.constraint_field(req))
@@ -411,7 +423,7 @@ class OpenAIServer:
         runs = [self._run(job, i, rid) for i, rid in enumerate(job.engine_ids(request_id))]
         outs = await _all(runs)
         return encode.final_response(job.chat, request_id, created, self.model, outs,
-                                     [q.fmt for q in job.prompts])
+                                     [q.fmt for q in job.prompts], job.tools)
 
     async def _run(self, job: GenerationJob, index: int, engine_id: str) -> RequestOutput:
         """Prompt ``index`` run to its end: its final output (aborted if cancelled)."""
@@ -473,7 +485,7 @@ class OpenAIServer:
             firsts = await _unless_disconnected(request, budget.bound(self._firsts(gens, job)))
             fmt = encode.StreamFormatter(job.chat, rid, int(time.time()), self.model,
                                          job.include_usage, n=job.params.n,
-                                         fmts=[q.fmt for q in job.prompts])
+                                         fmts=[q.fmt for q in job.prompts], tools=job.tools)
             handed_over = True  # the response owns the generators from here
             return _ClosingStreamingResponse(
                 self._events(gens, firsts, fmt, state, budget),
@@ -582,6 +594,25 @@ class OpenAIServer:
                 raise p.RequestError(f"tokens[{i}] = {t} is out of range [0, {vocab})",
                                      param="tokens")
         return _json(p.DetokenizeResponse(prompt=self.engine.tokenizer.decode(req.tokens)))
+
+
+def _with_tools(params: SamplingParams, plan: tools.ToolPlan, constraint_field: str | None
+                ) -> tuple[SamplingParams, str | None]:
+    """``params`` under a tool plan: a named or required choice constrains the output (refused
+    beside another constraint); ``auto`` keeps special tokens in the text, where a model's
+    ``<tool_call>`` may be one."""
+    constraint = plan.constraint()
+    if (constraint is not None or plan.mode == "auto") and constraint_field is not None:
+        raise p.RequestError(f"{constraint_field} cannot constrain the output of a request "
+                             f"with tool_choice {plan.mode!r}", param=constraint_field)
+    if constraint is not None:
+        try:
+            return dataclasses.replace(params, structured_outputs=constraint), "tools"
+        except InvalidRequest as exc:
+            raise p.RequestError(str(exc), param="tools") from exc
+    if plan.mode == "auto":
+        return dataclasses.replace(params, skip_special_tokens=False), constraint_field
+    return params, constraint_field
 
 
 def _too_large(size: int, cap: int) -> p.RequestError:

@@ -20,6 +20,7 @@ from jaxserve.server.protocol import (
     TokenizeRequest,
     _SamplingFields,
 )
+from jaxserve.server.tools import history_tool_calls
 
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
@@ -87,6 +88,11 @@ def decode_completion_request(
     if req.top_logprobs is not None:
         raise RequestError("top_logprobs is a chat field; completions take logprobs=<int>",
                            param="top_logprobs")
+    for name, used in (("tools", bool(req.tools)),
+                       ("tool_choice", req.tool_choice not in (None, "none"))):
+        if used:
+            raise RequestError(f"{name} is a chat field (POST /v1/chat/completions)",
+                               param=name, code=UNSUPPORTED)
     _check_common(req)
     return req
 
@@ -120,8 +126,6 @@ def _check_common(req: _SamplingFields) -> None:
     if req.n < 1:
         raise RequestError(f"n must be at least 1, got {req.n}", param="n")
     unsupported = {
-        "tools": bool(req.tools),
-        "tool_choice": req.tool_choice not in (None, "none"),
         "functions": bool(req.functions),
         "function_call": req.function_call not in (None, "none"),
         "best_of": req.best_of not in (None, 1),
@@ -279,9 +283,11 @@ def scores_prompt_only(req: CompletionRequest) -> bool:
     return bool(req.echo) and completion_max_tokens(req) == 0
 
 
-def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, str]]:
-    """The messages as plain dicts for the chat template; text content parts are joined."""
-    out: list[dict[str, str]] = []
+def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict]:
+    """The messages as plain dicts for the chat template; text content parts are joined; an
+    assistant message's ``tool_calls`` carry their arguments as objects, a tool message its
+    ``tool_call_id``."""
+    out: list[dict] = []
     for i, m in enumerate(req.messages or []):
         if isinstance(m.content, list):
             texts = []
@@ -303,9 +309,16 @@ def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict[str
                                param="messages")
         else:
             content = m.content or ""
-        msg = {"role": m.role, "content": content}
+        msg: dict = {"role": m.role, "content": content}
         if m.name is not None:
             msg["name"] = m.name
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise RequestError(f"messages[{i}]: only assistant messages carry tool_calls",
+                                   param="messages")
+            msg["tool_calls"] = history_tool_calls(m.tool_calls)
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
 

@@ -31,6 +31,7 @@ from jaxserve.server.protocol import (
     UsageInfo,
     usage,
 )
+from jaxserve.server.tools import ToolCallParser, ToolPlan, final_message
 
 # ---- building responses from engine outputs ---------------------------------------------------
 
@@ -135,17 +136,21 @@ def _join(a: CompletionLogprobs | None, b: CompletionLogprobs | None) -> Complet
 
 def final_response(
     chat: bool, response_id: str, created: int, model: str, outs: Sequence[RequestOutput],
-    fmts: Sequence[LogprobFormat] = (),
+    fmts: Sequence[LogprobFormat] = (), tools: ToolPlan | None = None,
 ) -> CompletionResponse | ChatCompletionResponse:
     """The non-streamed response body: ``outs[i]`` is prompt ``i``'s finished output (chat: one
     prompt), rendered with ``fmts[i]`` (default: no logprobs); choices numbered as the module
-    says."""
+    says. ``tools``: a chat request's tool plan, which turns replies into tool calls."""
     fmts = list(fmts) or [LogprobFormat(None, lambda t: b"")] * len(outs)
     if chat:
         (out,), (fmt,) = outs, fmts
-        choices = [ChatChoice(index=c.index, message=ChatMessageOut(content=c.text),
-                              logprobs=fmt.chat(c.token_ids, c.logprobs or []),
-                              finish_reason=c.finish_reason) for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            content, calls, reason = final_message(tools, c.text, c.finish_reason)
+            message = ChatMessageOut(content=content, tool_calls=calls or UNSET)
+            choices.append(ChatChoice(index=c.index, message=message,
+                                      logprobs=fmt.chat(c.token_ids, c.logprobs or []),
+                                      finish_reason=reason))
         return ChatCompletionResponse(id=response_id, created=created, model=model,
                                       usage=usage_of(outs), choices=choices)
     completion_choices = []
@@ -183,14 +188,19 @@ class StreamFormatter:
     include_usage every chunk has ``usage: null`` and ``end`` adds one chunk with
     ``choices: []`` and the usage of every prompt; without it no chunk has a ``usage`` key.
 
+    Under a tool plan (chat), a choice's text goes through its ``ToolCallParser``: content
+    deltas where the reply is text, ``tool_calls`` deltas where it calls (OpenAI's shape: the
+    first part of a call carries its id, type and name, then pieces of its arguments).
+
     Args:
       n: choices per prompt.
       fmts: how each prompt's logprobs are rendered (default: one prompt, no logprobs).
+      tools: the chat request's tool plan, or None.
     """
 
     def __init__(
         self, chat: bool, response_id: str, created: int, model: str, include_usage: bool,
-        n: int = 1, fmts: Sequence[LogprobFormat] = (),
+        n: int = 1, fmts: Sequence[LogprobFormat] = (), tools: ToolPlan | None = None,
     ) -> None:
         self.chat = chat
         self.id = response_id
@@ -202,6 +212,8 @@ class StreamFormatter:
         self._done: set[int] = set()  # choice indexes that finished
         self._echoed: set[int] = set()  # prompts whose echo was sent
         self._offset: dict[int, int] = {}  # text offset of each choice's next token
+        self.tools = tools
+        self._parsers: dict[int, ToolCallParser] = {}  # by choice index, under a tool plan
 
     def _chunk(self, choices: list, usage: UsageInfo | None = None) -> bytes:
         cls = ChatCompletionChunk if self.chat else CompletionChunk
@@ -243,13 +255,21 @@ class StreamFormatter:
         events = []
         if self.chat:
             lp = fmt.chat(new, entries) if new else None
-            if c.delta_text or lp is not None:
-                delta = DeltaMessage(content=c.delta_text)
+            content, calls, reason = c.delta_text, [], c.finish_reason
+            if self.tools is not None:
+                parser = self._parsers.setdefault(index, ToolCallParser(self.tools))
+                content, calls = parser.feed(c.delta_text)
+                if finished:
+                    rest, more, reason = parser.finish(c.finish_reason)
+                    content, calls = content + rest, calls + more
+            if content or calls or lp is not None:
+                delta = DeltaMessage(content=content if content or not calls else UNSET,
+                                     tool_calls=calls or UNSET)
                 events.append(self._chunk([ChatChunkChoice(index=index, delta=delta,
                                                            logprobs=lp)]))
             if finished:
                 choice = ChatChunkChoice(index=index, delta=DeltaMessage(),
-                                         finish_reason=c.finish_reason)
+                                         finish_reason=reason)
                 events.append(self._chunk([choice]))
         elif fmt.prompt_only:
             if finished:

@@ -1,7 +1,7 @@
 """OpenAI-compatible request and response bodies, as msgspec Structs (the wire format).
 
 ``server.decode`` reads requests into these strictly (no type coercion: ``"ten"`` is not an
-int); unknown fields are ignored, known but unimplemented ones (tools, beam search, ...) are
+int); unknown fields are ignored, known but unimplemented ones (functions, beam search, ...) are
 refused when set. ``server.encode`` builds the responses; fields left
 ``UNSET`` are omitted (a chat finish chunk's ``delta`` encodes as ``{}``, and ``usage`` is absent
 from stream chunks unless ``stream_options.include_usage`` asked for it). Every client mistake
@@ -195,19 +195,69 @@ class ContentPart(msgspec.Struct, kw_only=True):
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    """A function call: the function's name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """One tool call of an assistant message (in a response, or sent back in the history)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
-    """One chat message: a role and its content (a string or a list of text parts)."""
+    """One chat message: a role and its content (a string or a list of text parts); an
+    assistant message may carry ``tool_calls`` (then ``content`` may be null), a ``tool``
+    message the ``tool_call_id`` it answers."""
 
     role: ChatRole
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    """A tool's function: its name, what it does, and its arguments' JSON Schema."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(msgspec.Struct, kw_only=True):
+    """One entry of ``tools``."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    """``tool_choice`` naming the function that must be called."""
+
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     """Body of ``POST /v1/chat/completions``; ``max_completion_tokens`` overrides ``max_tokens``;
-    both absent means "up to the context window"."""
+    both absent means "up to the context window". ``tools`` / ``tool_choice`` /
+    ``parallel_tool_calls``: see ``server.tools``."""
 
     messages: list[ChatMessage]
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool | None = True
@@ -345,10 +395,12 @@ class ChatLogprobs(msgspec.Struct, kw_only=True):
 
 
 class ChatMessageOut(msgspec.Struct, kw_only=True):
-    """The assistant message of a chat choice."""
+    """The assistant message of a chat choice: ``content`` is null when the reply is only tool
+    calls; ``tool_calls`` is left out when there are none."""
 
     role: str = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | UnsetType = UNSET
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -371,11 +423,29 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(msgspec.Struct, kw_only=True):
+    """A function call's part in a stream chunk: the name once, then pieces of arguments."""
+
+    name: str | UnsetType = UNSET
+    arguments: str | UnsetType = UNSET
+
+
+class DeltaToolCall(msgspec.Struct, kw_only=True):
+    """A tool call's part in a stream chunk (OpenAI's shape): ``index`` says which call of the
+    choice; the first part carries ``id``, ``type`` and the function's name."""
+
+    index: int
+    id: str | UnsetType = UNSET
+    type: Literal["function"] | UnsetType = UNSET
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(msgspec.Struct, kw_only=True):
     """The new part of the assistant message in a chat stream chunk."""
 
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    tool_calls: list[DeltaToolCall] | UnsetType = UNSET
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):

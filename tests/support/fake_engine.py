@@ -43,14 +43,20 @@ class FakeTokenizer:
     def token_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes:
         return b"" if token_id == EOS else chr(token_id).encode()
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            template_kwargs: dict | None = None) -> str:
+        """As ``chat_template`` says; ``tools`` (from ``template_kwargs``) are listed first as
+        ``<|tools|>name,name``, an assistant's ``tool_calls`` as ``<|call|>name(args)``."""
         if not messages:
             raise ValueError("messages must be a non-empty list of message objects")
-        out = []
+        tools = (template_kwargs or {}).get("tools")
+        out = [f"<|tools|>{','.join(t['function']['name'] for t in tools)}\n"] if tools else []
         for m in messages:
             if m["role"] not in ("system", "user", "assistant", "tool", "developer"):
                 raise ValueError(f"role must be a chat role, got {m['role']!r}")
             out.append(f"<|{m['role']}|>{m['content']}\n")
+            for c in m.get("tool_calls") or ():
+                out.append(f"<|call|>{c['function']['name']}({c['function']['arguments']})\n")
         return "".join(out) + ("<|assistant|>" if add_generation_prompt else "")
 
 
