@@ -349,7 +349,7 @@ class LLMEngine:
             short = end - num_prompt < p.min_tokens  # EOS and stop ids are masked
             if req.grammar is not None and s.sample:
                 constrained.append((i, req, short))
-                short = False  # the row's grammar mask carries it (_fill_masks)
+                short = False  # the row's grammar mask carries it (fill_masks)
             rows.append(RowParams(
                 p.temperature, p.top_k if 0 < p.top_k < vocab else 0, p.top_p, req.seed,
                 end - num_prompt, min_p=p.min_p,
@@ -364,9 +364,10 @@ class LLMEngine:
                                                [s.block_ids for s in plan.scheduled], rows,
                                                want_logprobs=want_lp)
         allowed, t_mask = None, time.perf_counter()
-        if constrained:
+        if constrained:  # a row short of min_tokens withholds its stop ids where it can
             allowed = self.runner.mask_buffer(bucket)
-            self._fill_masks(constrained, allowed)
+            self.grammars.fill_masks([(req.grammar, i, req.seq.stop_token_ids if short else ())
+                                      for i, req, short in constrained], allowed)
         t_pack = time.perf_counter()
         out = self.runner.execute(bucket, packed, allowed)
         t_device = time.perf_counter()
@@ -404,23 +405,6 @@ class LLMEngine:
                 "device_ms": 1e3 * (t_device - t_pack), "post_ms": 1e3 * (t_end - t_device),
                 "step_ms": 1e3 * (t_end - t0)})
         return outputs
-
-    def _fill_masks(self, rows: list[tuple[int, Choice, bool]], allowed: np.ndarray) -> None:
-        """Write each constrained row's allowed tokens into ``allowed`` (``i32[S, words]``,
-        all bits set); rows are (row, choice, short of ``min_tokens``). A short row also loses
-        its stop ids, unless the grammar allows nothing else (then the grammar wins: the
-        output must be complete)."""
-        self.grammars.fill_masks([(req.grammar, i) for i, req, _ in rows], allowed)
-        for i, req, short in rows:
-            if not short:
-                continue
-            row = allowed[i].view(np.uint32)
-            kept = row.copy()
-            for t in req.seq.stop_token_ids:
-                if t >> 5 < kept.size:
-                    kept[t >> 5] &= ~np.uint32(1 << (t & 31))
-            if kept.any():
-                row[:] = kept
 
     def _advance_grammar(self, req: Choice, token: int, finish: str | None) -> str | None:
         """Feed a sampled token to the choice's grammar; returns its finish reason, "stop"

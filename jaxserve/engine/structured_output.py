@@ -27,6 +27,7 @@ import collections
 import json
 import re
 import threading
+from collections.abc import Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -179,11 +180,14 @@ class GrammarCompiler:
             self.num_compiled += 1
         return Grammar(matcher, kind)
 
-    def fill_masks(self, rows: list[tuple[GrammarState, int]], out: np.ndarray) -> None:
+    def fill_masks(self, rows: Sequence[tuple[GrammarState, int, Collection[int]]],
+                   out: np.ndarray) -> None:
         """Write each state's allowed-token bitmask into row ``i`` of ``out``.
 
         Args:
-          rows: (state, row index) pairs, distinct rows.
+          rows: (state, row index, withheld ids) triples, distinct rows; the withheld ids
+            (``min_tokens``' stop ids) are cleared from the row's mask unless that would leave
+            nothing allowed (then the grammar wins: the output must be able to end).
           out: ``i32[S, mask_words(vocab_size)]``, C-contiguous; other rows are left as they
             are.
         """
@@ -191,12 +195,21 @@ class GrammarCompiler:
                 or not out.flags["C_CONTIGUOUS"]:
             raise ValueError(f"mask buffer must be a contiguous i32[S, "
                              f"{mask_words(self.vocab_size)}], got {out.dtype}{list(out.shape)}")
-        if any(not 0 <= i < out.shape[0] for _, i in rows):
+        if any(not 0 <= i < out.shape[0] for _, i, _ in rows):
             raise ValueError(f"a mask row index is outside [0, {out.shape[0]})")
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
-        self._executor.unsafe_compute_mask_ptr([(s.matcher, i) for s, i in rows],
+        self._executor.unsafe_compute_mask_ptr([(s.matcher, i) for s, i, _ in rows],
                                                out.ctypes.data, out.shape[1] * 4, out.shape[0])
+        for _, i, withheld in rows:
+            if withheld:
+                row = out[i].view(np.uint32)
+                kept = row.copy()
+                for t in withheld:
+                    if t >> 5 < kept.size:
+                        kept[t >> 5] &= ~np.uint32(1 << (t & 31))
+                if kept.any():
+                    row[:] = kept
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:

@@ -36,7 +36,7 @@ def compiler(tokenizer: Tokenizer) -> so.GrammarCompiler:
 
 def _allowed(compiler: so.GrammarCompiler, state: so.GrammarState) -> set[int]:
     out = np.full((3, so.mask_words(compiler.vocab_size)), 0, np.int32)
-    compiler.fill_masks([(state, 1)], out)
+    compiler.fill_masks([(state, 1, ())], out)
     assert not out[0].any() and not out[2].any(), "other rows are left as they were"
     bits = np.unpackbits(out[1].view(np.uint8), bitorder="little")
     return set(np.flatnonzero(bits[:compiler.vocab_size]).tolist())
@@ -70,15 +70,33 @@ def test_lark_and_gbnf_grammars_take_their_strings(compiler: so.GrammarCompiler,
     assert not state.advance(tokenizer.encode("x", add_special_tokens=False)[0])
 
 
+def test_withheld_ids_leave_the_mask_unless_nothing_else_is_allowed(
+        compiler: so.GrammarCompiler, tokenizer: Tokenizer) -> None:
+    eos = set(tokenizer.eos_token_ids)
+    state = compiler.compile(StructuredOutputsParams(regex="[0-9]{1,2}")).start()
+    out = np.zeros((1, so.mask_words(compiler.vocab_size)), np.int32)
+
+    def allowed() -> set[int]:
+        compiler.fill_masks([(state, 0, eos)], out)
+        return set(np.flatnonzero(np.unpackbits(out[0].view(np.uint8), bitorder="little")))
+
+    assert state.advance(tokenizer.encode("4", add_special_tokens=False)[0])
+    assert eos <= _allowed(compiler, state)  # the grammar may end here ...
+    first = allowed()
+    assert first and not eos & first  # ... but a row short of min_tokens may not yet
+    assert state.advance(tokenizer.encode("2", add_special_tokens=False)[0])
+    assert allowed() == eos  # nothing else is allowed: EOS stays, the output can end
+
+
 def test_fill_masks_checks_its_buffer(compiler: so.GrammarCompiler) -> None:
     state = compiler.compile(StructuredOutputsParams(regex="a")).start()
     words = so.mask_words(compiler.vocab_size)
     for bad in (np.zeros((2, words), np.uint32), np.zeros((2, words + 1), np.int32),
                 np.zeros((words, 2), np.int32).T):
         with pytest.raises(ValueError, match="mask buffer"):
-            compiler.fill_masks([(state, 0)], bad)
+            compiler.fill_masks([(state, 0, ())], bad)
     with pytest.raises(ValueError, match="row index"):
-        compiler.fill_masks([(state, 2)], np.zeros((2, words), np.int32))
+        compiler.fill_masks([(state, 2, ())], np.zeros((2, words), np.int32))
 
 
 def test_a_refused_token_breaks_the_state_and_leaves_only_eos(

@@ -90,12 +90,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 
 class _MaskTimer:
-    """Stands in for an engine's ``_fill_masks``: keeps the seconds of each call."""
+    """Stands in for an engine's ``grammars.fill_masks``: keeps the seconds of each call."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self._fill = engine._fill_masks
+        self._fill = engine.grammars.fill_masks
         self.calls: list[float] = []
-        engine._fill_masks = self
+        engine.grammars.fill_masks = self
 
     def __call__(self, *args: Any) -> None:
         t0 = time.perf_counter()
