@@ -25,11 +25,8 @@ import httpx
 import openai
 import pytest
 
-from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.server.app import build_app
-from tests.support.http_server import serve_app
-from tests.support.kv import kv_manager
+from tests.support.http_server import serve_engine
 
 MODEL = "m"
 COMPL = "/v1/completions"
@@ -38,17 +35,9 @@ PROMPTS = ["The capital of France is", "One, two, three,", "def add(a, b):"]
 
 @pytest.fixture(scope="module")
 def base_url(engine: LLMEngine):
-    # batched and single requests are compared exactly; prefix caching would let the second
-    # reuse the first's K/V and compute only the rest (other float bits), so it is off here
-    with kv_manager(engine, caching=False):
-        aeng = AsyncEngine(engine)
-        aeng.start(warmup=False)
-        try:
-            with serve_app(build_app(aeng, MODEL)) as url:
-                yield url
-        finally:
-            aeng.shutdown()
-    assert not engine.has_unfinished_requests()
+    # batched and single requests are compared exactly: prefix caching off
+    with serve_engine(engine, MODEL, caching=False) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

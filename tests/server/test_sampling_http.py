@@ -27,11 +27,8 @@ import httpx
 import openai
 import pytest
 
-from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.server.app import build_app
-from tests.support.http_server import serve_app
-from tests.support.kv import kv_manager
+from tests.support.http_server import serve_engine
 
 MODEL = "m"
 COMPL, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -43,15 +40,8 @@ def base_url(engine: LLMEngine):
     # Several tests compare two requests' logprobs exactly. With prefix caching the second
     # reuses the first's K/V blocks and computes only the rest, which may change the last
     # float32 bits; these tests are about sampling, so the engine runs with the cache off.
-    with kv_manager(engine, caching=False):
-        aeng = AsyncEngine(engine)
-        aeng.start(warmup=False)
-        try:
-            with serve_app(build_app(aeng, MODEL)) as url:
-                yield url
-        finally:
-            aeng.shutdown()
-    assert not engine.has_unfinished_requests()
+    with serve_engine(engine, MODEL, caching=False) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -27,11 +27,8 @@ import pydantic
 import pytest
 
 import jaxserve
-from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.server.app import build_app
-from tests.support.http_server import serve_app
-from tests.support.kv import kv_manager
+from tests.support.http_server import serve_engine
 
 MODEL = "m"
 SCHEMAS = [json.loads(line) for line in
@@ -43,23 +40,10 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
 
 
 @pytest.fixture(scope="module")
-def engine_under_test(engine: LLMEngine):
-    # the free requests' text is compared alone and in a batch; with prefix caching the second
-    # run would reuse the first's K/V and could differ in the last float bits
-    with kv_manager(engine, caching=False):
-        yield engine
-    assert not engine.has_unfinished_requests()
-
-
-@pytest.fixture(scope="module")
-def base_url(engine_under_test: LLMEngine):
-    aeng = AsyncEngine(engine_under_test)
-    aeng.start(warmup=False)
-    try:
-        with serve_app(build_app(aeng, MODEL)) as url:
-            yield url
-    finally:
-        aeng.shutdown()
+def base_url(engine: LLMEngine):
+    # the free requests' text is compared alone and in a batch: prefix caching off
+    with serve_engine(engine, MODEL, caching=False) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -209,19 +193,19 @@ BAD_SCHEMA = {"type": "object", "properties": {"n": {"type": "integr"}}}
     ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
 ])  # fmt: skip
 @pytest.mark.parametrize("path,stream", [(CHAT, False), (CHAT, True), (COMPL, False)])
-def test_invalid_constraints_are_400_naming_their_field(http, engine_under_test: LLMEngine,
+def test_invalid_constraints_are_400_naming_their_field(http, engine: LLMEngine,
                                                         body: dict, param: str, path: str,
                                                         stream: bool) -> None:
     prompt = {"messages": HI} if path == CHAT else {"prompt": "hi"}
     r = http.post(path, json={"model": MODEL, **prompt, **body, "stream": stream})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
-    assert not engine_under_test.has_unfinished_requests()
+    assert not engine.has_unfinished_requests()
 
 
-def test_a_constraint_slower_than_the_timeout_is_400(http, engine_under_test: LLMEngine,
+def test_a_constraint_slower_than_the_timeout_is_400(http, engine: LLMEngine,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    grammars = engine_under_test.grammars
+    grammars = engine.grammars
     release, build = threading.Event(), grammars._build
 
     def slow(spec):

@@ -13,10 +13,8 @@ import jsonschema_rs
 import openai
 import pytest
 
-from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.server.app import build_app
-from tests.support.http_server import serve_app
+from tests.support.http_server import serve_engine
 from tests.support.tool_templates import HERMES_TEMPLATE
 
 MODEL = "m"
@@ -36,14 +34,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
 
 @pytest.fixture(scope="module")
 def client(engine: LLMEngine) -> Iterator[openai.OpenAI]:
-    aeng = AsyncEngine(engine)
-    aeng.start(warmup=False)
-    try:
-        with serve_app(build_app(aeng, MODEL)) as url:
-            yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
-    finally:
-        aeng.shutdown()
-    assert not engine.has_unfinished_requests()
+    with serve_engine(engine, MODEL) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
 
 
 def _call(client: openai.OpenAI, stream: bool, **kw) -> tuple[str | None, list, str]:

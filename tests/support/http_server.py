@@ -46,3 +46,26 @@ def serve_app(app: ASGIApp, timeout_s: float = 30.0) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout_s)
+
+
+@contextlib.contextmanager
+def serve_engine(engine, model: str, *, caching: bool | None = None) -> Iterator[str]:
+    """An ``LLMEngine`` behind ``AsyncEngine`` and the app, over real HTTP; yields the base URL.
+
+    ``caching``: None leaves the engine's prefix caching as it is; False turns it off for the
+    block (tests comparing two requests' floats exactly: a reused prefix computes only the rest,
+    which can change the last bits). Afterwards the engine holds no request.
+    """
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.server.app import build_app
+    from tests.support.kv import kv_manager
+
+    with kv_manager(engine, caching=caching) if caching is not None else contextlib.nullcontext():
+        aeng = AsyncEngine(engine)
+        aeng.start(warmup=False)
+        try:
+            with serve_app(build_app(aeng, model)) as url:
+                yield url
+        finally:
+            aeng.shutdown()
+    assert not engine.has_unfinished_requests()
