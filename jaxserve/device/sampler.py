@@ -194,8 +194,9 @@ def filter_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,
     renormalised distribution (the smallest descending prefix whose mass reaches ``top_p``,
     arXiv:1904.09751), then min-p (``p >= min_p * p_max``, arXiv:2407.01082). The result equals
     that of a full descending sort, without sorting: top-k up to 64 reads ``lax.top_k``, larger
-    ones and top-p bisect on the value's bits (``_largest_threshold``), and only when some row
-    asks (``lax.cond``). ``top_k <= 0`` or ``>= V``, ``top_p >= 1`` and ``min_p <= 0`` are off.
+    ones and top-p bisect on the value's bits (``_largest_threshold``; at most ``_FEW_ROWS``
+    top-p rows are gathered and bisect apart from the batch), and only when some row asks
+    (``lax.cond``). ``top_k <= 0`` or ``>= V``, ``top_p >= 1`` and ``min_p <= 0`` are off.
     """
     s, vocab = scaled.shape
     neg_inf = jnp.full((s,), -jnp.inf, jnp.float32)

@@ -239,6 +239,8 @@ class ChatTool(msgspec.Struct, kw_only=True):
 
 
 class ToolChoiceFunction(msgspec.Struct, kw_only=True):
+    """The ``function`` of a named ``tool_choice``: the name of one of ``tools``."""
+
     name: str
 
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxserve.cli.autoscaling.curve import Curve, slo_concurrency
+from jaxserve.cli.bench.metrics import parse_ms_pairs
 
 SLO_METRICS = ("ttft", "itl", "tpot")
 QUERIES = {  # PromQL of the total over the deployment; KEDA / the HPA divide by the pod count
@@ -62,18 +63,9 @@ def parse_slos(pairs: list[str]) -> dict[str, float]:
         repeated metric, or no pair.
     """
     out: dict[str, float] = {}
-    for pair in pairs:
-        name, sep, value = pair.partition(":")
-        try:
-            ms = float(value)
-        except ValueError:
-            ms = math.nan
-        if not sep or math.isnan(ms):
-            raise ValueError(f"--slo takes METRIC:MS pairs (e.g. ttft:500), got {pair!r}")
-        if name not in SLO_METRICS:
-            raise ValueError(f"--slo metric must be one of {SLO_METRICS}, got {name!r}")
+    for name, ms in parse_ms_pairs(pairs, "--slo", SLO_METRICS):
         if not ms > 0:
-            raise ValueError(f"--slo {name} must be > 0 ms, got {value}")
+            raise ValueError(f"--slo {name} must be > 0 ms, got {ms:g}")
         if name in out:
             raise ValueError(f"--slo {name} given twice")
         out[name] = ms

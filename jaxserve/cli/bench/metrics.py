@@ -49,6 +49,28 @@ class RequestResult:
     start_time: float = 0.0
 
 
+def parse_ms_pairs(pairs: list[str], flag: str, names: tuple[str, ...]
+                   ) -> list[tuple[str, float]]:
+    """``["ttft:500", ...]`` -> ``[("ttft", 500.0), ...]`` (ms), as the ``flag`` gave them.
+
+    Raises:
+      ValueError: naming ``flag``, for a malformed pair or a name not in ``names``.
+    """
+    out = []
+    for pair in pairs:
+        name, sep, value = pair.partition(":")
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = math.nan
+        if not sep or math.isnan(ms):
+            raise ValueError(f"{flag} takes METRIC:MS pairs (e.g. ttft:500), got {pair!r}")
+        if name not in names:
+            raise ValueError(f"{flag} metric must be one of {names}, got {name!r}")
+        out.append((name, ms))
+    return out
+
+
 def parse_goodput(pairs: list[str] | None) -> dict[str, float]:
     """``["ttft:500", "tpot:50"]`` -> ``{"ttft": 500.0, "tpot": 50.0}`` (ms).
 
@@ -56,18 +78,9 @@ def parse_goodput(pairs: list[str] | None) -> dict[str, float]:
       ValueError: malformed pair, unknown name (ttft, tpot, e2el) or negative value.
     """
     out: dict[str, float] = {}
-    for pair in pairs or []:
-        name, sep, value = pair.partition(":")
-        try:
-            ms = float(value)
-        except ValueError:
-            ms = math.nan
-        if not sep or math.isnan(ms):
-            raise ValueError(f"--goodput takes KEY:MS pairs (e.g. ttft:500), got {pair!r}")
-        if name not in SLO_NAMES:
-            raise ValueError(f"--goodput metric must be one of {SLO_NAMES}, got {name!r}")
+    for name, ms in parse_ms_pairs(pairs or [], "--goodput", SLO_NAMES):
         if ms < 0:
-            raise ValueError(f"--goodput value must be >= 0 ms, got {pair!r}")
+            raise ValueError(f"--goodput {name} must be >= 0 ms, got {ms:g}")
         out[name] = ms
     return out
 
