@@ -22,6 +22,8 @@ that has room, else recomputed later. Block bookkeeping is ``kv_manager.KVManage
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +51,11 @@ class SchedulerConfig:
     # victim when the pool is short: "newest" (latest admitted) or "least_progress" (fewest
     # computed tokens); default: least work lost (experiments/2026-12-01-preemption-policy)
     preemption_policy: str = "least_progress"
+    # the compiled step shapes, ascending (``device.buckets.token_buckets``); () plans without
+    # them. With them, a step just past a bucket gives prefill tokens back (``_fit_bucket``).
+    token_buckets: tuple[int, ...] = ()
+    # the fixed cost of one step (weights read, dispatch, host work) in prompt tokens of compute
+    step_overhead_tokens: int = 32
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
@@ -287,10 +294,13 @@ class Scheduler:
             self.running.append(seq)
             plan(seq, num_new)
 
+        num_tokens = cfg.max_num_batched_tokens - budget
+        if cfg.token_buckets:
+            num_tokens = self._fit_bucket(scheduled, num_tokens)
         offloads, loads = kv.take_transfers()
         return SchedulerOutput(
             scheduled=tuple(scheduled),
-            num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
+            num_scheduled_tokens=num_tokens,
             preempted_ids=tuple(preempted),
             offloads=offloads,
             loads=loads,
@@ -362,6 +372,40 @@ class Scheduler:
             self.running = [s for s in self.running if s.request_id not in seq_ids]
             self.waiting = deque(s for s in self.waiting if s.request_id not in seq_ids)
         return removed
+
+    def _fit_bucket(self, scheduled: list[ScheduledSeq], num_tokens: int) -> int:
+        """Shorten prefill chunks so the step fills a smaller bucket, when that is cheaper.
+
+        A step of ``n`` tokens runs padded to the smallest bucket ``T >= n``. When ``n`` is just
+        past the bucket below (``T_prev``), cutting ``n - T_prev`` prompt tokens from the last
+        prefill chunks and leaving them to the next step costs ``T_prev + bucket(n - T_prev) +
+        step_overhead_tokens`` instead of ``T``; that is done when smaller. E.g. a 300-token
+        prompt alone: 256 + 64 + 32 < 512. The cut tokens keep their blocks (allocated for
+        the whole chunk), so the next step needs none for them. Changes ``scheduled`` in place;
+        returns the new token count.
+        """
+        cfg = self.config
+        buckets = cfg.token_buckets
+        i = bisect.bisect_left(buckets, num_tokens)
+        if i == 0 or i == len(buckets):
+            return num_tokens
+        smaller = buckets[i - 1]
+        excess = num_tokens - smaller
+        rest = buckets[bisect.bisect_left(buckets, excess)]
+        if smaller + rest + cfg.step_overhead_tokens >= buckets[i]:
+            return num_tokens
+        if sum(len(c.token_ids) - 1 for c in scheduled) < excess:  # decode rows cannot shrink
+            return num_tokens
+        for j in range(len(scheduled) - 1, -1, -1):
+            chunk = scheduled[j]
+            cut = min(excess, len(chunk.token_ids) - 1)
+            if cut > 0:
+                scheduled[j] = dataclasses.replace(chunk, token_ids=chunk.token_ids[:-cut],
+                                                   sample=False)
+                excess -= cut
+            if excess == 0:
+                break
+        return smaller
 
     def _chunk(self, seq: SeqState, start: int, budget: int) -> int:
         """How many tokens from ``start`` the sequence gets with ``budget`` left."""

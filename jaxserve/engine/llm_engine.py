@@ -18,6 +18,7 @@ The async server (``AsyncEngine``) and the offline ``LLM`` both drive this objec
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -60,6 +61,15 @@ from pallas_kernels import allocate_kv_cache, attention_fn_for_backend, kv_cache
 
 log = logging.getLogger(__name__)
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads choice seeds (SplitMix64)
+
+
+def _step_overhead_tokens(backend: str) -> int:
+    """A step's fixed cost in prompt tokens of compute, for ``Scheduler._fit_bucket``.
+
+    CPU: ~30 ms a step against ~0.75 ms a prompt token (SmolLM2-135M, 2 cores;
+    experiments/2026-12-01-bucket-fit). A GPU reads all weights in every step and computes a
+    prompt token in far less, so padding is cheaper there than another step."""
+    return 32 if backend == "cpu" else 256
 
 
 class LLMEngine:
@@ -148,9 +158,12 @@ class LLMEngine:
         self.bounds = RequestBounds(self.tokenizer.vocab_size, self.max_model_len,
                                     self.num_blocks, config.block_size, self.runner.multiprocess,
                                     self.tokenizer.eos_token_ids)
-        self.scheduler = Scheduler(SchedulerConfig.from_engine_config(
-            config, self.num_blocks, self.max_model_len,
-            self.host_kv.num_blocks if self.host_kv is not None else 0))
+        self.scheduler = Scheduler(dataclasses.replace(
+            SchedulerConfig.from_engine_config(
+                config, self.num_blocks, self.max_model_len,
+                self.host_kv.num_blocks if self.host_kv is not None else 0),
+            token_buckets=tuple(b.num_tokens for b in self.runner.buckets),
+            step_overhead_tokens=_step_overhead_tokens(jax.default_backend())))
         if metrics is not None:
             metrics.set_batch_limits(config.max_num_seqs, config.max_num_batched_tokens)
             metrics.set_cache_config(config.block_size, self.num_blocks)

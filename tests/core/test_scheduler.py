@@ -19,6 +19,7 @@ from hypothesis.stateful import (
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, UpdateResult
 from jaxserve.core.sequence import SeqState, cdiv
+from jaxserve.device.buckets import token_buckets
 
 STOP = 0
 
@@ -156,6 +157,56 @@ def test_decode_goes_first_and_prefill_chunks_fill_the_budget() -> None:
         ("a", 4, 1, True),
         ("b", 7, 5, True),
     ]
+
+
+BUCKETS = (8, 16, 32, 64, 128, 256, 512)
+
+
+def fitting_scheduler(overhead: int = 32) -> Scheduler:
+    return Scheduler(SchedulerConfig(64, 512, 16, 2048, 200, token_buckets=BUCKETS,
+                                     step_overhead_tokens=overhead))
+
+
+def test_prompt_just_past_a_bucket_is_cut_to_fill_the_bucket_below() -> None:
+    sched = fitting_scheduler()
+    sched.add(make_seq("a", 300))
+    out, res = step(sched)
+    assert [(s.start_pos, len(s.token_ids), s.sample) for s in out.scheduled] == [(0, 256, False)]
+    assert out.num_scheduled_tokens == 256 and not res.new_token_ids
+    assert len(by_id(sched, "a").block_ids) == cdiv(300, 16)  # blocks for the whole chunk
+    free = sched.block_pool.num_free_blocks
+    out, res = step(sched)
+    assert [(s.start_pos, len(s.token_ids), s.sample) for s in out.scheduled] == [(256, 44, True)]
+    assert res.new_token_ids == {"a": 7} and sched.block_pool.num_free_blocks == free
+
+
+def test_no_cut_where_the_two_steps_cost_more_than_the_padding() -> None:
+    sched = fitting_scheduler()
+    sched.add(make_seq("a", 400))  # 256 + bucket(144)=256 + 32 >= 512: one padded step
+    out, _ = step(sched)
+    assert [len(s.token_ids) for s in out.scheduled] == [400]
+    sched = fitting_scheduler(overhead=300)  # a GPU-like step overhead: padding is cheaper
+    sched.add(make_seq("b", 300))
+    out, _ = step(sched)
+    assert [len(s.token_ids) for s in out.scheduled] == [300]
+
+
+def test_cut_takes_prompt_tokens_from_the_last_chunks_never_decode_rows() -> None:
+    sched = fitting_scheduler()
+    for i in range(3):
+        sched.add(make_seq(f"d{i}", 10))
+    step(sched)
+    sched.add(make_seq("p", 100))
+    sched.add(make_seq("q", 160))  # 3 decodes + 100 + 160 = 263 -> 256, q gives back 7
+    out, _ = step(sched)
+    assert [(s.request_id, len(s.token_ids), s.sample) for s in out.scheduled] == [
+        ("d0", 1, True), ("d1", 1, True), ("d2", 1, True), ("p", 100, True), ("q", 153, False)]
+    assert out.num_scheduled_tokens == 256
+    sched = fitting_scheduler()
+    for i in range(64):  # 64 decode rows + a 1-token chunk: nothing can shrink
+        sched.add(make_seq(f"e{i}", 1))
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == 64
 
 
 def test_max_num_seqs_limits_admission() -> None:
@@ -613,6 +664,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         caching=st.sampled_from([True, True, False]),
         num_host_blocks=st.sampled_from([0, 0, 2, 4, 12]),
         policy=st.sampled_from(["newest", "least_progress"]),
+        fit=st.sampled_from([None, 0, 2]),
     )
     def init(
         self,
@@ -626,11 +678,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         caching: bool,
         num_host_blocks: int,
         policy: str,
+        fit: int | None,
     ) -> None:
         self.sched = make_scheduler(
             max_num_seqs, max_num_batched_tokens, block_size, max_model_len, num_blocks,
             long_prefill, caching, num_host_blocks, policy,
         )
+        if fit is not None:  # plan to the engine's buckets, the step overhead 0 or 2 tokens
+            self.sched.config.token_buckets = tuple(token_buckets(max_num_batched_tokens))
+            self.sched.config.step_overhead_tokens = fit
         self.rng = random.Random(seed)
         self.content = KVContentModel(block_size)
         self.expected: dict[str, list[int]] = {}  # live request -> its token ids
