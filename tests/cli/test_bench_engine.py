@@ -34,7 +34,7 @@ def test_bench_step_command(tmp_path: Path) -> None:
         d = r["decode"]
         # token masks are computed on the host only in steps with a constrained row
         assert (d["median_mask_ms"] > 0) == (r["num_constrained"] > 0)
-        assert d["median_mask_ms"] <= d["median_step_ms"] - d["median_device_ms"]
+        assert d["median_mask_ms"] <= d["median_host_ms"]  # per step mask <= host
         assert d["num_steps"] == 3 and d["bucket_seqs"] >= r["batch"]
         assert 0 < d["median_device_ms"] <= d["median_step_ms"]
         assert d["min_step_ms"] <= d["median_step_ms"] <= d["max_step_ms"]

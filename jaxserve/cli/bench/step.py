@@ -174,7 +174,10 @@ def measure(engine: LLMEngine, timer: _ExecuteTimer, masks: _MaskTimer, mode: st
                            constrained if i < num_constrained else params)
     decode_bucket = pick_bucket(engine.runner.buckets, batch, batch)
     prefill: dict[Any, list] = {}
-    while (step := _timed_step(engine, timer, masks))[0] != decode_bucket:  # prefill until decode
+    sched = engine.scheduler
+    while sched.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                               for s in sched.running):  # until every prompt is in the cache
+        step = _timed_step(engine, timer, masks)
         prefill.setdefault(step[0], []).append(step)
     for _ in range(NUM_UNTIMED_STEPS - 1):
         _timed_step(engine, timer, masks)
