@@ -216,3 +216,17 @@ def test_auto_tool_call_with_a_hermes_template() -> None:
         (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
         assert json.loads(done.arguments) == {"a": 2, "b": 3}
         assert events[-1].response.output[0].name == "add"
+
+
+def test_a_stream_cut_by_the_request_timeout_ends_with_an_error_event() -> None:
+    engine = FakeEngine(max_model_len=100_000, step_s=0.005)
+    client = TestClient(build_app(engine, MODEL, ServerConfig(request_timeout_s=0.15)))
+    resp = client.post("/v1/responses", headers={"X-Request-Id": "t1"},
+                       json={"input": "hi", "max_output_tokens": 50_000, "stream": True})
+    assert resp.status_code == 200
+    events = [EVENTS.validate_python(json.loads(line.removeprefix("data: ")))
+              for line in resp.text.splitlines() if line.startswith("data: ")]
+    assert events[0].type == "response.created" and events[-2].type.startswith("response.output")
+    assert events[-1].type == "error" and events[-1].code == "timeout_error"
+    assert engine.aborted == ["resp_t1"] and engine.running == set()
+    assert client.get("/v1/responses/resp_t1").status_code == 404  # only finished ones are kept
