@@ -24,15 +24,18 @@
       the finish chunk; without it no chunk has a ``usage`` key. An engine fault mid-stream sends
       ``data: {"error": {...}}`` then ``data: [DONE]``. On disconnect Starlette cancels the
       stream; the body iterator is always closed, which closes the engine's generator (abort).
+  ``POST /v1/responses`` takes the chat path (``server.responses`` turns the request into a
+  chat request); its reply is a response object, or Responses API events (``event: <type>``,
+  an ``error`` event on a fault, no ``[DONE]``), built by ``responses.ResponseBuilder``.
 
 Before any endpoint, ``gate.GateMiddleware`` picks the request id (``X-Request-Id`` or a
 random hex id; echoed in the response header and carried by every log line of the request),
 checks the API key, refuses requests before the model is ready, while draining or while the
 waiting queue is full (503), and gives generation requests a ``RequestBudget``: every engine
 output is awaited under it, and a request past its deadline is aborted and answered 504 (an
-error event then ``[DONE]`` once a stream has started). The engine request id and the response ``id`` are ``cmpl-<id>`` /
-``chatcmpl-<id>``. Every error is an OpenAI-style JSON body (protocol.ErrorResponse); bad input
-never gives a 500.
+error event once a stream has started). The engine request id and the response ``id`` are
+``cmpl-<id>``, ``chatcmpl-<id>`` or ``resp_<id>``. Every error is an OpenAI-style JSON body
+(protocol.ErrorResponse); bad input never gives a 500.
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ from jaxserve.server.openapi import openapi_document
 from jaxserve.server.responses_protocol import DeletedResponse, ResponseObject
 
 logger = logging.getLogger(__name__)
+
 
 class Tokenizer(Protocol):
     vocab_size: int
@@ -829,9 +833,9 @@ def build_app(
     """The OpenAI-compatible Starlette app serving ``engine`` as ``served_model_name``.
 
     Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET and
-    DELETE /v1/responses/{id} (the responses kept: ``--max-stored-responses``), GET /v1/models, GET
-    /v1/models/{id}, POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /health
-    (liveness: 200 unless the engine thread died, then 500), GET /ready
+    DELETE /v1/responses/{id} (the responses kept: ``--max-stored-responses``), GET
+    /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /tokenizer_info,
+    GET /health (liveness: 200 unless the engine thread died, then 500), GET /ready
     (``lifecycle.ReadyStatus``; 200 in stage "ready", else 503), GET /metrics (Prometheus
     text), GET /openapi.json. ``config`` supplies the API key, queue bound and
     timeouts (default: ``ServerConfig()``), ``limits`` the per-request caps (default:
