@@ -219,7 +219,7 @@ def test_auto_tool_call_with_a_hermes_template() -> None:
 
 
 def test_a_stream_cut_by_the_request_timeout_ends_with_an_error_event() -> None:
-    engine = FakeEngine(max_model_len=100_000, step_s=0.005)
+    engine = FakeEngine(script="word " * 2000, max_model_len=100_000, step_s=0.005)
     client = TestClient(build_app(engine, MODEL, ServerConfig(request_timeout_s=0.15)))
     resp = client.post("/v1/responses", headers={"X-Request-Id": "t1"},
                        json={"input": "hi", "max_output_tokens": 50_000, "stream": True})
@@ -230,3 +230,17 @@ def test_a_stream_cut_by_the_request_timeout_ends_with_an_error_event() -> None:
     assert events[-1].type == "error" and events[-1].code == "timeout_error"
     assert engine.aborted == ["resp_t1"] and engine.running == set()
     assert client.get("/v1/responses/resp_t1").status_code == 404  # only finished ones are kept
+
+
+def test_the_gate_admits_responses_as_generation_requests() -> None:
+    from jaxserve.server.gate import Gate
+    from jaxserve.server.lifecycle import Lifecycle
+
+    class Full:
+        def num_waiting(self) -> int:
+            return 8
+
+    gate = Gate(Full(), ServerConfig(max_waiting_requests=8), Lifecycle(ready=True))
+    refused = gate.refusal({"type": "http", "path": "/v1/responses", "headers": []})
+    assert refused is not None and refused.status_code == 503
+    assert gate.refusal({"type": "http", "path": "/v1/responses/resp_1", "headers": []}) is None

@@ -146,13 +146,13 @@ class City(pydantic.BaseModel):
 
 def test_the_stream_helper_parses_a_schema(client) -> None:
     with client.responses.stream(model=MODEL, input="Name one city in Italy.", temperature=0,
-                                 text_format=City, max_output_tokens=40) as stream:
+                                 text_format=City, max_output_tokens=60) as stream:
         deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
         final = stream.get_final_response()
     assert final.status == "completed" and "".join(deltas) == final.output_text
     assert isinstance(final.output_parsed, City)
     parsed = client.responses.parse(model=MODEL, input="Name one city in Italy.",
-                                    temperature=0, text_format=City, max_output_tokens=40)
+                                    temperature=0, text_format=City, max_output_tokens=60)
     assert parsed.output_parsed == final.output_parsed
 
 
@@ -160,7 +160,7 @@ def test_the_stream_helper_parses_a_schema(client) -> None:
 def test_a_json_schema_format_is_followed(client, stream: bool) -> None:
     fmt = {"format": {"type": "json_schema", "name": "person", "schema": PERSON,
                       "strict": True}}
-    kw = {"input": "Invent a person.", "text": fmt, "max_output_tokens": 40}
+    kw = {"input": "Invent a person.", "text": fmt, "max_output_tokens": 60}
     if stream:
         events = list(_create(client, stream=True, **kw))
         assert isinstance(events[-1], ResponseCompletedEvent)
