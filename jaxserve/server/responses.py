@@ -348,7 +348,9 @@ class ResponseJob:
             top_p=1.0 if req.top_p is None else req.top_p,
             text=TextConfig(format=(req.text.format if req.text else None) or
                             TextFormat(type="text")),
-            tool_choice=req.tool_choice or "auto", tools=list(req.tools or ()),
+            tool_choice=req.tool_choice or "auto",
+            tools=[msgspec.structs.replace(t, strict=t.strict is not False)
+                   for t in req.tools or ()],
             user=req.user, metadata=req.metadata)
         return ResponseBuilder(draft, plan, self._finished)
 

@@ -193,6 +193,11 @@ def test_store_settings_over_http() -> None:
     body = {"model": MODEL, "input": "hi"}
     r = kept.post("/v1/responses", json=body).json()
     assert r["store"] is True and kept.get(f"/v1/responses/{r['id']}").json() == r
+    streamed = kept.get(f"/v1/responses/{r['id']}?stream=true")
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"
+    assert kept.delete(f"/v1/responses/{r['id']}").json() == {
+        "id": r["id"], "object": "response", "deleted": True}
+    assert kept.delete(f"/v1/responses/{r['id']}").json()["error"]["param"] == "response_id"
     r = kept.post("/v1/responses", json={**body, "store": False}).json()
     assert r["store"] is False and kept.get(f"/v1/responses/{r['id']}").status_code == 404
     none = TestClient(build_app(FakeEngine(max_model_len=512, script="Hi"), MODEL,

@@ -194,8 +194,8 @@ def test_a_named_function_is_called(client, stream: bool) -> None:
     assert call.type == "function_call" and call.name == "get_weather"
     assert call.call_id.startswith("call_") and call.id.startswith("fc_")
     assert jsonschema_rs.is_valid(WEATHER["parameters"], json.loads(call.arguments))
-    assert r.tool_choice.name == "get_weather" and [t.name for t in r.tools] == [
-        "get_weather", "add"]
+    assert r.tool_choice.name == "get_weather"
+    assert [(t.name, t.strict) for t in r.tools] == [("get_weather", True), ("add", True)]
 
 
 def test_a_function_result_sent_back(client) -> None:
