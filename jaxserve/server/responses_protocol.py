@@ -2,10 +2,11 @@
 
 Requests decode strictly into ``ResponsesRequest`` (no type coercion; unknown fields ignored,
 known fields that would change the reply and are not built are decoded only to be refused:
-``server.responses.check_request``). An input item is one Struct for every item type (a message
-may come without ``type``); ``server.responses`` checks each type's fields. Output items,
-the ``Response`` object and the stream events are what the openai SDK's
-``openai.types.responses`` models read: every event carries ``type`` and ``sequence_number``.
+``server.responses.decode_request``). An input item is one Struct for every item type (a
+message may come without ``type``); ``server.responses`` checks each type's fields. Output
+items, the response object and the stream events are what the openai SDK's
+``openai.types.responses`` models read (the tests validate them against those models): every
+event carries ``type`` and ``sequence_number``.
 """
 
 from __future__ import annotations
