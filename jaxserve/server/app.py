@@ -26,7 +26,7 @@
       stream; the body iterator is always closed, which closes the engine's generator (abort).
   ``POST /v1/responses`` takes the chat path (``server.responses`` turns the request into a
   chat request); its reply is a response object, or Responses API events (``event: <type>``,
-  an ``error`` event on a fault, no ``[DONE]``), built by ``responses.ResponseBuilder``.
+  an ``error`` event on a fault, no ``[DONE]``), built by ``responses_output.ResponseBuilder``.
 
 Before any endpoint, ``gate.GateMiddleware`` picks the request id (``X-Request-Id`` or a
 random hex id; echoed in the response header and carried by every log line of the request),
@@ -80,6 +80,7 @@ from jaxserve.server.gate import error_response as _error
 from jaxserve.server.lifecycle import Lifecycle
 from jaxserve.server.logs import install_request_id
 from jaxserve.server.openapi import openapi_document
+from jaxserve.server.responses_output import ResponseBuilder
 from jaxserve.server.responses_protocol import DeletedResponse, ResponseObject
 
 logger = logging.getLogger(__name__)
@@ -545,7 +546,7 @@ class OpenAIServer:
         try:
             firsts = await _unless_disconnected(request, budget.bound(self._firsts(gens, job)))
             created = int(time.time())
-            fmt: encode.StreamFormatter | responses.ResponseBuilder
+            fmt: encode.StreamFormatter | ResponseBuilder
             if job.response is not None:
                 fmt = job.response.builder(rid, created, self.model, job.tools)
             else:
@@ -567,7 +568,7 @@ class OpenAIServer:
     async def _events(
         gens: list[AsyncIterator[RequestOutput]],
         firsts: list[RequestOutput],
-        fmt: encode.StreamFormatter | responses.ResponseBuilder,
+        fmt: encode.StreamFormatter | ResponseBuilder,
         state: _StreamState,
         budget: RequestBudget,
     ) -> AsyncIterator[bytes]:

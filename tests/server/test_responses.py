@@ -21,6 +21,7 @@ from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.server import protocol as p
 from jaxserve.server import responses, tools
 from jaxserve.server.app import build_app
+from jaxserve.server.responses_output import ResponseBuilder
 from jaxserve.server.responses_protocol import InputItem, ResponseObject, ResponsesRequest
 from tests.support.fake_engine import FakeEngine
 from tests.support.http_server import serve_app
@@ -44,7 +45,7 @@ def _plan(mode: str, name: str | None = None) -> tools.ToolPlan:
     return tools.ToolPlan(mode, (tool,), name)  # type: ignore[arg-type]
 
 
-def _builder(plan: tools.ToolPlan | None, done: list | None = None) -> responses.ResponseBuilder:
+def _builder(plan: tools.ToolPlan | None, done: list | None = None) -> ResponseBuilder:
     job = responses.ResponseJob(_request(), [], None)
     builder = job.builder("resp_1", 0, MODEL, plan)
     if done is not None:
