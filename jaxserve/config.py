@@ -268,6 +268,10 @@ class ServerConfig:
     timeout_keep_alive: int = field(default=120, metadata={
         "help": "seconds an idle keep-alive connection stays open (sent as 'Keep-Alive: "
                 "timeout=N'); above the idle timeout of the proxies in front"})
+    # /v1/responses: what previous_response_id and GET /v1/responses/{id} can find
+    max_stored_responses: int = field(default=100, metadata={
+        "help": "how many finished /v1/responses responses (with store, the default) are kept "
+                "in memory, the oldest dropped first; 0: none (store: true is then a 400)"})
     metrics_compat: str | None = field(default=None, metadata={
         "help": "vllm: /metrics also exports the series vLLM has under vLLM's names (vllm:*), "
                 "for routers and autoscalers set up for vLLM; unset: jaxserve:* names only",
@@ -288,6 +292,8 @@ class ServerConfig:
             raise ValueError(f"{self.request_timeout_s=} must be > 0")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"{self.shutdown_timeout=} must be >= 0")
+        if self.max_stored_responses < 0:
+            raise ValueError(f"{self.max_stored_responses=} must be >= 0")
         if self.timeout_keep_alive < 1:
             raise ValueError(f"{self.timeout_keep_alive=} must be >= 1")
         if self.metrics_compat not in (None, *METRICS_COMPAT):

@@ -24,15 +24,18 @@
       the finish chunk; without it no chunk has a ``usage`` key. An engine fault mid-stream sends
       ``data: {"error": {...}}`` then ``data: [DONE]``. On disconnect Starlette cancels the
       stream; the body iterator is always closed, which closes the engine's generator (abort).
+  ``POST /v1/responses`` takes the chat path (``server.responses`` turns the request into a
+  chat request); its reply is a response object, or Responses API events (``event: <type>``,
+  an ``error`` event on a fault, no ``[DONE]``), built by ``responses_output.ResponseBuilder``.
 
 Before any endpoint, ``gate.GateMiddleware`` picks the request id (``X-Request-Id`` or a
 random hex id; echoed in the response header and carried by every log line of the request),
 checks the API key, refuses requests before the model is ready, while draining or while the
 waiting queue is full (503), and gives generation requests a ``RequestBudget``: every engine
 output is awaited under it, and a request past its deadline is aborted and answered 504 (an
-error event then ``[DONE]`` once a stream has started). The engine request id and the response ``id`` are ``cmpl-<id>`` /
-``chatcmpl-<id>``. Every error is an OpenAI-style JSON body (protocol.ErrorResponse); bad input
-never gives a 500.
+error event once a stream has started). The engine request id and the response ``id`` are
+``cmpl-<id>``, ``chatcmpl-<id>`` or ``resp_<id>``. Every error is an OpenAI-style JSON body
+(protocol.ErrorResponse); bad input never gives a 500.
 """
 
 from __future__ import annotations
@@ -70,17 +73,17 @@ from jaxserve.engine.metrics import MODEL_LABEL, PREFIX, EngineMetrics, vllm_com
 from jaxserve.errors import InvalidRequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.server import decode, encode, tools
+from jaxserve.server import decode, encode, responses, tools
 from jaxserve.server import protocol as p
 from jaxserve.server.gate import Gate, GateMiddleware, RequestBudget
 from jaxserve.server.gate import error_response as _error
 from jaxserve.server.lifecycle import Lifecycle
 from jaxserve.server.logs import install_request_id
 from jaxserve.server.openapi import openapi_document
+from jaxserve.server.responses_output import ResponseBuilder
+from jaxserve.server.responses_protocol import DeletedResponse, ResponseObject
 
 logger = logging.getLogger(__name__)
-
-_DONE = b"data: [DONE]\n\n"
 
 
 class Tokenizer(Protocol):
@@ -249,6 +252,8 @@ class GenerationJob:
         (``response_format``, ``structured_outputs``, ``guided_json``, ..., ``tools`` for a
         tool choice), which the engine's errors about it name; None without one.
       tools: how a chat request's replies become tool calls (``server.tools``), or None.
+      response: a Responses request's part (``server.responses``): its reply is a response
+        object or Responses events, not a chat completion; None for the other endpoints.
     """
 
     chat: bool
@@ -258,11 +263,14 @@ class GenerationJob:
     include_usage: bool
     constraint_field: str | None = None
     tools: tools.ToolPlan | None = None
+    response: responses.ResponseJob | None = None
 
-    @property
-    def kind(self) -> str:
-        """The prefix of the request and response ids: ``chatcmpl`` or ``cmpl``."""
-        return "chatcmpl" if self.chat else "cmpl"
+    def response_id(self, request_id: str) -> str:
+        """The response ``id`` (also the engine request id): ``chatcmpl-<request_id>``,
+        ``cmpl-<request_id>`` or ``resp_<request_id>``."""
+        if self.response is not None:
+            return f"resp_{request_id}"
+        return f"{'chatcmpl' if self.chat else 'cmpl'}-{request_id}"
 
     def engine_ids(self, request_id: str) -> list[str]:
         """The engine request id of each prompt: ``request_id`` itself for one prompt, else
@@ -281,11 +289,13 @@ class OpenAIServer:
     """
 
     def __init__(
-        self, engine: EngineClient, served_model_name: str, limits: RequestLimits | None = None
+        self, engine: EngineClient, served_model_name: str, limits: RequestLimits | None = None,
+        store: responses.ResponseStore | None = None,
     ) -> None:
         self.engine = engine
         self.model = served_model_name
         self.limits = limits or RequestLimits()
+        self.store = store or responses.ResponseStore(0)
         self.created = int(time.time())
 
     def _check_chat_template(self) -> None:
@@ -350,29 +360,52 @@ class OpenAIServer:
                 fmt = self._logprob_format(params, echo, text, ids, prompt_only)
                 engine_prompts.append(EnginePrompt(ids, text, fmt))
         else:
-            req = decode.decode_chat_request(body, self.limits)
-            self._check_model(req.model)
-            self._check_chat_template()
-            params = decode.to_sampling_params(req)
-            plan = tools.tool_plan(req, tok.chat_template)
-            constraint_field = decode.constraint_field(req)
-            if plan is not None:
-                params, constraint_field = _with_tools(params, plan, constraint_field)
-            render = tok.apply_chat_template if plan is None else functools.partial(
-                tok.apply_chat_template, template_kwargs={"tools": plan.template_tools()})
-            try:
-                text = await asyncio.to_thread(render, decode.chat_messages(req),
-                                               req.add_generation_prompt)
-            except ValueError as exc:
-                raise p.RequestError(f"invalid messages: {exc}", param="messages") from exc
-            ids = await asyncio.to_thread(tok.encode, text, False)
-            engine_prompts = [EnginePrompt(ids, text, self._logprob_format(params))]
-            include_usage = req.stream_options is not None and req.stream_options.include_usage
-            return GenerationJob(chat, engine_prompts, params, bool(req.stream), include_usage,
-                                 constraint_field, plan)
+            return await self._prepare_chat(decode.decode_chat_request(body, self.limits))
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         return GenerationJob(chat, engine_prompts, params, bool(req.stream), include_usage,
                              decode.constraint_field(req))
+
+    async def _prepare_chat(self, req: p.ChatCompletionRequest) -> GenerationJob:
+        """A checked chat request's job: sampling parameters, tool plan and the rendered,
+        encoded chat template (raises RequestError as ``prepare``)."""
+        tok = self.engine.tokenizer
+        self._check_model(req.model)
+        self._check_chat_template()
+        params = decode.to_sampling_params(req)
+        plan = tools.tool_plan(req, tok.chat_template)
+        constraint_field = decode.constraint_field(req)
+        if plan is not None:
+            params, constraint_field = _with_tools(params, plan, constraint_field)
+        render = tok.apply_chat_template if plan is None else functools.partial(
+            tok.apply_chat_template, template_kwargs={"tools": plan.template_tools()})
+        try:
+            text = await asyncio.to_thread(render, decode.chat_messages(req),
+                                           req.add_generation_prompt)
+        except ValueError as exc:
+            raise p.RequestError(f"invalid messages: {exc}", param="messages") from exc
+        ids = await asyncio.to_thread(tok.encode, text, False)
+        engine_prompts = [EnginePrompt(ids, text, self._logprob_format(params))]
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return GenerationJob(True, engine_prompts, params, bool(req.stream), include_usage,
+                             constraint_field, plan)
+
+    async def prepare_response(self, body: bytes) -> GenerationJob:
+        """Decode and check a ``/v1/responses`` body, prepend the stored conversation of
+        ``previous_response_id``, and prepare it as a chat request (``server.responses``).
+
+        Raises:
+          protocol.RequestError: as ``prepare``, naming chat's fields (``responses.
+            request_error`` renames them); an unknown ``previous_response_id`` (404).
+        """
+        req = responses.decode_request(body)
+        self._check_model(req.model)
+        keep = self.store.keeps(req)
+        history = self.store.history(req.previous_response_id)
+        chat, items = responses.to_chat_request(req, history, self.engine.tokenizer.chat_template,
+                                                self.limits)
+        job = await self._prepare_chat(chat)
+        job.response = responses.ResponseJob(req, items, self.store if keep else None)
+        return job
 
     def _logprob_format(self, params: SamplingParams, echo: bool = False,
                         echo_text: str | None = None, ids: list[int] | None = None,
@@ -408,7 +441,7 @@ class OpenAIServer:
 
     async def respond(
         self, job: GenerationJob, request_id: str
-    ) -> p.CompletionResponse | p.ChatCompletionResponse:
+    ) -> p.CompletionResponse | p.ChatCompletionResponse | ResponseObject:
         """Run a non-streamed request through the engine (its prompts at once) and return its
         response body.
 
@@ -422,6 +455,9 @@ class OpenAIServer:
         created = int(time.time())
         runs = [self._run(job, i, rid) for i, rid in enumerate(job.engine_ids(request_id))]
         outs = await _all(runs)
+        if job.response is not None:
+            builder = job.response.builder(request_id, created, self.model, job.tools)
+            return builder.complete(outs[0])
         return encode.final_response(job.chat, request_id, created, self.model, outs,
                                      [q.fmt for q in job.prompts], job.tools)
 
@@ -447,8 +483,34 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, await self.prepare(True, await self._body(request)))
 
+    async def create_response(self, request: Request) -> Response:
+        """``POST /v1/responses``: errors of the chat path name the Responses fields."""
+        try:
+            job = await self.prepare_response(await self._body(request))
+            return await self._serve(request, job)
+        except p.RequestError as exc:
+            raise responses.request_error(exc) from None
+
+    async def stored_response(self, request: Request) -> Response:
+        """``GET /v1/responses/{id}``: a stored response; ``DELETE``: forget it (404 for an
+        id not stored)."""
+        response_id = request.path_params["response_id"]
+        entry = self.store.get(response_id)
+        if entry is None:
+            raise p.RequestError(f"no stored response has id {response_id!r} (the server keeps "
+                                 f"the last {self.store.capacity}: --max-stored-responses)",
+                                 status=404, type="not_found_error", param="response_id",
+                                 code="response_not_found")
+        if request.method == "DELETE":
+            self.store.delete(response_id)
+            return _json(DeletedResponse(id=response_id))
+        if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+            raise p.RequestError("retrieving a response as a stream is not supported",
+                                 param="stream", code=decode.UNSUPPORTED)
+        return _json(entry.response)
+
     async def _serve(self, request: Request, job: GenerationJob) -> Response:
-        rid = f"{job.kind}-{request.state.request_id}"
+        rid = job.response_id(request.state.request_id)
         budget: RequestBudget = request.state.budget
         budget.queued = True  # from here the engine's waiting count covers it (see Gate)
         try:
@@ -483,9 +545,14 @@ class OpenAIServer:
         handed_over = False
         try:
             firsts = await _unless_disconnected(request, budget.bound(self._firsts(gens, job)))
-            fmt = encode.StreamFormatter(job.chat, rid, int(time.time()), self.model,
-                                         job.include_usage, n=job.params.n,
-                                         fmts=[q.fmt for q in job.prompts], tools=job.tools)
+            created = int(time.time())
+            fmt: encode.StreamFormatter | ResponseBuilder
+            if job.response is not None:
+                fmt = job.response.builder(rid, created, self.model, job.tools)
+            else:
+                fmt = encode.StreamFormatter(job.chat, rid, created, self.model,
+                                             job.include_usage, n=job.params.n,
+                                             fmts=[q.fmt for q in job.prompts], tools=job.tools)
             handed_over = True  # the response owns the generators from here
             return _ClosingStreamingResponse(
                 self._events(gens, firsts, fmt, state, budget),
@@ -501,12 +568,12 @@ class OpenAIServer:
     async def _events(
         gens: list[AsyncIterator[RequestOutput]],
         firsts: list[RequestOutput],
-        fmt: encode.StreamFormatter,
+        fmt: encode.StreamFormatter | ResponseBuilder,
         state: _StreamState,
         budget: RequestBudget,
     ) -> AsyncIterator[bytes]:
         """The SSE body; adds each prompt to ``state.finished`` once it finished in the
-        engine."""
+        engine. A failure after the start is ``fmt.error``'s event, then ``fmt.terminator``."""
         try:
             for event in fmt.start():
                 yield event
@@ -523,19 +590,15 @@ class OpenAIServer:
         except TimeoutError:
             _, message, err_type = budget.error()
             logger.warning("aborted mid-stream: %s", message)
-            yield b"data: " + p.error_body(message, err_type) + b"\n\n"
+            yield fmt.error(message, err_type)
         except Exception as exc:
             logger.exception("error in stream %s", fmt.id)
             bad = isinstance(exc, ValueError)
-            yield (
-                b"data: "
-                + p.error_body(
-                    str(exc) if bad else f"internal server error: {type(exc).__name__}: {exc}",
-                    "invalid_request_error" if bad else "server_error",
-                )
-                + b"\n\n"
-            )
-        yield _DONE
+            yield fmt.error(
+                str(exc) if bad else f"internal server error: {type(exc).__name__}: {exc}",
+                "invalid_request_error" if bad else "server_error")
+        if fmt.terminator:
+            yield fmt.terminator
 
     async def models(self, request: Request) -> Response:
         card = p.ModelCard(id=self.model, created=self.created,
@@ -770,9 +833,10 @@ def build_app(
 ) -> Starlette:
     """The OpenAI-compatible Starlette app serving ``engine`` as ``served_model_name``.
 
-    Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET
-    /v1/models/{id}, POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /health
-    (liveness: 200 unless the engine thread died, then 500), GET /ready
+    Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET and
+    DELETE /v1/responses/{id} (the responses kept: ``--max-stored-responses``), GET
+    /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /tokenizer_info,
+    GET /health (liveness: 200 unless the engine thread died, then 500), GET /ready
     (``lifecycle.ReadyStatus``; 200 in stage "ready", else 503), GET /metrics (Prometheus
     text), GET /openapi.json. ``config`` supplies the API key, queue bound and
     timeouts (default: ``ServerConfig()``), ``limits`` the per-request caps (default:
@@ -786,7 +850,8 @@ def build_app(
     config = config or ServerConfig()
     install_request_id()
     placeholder: EngineClient = _NotStarted()  # type: ignore[assignment]
-    api = OpenAIServer(placeholder if engine is None else engine, served_model_name, limits)
+    api = OpenAIServer(placeholder if engine is None else engine, served_model_name, limits,
+                       responses.ResponseStore(config.max_stored_responses))
     doc = msgspec.json.encode(openapi_document(api_key=config.api_key is not None))
     gate = Gate(api.engine, config, Lifecycle(ready=engine is not None))
     probes = _Probes(gate, served_model_name, config.metrics_compat)
@@ -804,6 +869,9 @@ def build_app(
     routes = [
         Route("/v1/completions", _endpoint(api.completions), methods=["POST"]),
         Route("/v1/chat/completions", _endpoint(api.chat_completions), methods=["POST"]),
+        Route("/v1/responses", _endpoint(api.create_response), methods=["POST"]),
+        Route("/v1/responses/{response_id}", _endpoint(api.stored_response),
+              methods=["GET", "DELETE"]),
         Route("/v1/models", _endpoint(api.models), methods=["GET"]),
         Route("/v1/models/{model_id:path}", _endpoint(api.model_card), methods=["GET"]),
         Route("/tokenizer_info", _endpoint(api.tokenizer_info), methods=["GET"]),

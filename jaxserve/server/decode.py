@@ -45,7 +45,9 @@ def _fill_nulls[T](req: T) -> T:
     return req
 
 
-def _decode[T](decoder: msgspec.json.Decoder[T], body: bytes) -> T:
+def decode_body[T](decoder: msgspec.json.Decoder[T], body: bytes) -> T:
+    """``body`` decoded by ``decoder``, explicit nulls of defaulted flags read as their
+    defaults; raises RequestError (a bad field's name as ``param`` where msgspec gives one)."""
     try:
         return _fill_nulls(decoder.decode(body))
     except RecursionError:
@@ -83,7 +85,7 @@ def decode_completion_request(
     body: bytes, limits: RequestLimits = _DEFAULT_LIMITS
 ) -> CompletionRequest:
     """Decode and check a completions body against ``limits``; raises RequestError."""
-    req = _decode(_completion_decoder, body)
+    req = decode_body(_completion_decoder, body)
     _check_limits(req, limits)
     if req.top_logprobs is not None:
         raise RequestError("top_logprobs is a chat field; completions take logprobs=<int>",
@@ -101,7 +103,14 @@ def decode_chat_request(
     body: bytes, limits: RequestLimits = _DEFAULT_LIMITS
 ) -> ChatCompletionRequest:
     """Decode and check a chat-completions body against ``limits``; raises RequestError."""
-    req = _decode(_chat_decoder, body)
+    return check_chat_request(decode_body(_chat_decoder, body), limits)
+
+
+def check_chat_request(
+    req: ChatCompletionRequest, limits: RequestLimits = _DEFAULT_LIMITS
+) -> ChatCompletionRequest:
+    """Check a decoded (or built: ``server.responses``) chat request against ``limits`` and
+    the fields not built; returns it; raises RequestError."""
     _check_limits(req, limits)
     unsupported_chat = {
         "audio": req.audio is not None,
@@ -220,7 +229,7 @@ def decode_tokenize_request(
     body: bytes, limits: RequestLimits = _DEFAULT_LIMITS
 ) -> TokenizeRequest:
     """Decode a /tokenize body; exactly one of prompt / messages; raises RequestError."""
-    req = _decode(_tokenize_decoder, body)
+    req = decode_body(_tokenize_decoder, body)
     _check_limits(req, limits)
     if (req.prompt is None) == (req.messages is None):
         raise RequestError("exactly one of prompt and messages is required", param="prompt")
@@ -231,7 +240,7 @@ def decode_tokenize_request(
 
 def decode_detokenize_request(body: bytes) -> DetokenizeRequest:
     """Decode a /detokenize body; raises RequestError."""
-    return _decode(_detokenize_decoder, body)
+    return decode_body(_detokenize_decoder, body)
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:

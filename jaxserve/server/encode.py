@@ -29,6 +29,7 @@ from jaxserve.server.protocol import (
     DeltaMessage,
     TopLogprob,
     UsageInfo,
+    error_body,
     usage,
 )
 from jaxserve.server.tools import ToolCallParser, ToolPlan, final_message
@@ -198,6 +199,8 @@ class StreamFormatter:
       tools: the chat request's tool plan, or None.
     """
 
+    terminator = b"data: [DONE]\n\n"  # the last event of every stream
+
     def __init__(
         self, chat: bool, response_id: str, created: int, model: str, include_usage: bool,
         n: int = 1, fmts: Sequence[LogprobFormat] = (), tools: ToolPlan | None = None,
@@ -293,6 +296,11 @@ class StreamFormatter:
         if fmt.num_top is None:
             return None
         return CompletionLogprobs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
+
+    @staticmethod
+    def error(message: str, type: str) -> bytes:
+        """The event of a stream that fails after it started: ``data: {"error": {...}}``."""
+        return b"data: " + error_body(message, type) + b"\n\n"
 
     def end(self, outs: Sequence[RequestOutput]) -> list[bytes]:
         """Events after the finish chunks (the usage chunk), before ``[DONE]``; ``outs``: each

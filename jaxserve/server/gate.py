@@ -57,7 +57,7 @@ from jaxserve.server.logs import request_id_var
 
 logger = logging.getLogger(__name__)
 
-GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 _OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})
 _PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})  # answered while draining
 _MAX_REQUEST_ID_LEN = 128

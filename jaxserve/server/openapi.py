@@ -11,6 +11,7 @@ import msgspec
 
 from jaxserve import __version__
 from jaxserve.server import protocol as p
+from jaxserve.server import responses_protocol as rp
 from jaxserve.server.gate import is_protected
 from jaxserve.server.lifecycle import ReadyStatus
 
@@ -19,12 +20,16 @@ _STRUCTS = (
     p.CompletionRequest, p.ChatCompletionRequest, p.TokenizeRequest, p.DetokenizeRequest,
     p.CompletionResponse, p.ChatCompletionResponse, p.CompletionChunk, p.ChatCompletionChunk,
     p.ModelList, p.ModelCard, p.TokenizeResponse, p.DetokenizeResponse, p.TokenizerInfoResponse,
-    p.ErrorResponse, ReadyStatus,
+    p.ErrorResponse, ReadyStatus, rp.ResponsesRequest, rp.ResponseObject, rp.DeletedResponse,
+    rp.LifecycleEvent, rp.OutputItemEvent, rp.ContentPartEvent, rp.TextDeltaEvent,
+    rp.TextDoneEvent, rp.ArgumentsDeltaEvent, rp.ArgumentsDoneEvent, rp.ErrorEvent,
 )  # fmt: skip
+_EVENTS = ("LifecycleEvent", "OutputItemEvent", "ContentPartEvent", "TextDeltaEvent",
+           "TextDoneEvent", "ArgumentsDeltaEvent", "ArgumentsDoneEvent", "ErrorEvent")
 _ERRORS = {
     "400": "invalid request",
     "401": "missing or wrong API key (only with --api-key)",
-    "404": "unknown model",
+    "404": "unknown model (or stored response)",
     "413": "request body larger than --max-request-body-bytes",
     "500": "the engine thread has died",
     "503": "not ready yet, overloaded (queue full) or shutting down; Retry-After says when to "
@@ -65,18 +70,38 @@ def _generation(summary: str, body: type, response: type, chunk: type) -> dict:
     return _op(summary, ok, body, ("400", "404", "413", "503", "504"))
 
 
+def _responses() -> dict:
+    ok = _json(rp.ResponseObject, "the response; with stream=true, server-sent events "
+                                  "`event: <type>` and `data: <event>` (no [DONE])")
+    event = {"type": "object", "required": ["data"], "properties": {
+        "data": {"type": "string", "description": "a JSON event, one of " + ", ".join(_EVENTS)},
+        "event": {"type": "string", "description": "the event's type"}}}  # fmt: skip
+    ok["content"]["text/event-stream"] = {"schema": event}
+    return _op("Create a model response (the Responses API)", ok, rp.ResponsesRequest,
+               ("400", "404", "413", "503", "504"))
+
+
 def openapi_document(api_key: bool) -> dict:
     """The OpenAPI document; with ``api_key`` the protected operations declare bearer auth."""
     _, schemas = msgspec.json.schema_components(_STRUCTS, ref_template=_REF)
     text = {"description": "text", "content": {"text/plain": {"schema": {"type": "string"}}}}
     status = {"description": "alive", "content": {"application/json": {"schema": {
         "type": "object", "properties": {"status": {"type": "string"}}}}}}  # fmt: skip
+    response_id = {"name": "response_id", "in": "path", "required": True,
+                   "schema": {"type": "string"}}
     paths = {
         "/v1/completions": {"post": _generation(
             "Text completion", p.CompletionRequest, p.CompletionResponse, p.CompletionChunk)},
         "/v1/chat/completions": {"post": _generation(
             "Chat completion", p.ChatCompletionRequest, p.ChatCompletionResponse,
             p.ChatCompletionChunk)},
+        "/v1/responses": {"post": _responses()},
+        "/v1/responses/{response_id}": {
+            "get": {**_op("A stored response", _json(rp.ResponseObject, "the response"),
+                          errors=("400", "404")), "parameters": [response_id]},
+            "delete": {**_op("Forget a stored response",
+                             _json(rp.DeletedResponse, "the response is forgotten"),
+                             errors=("404",)), "parameters": [response_id]}},
         "/v1/models": {"get": _op("The served model", _json(p.ModelList, "the model list"))},
         "/v1/models/{model_id}": {"get": {
             **_op("The served model by id", _json(p.ModelCard, "the model"), errors=("404",)),

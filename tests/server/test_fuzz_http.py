@@ -33,12 +33,14 @@ from tests.support.http_server import serve_app
 MODEL = "fuzz-model"
 CHECKS = [status_code_conformance, content_type_conformance, response_schema_conformance]
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-              ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/models"),
+              ("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}"),
+              ("DELETE", "/v1/responses/{response_id}"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/models"),
               ("GET", "/v1/models/{model_id}"), ("GET", "/tokenizer_info"),
               ("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics")]  # schemathesis skips /openapi.json
 NORMAL = {"/v1/completions": {"prompt": "hi", "max_tokens": 2},
           "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}],
-                                   "max_tokens": 2}}
+                                   "max_tokens": 2},
+          "/v1/responses": {"input": "hi", "max_output_tokens": 2}}
 
 
 def _fuzz(operation: schemathesis.APIOperation, max_examples: int, allowed_5xx: tuple = (),
@@ -97,7 +99,8 @@ def real_server(engine):  # conftest's session engine: the real SmolLM2-135M
         aeng.shutdown()
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses",
+                                  "/tokenize"])
 def test_fuzz_real_engine(real_server, engine, path: str) -> None:
     base_url, aeng = real_server
     schema = schemathesis.openapi.from_url(base_url + "/openapi.json")

@@ -108,7 +108,9 @@ def test_port_answers_while_loading_and_the_stages_advance() -> None:
         assert body["elapsed_s"] >= 0
         assert http.get("/health").json() == {"status": "ok"}
         for resp in (http.post(COMPL, json={"prompt": "hi"}), http.get("/v1/models"),
-                     http.post("/tokenize", json={"prompt": "hi"})):
+                     http.post("/tokenize", json={"prompt": "hi"}),
+                     http.post("/v1/responses", json={"input": "hi"}),
+                     http.get("/v1/responses/resp_1")):
             assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
             err = resp.json()["error"]
             assert err["code"] is None and err["type"] == "server_error"
