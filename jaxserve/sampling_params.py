@@ -22,6 +22,12 @@ MAX_MIN_TOKENS_STOP_IDS = 32
 ``min_tokens`` may have: the step program masks this many per row."""
 
 
+# Above this the distribution is uniform to f32 precision anyway, and masked logits (-1e30)
+# divided by the temperature would no longer stay below every allowed one: a constrained row
+# (structured output, tool calls) could then draw a token its grammar refuses.
+MAX_TEMPERATURE = 1e6
+
+
 @dataclass
 class StructuredOutputsParams:
     """A constraint on the output, as vLLM's ``StructuredOutputsParams``: exactly one of
@@ -113,7 +119,7 @@ class SamplingParams:
       max_tokens: output tokens to generate at most (default 16); ``None`` means "up to the
         context window" (``max_model_len - prompt_len``). Longer requests are clamped to the
         window and end with ``finish_reason == "length"``.
-      temperature: softmax temperature; 0 means greedy (argmax).
+      temperature: softmax temperature; 0 means greedy (argmax); at most ``MAX_TEMPERATURE``.
       top_p: nucleus probability mass in (0, 1]; 1 disables it.
       top_k: keep the k most likely tokens; 0 or -1 disables it, and so does any k at or above
         the vocabulary size.
@@ -209,8 +215,8 @@ class SamplingParams:
             if self.max_tokens < 1:
                 raise InvalidRequest(f"max_tokens must be at least 1, got {self.max_tokens}",
                                      param="max_tokens")
-        if not _finite(self.temperature) or self.temperature < 0:
-            raise InvalidRequest(f"temperature must be a finite number >= 0, got "
+        if not _finite(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise InvalidRequest(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got "
                                  f"{self.temperature!r}", param="temperature")
         if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")

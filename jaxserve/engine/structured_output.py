@@ -225,7 +225,7 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
     if spec.json is not None:
         schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
         if spec.disable_additional_properties:
-            schema = _no_additional_properties(schema)
+            schema = no_additional_properties(schema)
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=layout)
     if spec.json_object:
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=layout)
@@ -240,14 +240,14 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
                              param=PARAM) from None
 
 
-def _no_additional_properties(schema: object) -> object:
+def no_additional_properties(schema: object) -> object:
     """``schema`` with ``additionalProperties: false`` on every object schema that has
     ``properties`` and does not set it."""
     if isinstance(schema, list):
-        return [_no_additional_properties(x) for x in schema]
+        return [no_additional_properties(x) for x in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _no_additional_properties(v) for k, v in schema.items()}
+    out = {k: no_additional_properties(v) for k, v in schema.items()}
     if "properties" in out and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out

@@ -34,7 +34,7 @@ checks the API key, refuses requests before the model is ready, while draining o
 waiting queue is full (503), and gives generation requests a ``RequestBudget``: every engine
 output is awaited under it, and a request past its deadline is aborted and answered 504 (an
 error event once a stream has started). The engine request id and the response ``id`` are
-``cmpl-<id>``, ``chatcmpl-<id>`` or ``resp_<id>``. Every error is an OpenAI-style JSON body
+``cmpl-<id>``, ``chatcmpl-<id>`` or ``resp_<random>``. Every error is an OpenAI-style JSON body
 (protocol.ErrorResponse); bad input never gives a 500.
 """
 
@@ -46,6 +46,7 @@ import dataclasses
 import functools
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -267,9 +268,11 @@ class GenerationJob:
 
     def response_id(self, request_id: str) -> str:
         """The response ``id`` (also the engine request id): ``chatcmpl-<request_id>``,
-        ``cmpl-<request_id>`` or ``resp_<request_id>``."""
+        ``cmpl-<request_id>``, or for a Responses request ``resp_<32 random hex digits>``:
+        stored responses are looked up by id, so it must not repeat when clients reuse an
+        ``X-Request-Id`` (which stays the id of the log lines)."""
         if self.response is not None:
-            return f"resp_{request_id}"
+            return f"resp_{uuid.uuid4().hex}"
         return f"{'chatcmpl' if self.chat else 'cmpl'}-{request_id}"
 
     def engine_ids(self, request_id: str) -> list[str]:

@@ -18,6 +18,8 @@ first) with its conversation, for ``previous_response_id`` and ``GET /v1/respons
 
 from __future__ import annotations
 
+import re
+
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -48,6 +50,9 @@ _FIELD_NAMES = {"messages": "input", "max_tokens": "max_output_tokens",
                 "response_format": "text.format"}
 
 
+_UNKNOWN = re.compile(r"unknown field `([^`]*)`(?: - at `([^`]*)`)?")
+
+
 def _unsupported(message: str, param: str) -> p.RequestError:
     return p.RequestError(message, param=param, code=decode.UNSUPPORTED)
 
@@ -55,7 +60,16 @@ def _unsupported(message: str, param: str) -> p.RequestError:
 def decode_request(body: bytes) -> ResponsesRequest:
     """Decode a ``/v1/responses`` body and refuse the fields that would change the reply and
     are not built; raises RequestError naming the field."""
-    req = decode.decode_body(_decoder, body)
+    try:
+        req = decode.decode_body(_decoder, body)
+    except p.RequestError as exc:
+        unknown = _UNKNOWN.search(exc.message)
+        if unknown is None:
+            raise
+        at, name = unknown.group(2), unknown.group(1)
+        param = f"{at.removeprefix('$.')}.{name}" if at and at != "$" else name
+        raise p.RequestError(f"unknown parameter: {param}", param=param,
+                             code="unknown_parameter") from None
     r = req.reasoning
     reasoning = r is not None and not (isinstance(r, dict) and all(v is None for v in r.values()))
     verbosity = req.text is not None and req.text.verbosity not in (None, "medium")
@@ -86,7 +100,7 @@ def request_error(exc: p.RequestError) -> p.RequestError:
     """``exc`` with chat's field name (``messages``, ``max_tokens``, ``response_format``)
     replaced by the Responses request's, in ``param`` and in the message."""
     new = _FIELD_NAMES.get(exc.param or "")
-    if new is None:
+    if new is None or exc.code == "unknown_parameter":  # the client's own name
         return exc
     return p.RequestError(exc.message.replace(exc.param, new, 1), status=exc.status,
                           type=exc.type, param=new, code=exc.code)
@@ -187,6 +201,8 @@ def _tool_choice(req: ResponsesRequest, chat_template: str | None
             "tools and writes Hermes-style <tool_call> blocks; this model's template does "
             "not: send tool_choice 'required' or {'type': 'function', 'name': ...}, which "
             "work with any model", param="tool_choice")
+    if not req.tools and choice == "auto":  # what a response echoes when it had no tools
+        return None
     return choice
 
 

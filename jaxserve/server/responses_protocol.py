@@ -43,7 +43,7 @@ class InputItem(msgspec.Struct, kw_only=True):
     status: str | None = None
 
 
-class TextFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
+class TextFormat(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     """``text.format``: ``text``, ``json_object`` or ``json_schema`` (``name``, ``schema``,
     ``description``, ``strict``, flat as the Responses API has them)."""
 
@@ -54,7 +54,7 @@ class TextFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
     strict: bool | None = None
 
 
-class TextConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
+class TextConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     """``text``: the output's format; ``verbosity`` other than "medium" is refused."""
 
     format: TextFormat | None = None
@@ -80,13 +80,15 @@ class FunctionChoice(msgspec.Struct, kw_only=True):
     name: str | None = None
 
 
-class ResponsesRequest(msgspec.Struct, kw_only=True):
+class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Body of ``POST /v1/responses``.
 
     ``input``: a string (one user message) or a list of items. ``store`` absent means true
     (OpenAI's default) while the server keeps responses (``--max-stored-responses``).
     ``metadata``, ``user``, ``safety_identifier``, ``prompt_cache_key``, ``service_tier``,
-    ``stream_options`` and ``truncation: "disabled"`` are accepted and change nothing.
+    ``stream_options`` and ``truncation: "disabled"`` are accepted and change nothing. A field
+    not listed here (e.g. chat's ``max_tokens`` or ``stop``) is a 400 ``unknown_parameter``, as
+    OpenAI answers, rather than ignored.
     """
 
     model: str | None = None

@@ -29,6 +29,7 @@ from typing import Literal
 
 import msgspec
 
+from jaxserve.engine.structured_output import no_additional_properties
 from jaxserve.sampling_params import StructuredOutputsParams
 from jaxserve.server.protocol import (
     ChatCompletionRequest,
@@ -84,7 +85,7 @@ class ToolPlan:
         calls = [{"type": "object", "additionalProperties": False,
                   "required": ["name", "parameters"],
                   "properties": {"name": {"const": t.function.name},
-                                 "parameters": _parameters(t.function.parameters)}}
+                                 "parameters": _strict(t.function)}}
                  for t in self.tools]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if self.parallel is False:
@@ -94,6 +95,13 @@ class ToolPlan:
 
 def _parameters(schema: dict | None) -> dict:
     return schema if schema is not None else {"type": "object"}
+
+
+def _strict(fn) -> dict:
+    """A function's parameters schema, closed (no properties beyond those listed) when the
+    tool is ``strict``, as a named choice applies it."""
+    schema = _parameters(fn.parameters)
+    return no_additional_properties(schema) if fn.strict else schema
 
 
 def tool_plan(req: ChatCompletionRequest, chat_template: str | None) -> ToolPlan | None:

@@ -177,7 +177,7 @@ def test_strict_schemas_get_no_additional_properties() -> None:
                                                "b": {"additionalProperties": True,
                                                      "properties": {}}},
               "$defs": {"x": {"properties": {"y": {"type": "integer"}}}}}
-    out = so._no_additional_properties(schema)
+    out = so.no_additional_properties(schema)
     assert out["additionalProperties"] is False
     assert out["properties"]["a"]["additionalProperties"] is False
     assert out["properties"]["b"]["additionalProperties"] is True

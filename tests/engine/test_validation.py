@@ -8,7 +8,7 @@ import pytest
 
 from jaxserve.engine.validation import RequestBounds, truncate_prompt, validate_request
 from jaxserve.errors import InvalidRequest
-from jaxserve.sampling_params import MAX_MIN_TOKENS_STOP_IDS
+from jaxserve.sampling_params import MAX_MIN_TOKENS_STOP_IDS, MAX_TEMPERATURE
 from jaxserve.sampling_params import SamplingParams as SP
 
 # a 4-block cache of 8 tokens (32) and a 40-token window: requests are capped at 32 tokens
@@ -45,6 +45,14 @@ def test_effective_max_tokens() -> None:
     assert validate_request([1] * 10, SP(max_tokens=5), BOUNDS) == 5
     roomy = RequestBounds(100, 40, 101, 8, multiprocess=False)
     assert validate_request([1] * 10, SP(max_tokens=1000), roomy) == 30  # the window's rest
+
+
+def test_temperature_is_bounded_so_masked_tokens_stay_masked() -> None:
+    SP(temperature=MAX_TEMPERATURE)
+    for bad in (MAX_TEMPERATURE * 1.01, 1e30, 1e308):
+        with pytest.raises(ValueError, match="temperature must be") as e:
+            SP(temperature=bad)
+        assert e.value.param == "temperature"
 
 
 def test_sampling_params_are_checked_again() -> None:

@@ -208,6 +208,36 @@ def test_store_settings_over_http() -> None:
     assert err.status_code == 400 and err.json()["error"]["param"] == "store"
 
 
+def test_ids_stay_unique_when_clients_reuse_a_request_id() -> None:
+    client = TestClient(build_app(FakeEngine(max_model_len=512, script="Hi"), MODEL))
+    body, same = {"model": MODEL, "input": "hi"}, {"X-Request-Id": "shared/id?x"}
+    first, second = (client.post("/v1/responses", json=body, headers=same).json()
+                     for _ in range(2))
+    assert first["id"] != second["id"] and first["id"].startswith("resp_")
+    for r in (first, second):  # both kept, each retrievable by its own id
+        assert client.get(f"/v1/responses/{r['id']}").json()["id"] == r["id"]
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"max_tokens": 1}, "max_tokens"), ({"stop": ["a"]}, "stop"), ({"seed": 5}, "seed"),
+    ({"text": {"format": {"type": "text", "foo": 1}}}, "text.format.foo"),
+])  # fmt: skip
+def test_unknown_fields_are_refused_by_name_not_ignored(extra: dict, param: str) -> None:
+    client = TestClient(build_app(FakeEngine(max_model_len=512, script="Hi"), MODEL))
+    r = client.post("/v1/responses", json={"model": MODEL, "input": "hi", **extra})
+    err = r.json()["error"]
+    assert r.status_code == 400 and (err["param"], err["code"]) == (param, "unknown_parameter")
+
+
+def test_the_settings_a_response_echoes_can_be_sent_back() -> None:
+    client = TestClient(build_app(FakeEngine(max_model_len=512, script="Hi"), MODEL))
+    r = client.post("/v1/responses", json={"model": MODEL, "input": "hi"}).json()
+    echoed = {k: r[k] for k in ("tool_choice", "tools", "temperature", "top_p")}
+    again = client.post("/v1/responses", json={"model": MODEL, "input": "hi", **echoed})
+    assert echoed["tool_choice"] == "auto" and echoed["tools"] == []
+    assert again.status_code == 200, again.json()
+
+
 def test_auto_tool_call_with_a_hermes_template() -> None:
     engine = FakeEngine(max_model_len=512, script=f"<tool_call>{CALL}</tool_call>")
     engine.tokenizer.chat_template = HERMES_TEMPLATE
@@ -234,8 +264,9 @@ def test_a_stream_cut_by_the_request_timeout_ends_with_an_error_event() -> None:
               for line in resp.text.splitlines() if line.startswith("data: ")]
     assert events[0].type == "response.created" and events[-2].type.startswith("response.output")
     assert events[-1].type == "error" and events[-1].code == "timeout_error"
-    assert engine.aborted == ["resp_t1"] and engine.running == set()
-    assert client.get("/v1/responses/resp_t1").status_code == 404  # only finished ones are kept
+    rid = events[0].response.id
+    assert engine.aborted == [rid] and engine.running == set()
+    assert client.get(f"/v1/responses/{rid}").status_code == 404  # only finished ones are kept
 
 
 def test_the_gate_admits_responses_as_generation_requests() -> None:

@@ -65,6 +65,20 @@ def test_required_constrains_to_an_array_of_calls_of_the_tools() -> None:
     assert jsonschema_rs.is_valid(one, ok[:1]) and not jsonschema_rs.is_valid(one, ok)
 
 
+def test_required_closes_the_parameters_of_strict_tools_only() -> None:
+    open_params = {"type": "object", "required": ["city"],
+                   "properties": {"city": {"type": "string"}}}
+    strict = {"type": "function", "function": {"name": "get_weather", "strict": True,
+                                               "parameters": open_params}}
+    loose = {"type": "function", "function": {"name": "get_weather", "parameters": open_params}}
+    extra = [{"name": "get_weather", "parameters": {"city": "Oslo", "country": "NO"}}]
+    closed = _plan(tools=[strict], tool_choice="required").constraint().json
+    assert not jsonschema_rs.is_valid(closed, extra)
+    assert jsonschema_rs.is_valid(closed, [{"name": "get_weather", "parameters": {"city": "Oslo"}}])
+    assert jsonschema_rs.is_valid(_plan(tools=[loose], tool_choice="required").constraint().json,
+                                  extra)
+
+
 @pytest.mark.parametrize("kw,param", [
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
