@@ -19,7 +19,6 @@ first) with its conversation, for ``previous_response_id`` and ``GET /v1/respons
 from __future__ import annotations
 
 import re
-
 from collections import OrderedDict
 from dataclasses import dataclass
 
