@@ -60,6 +60,18 @@ def start_engine(cfg: EngineConfig, load: LoadConfig, out: typing.TextIO) -> Asy
     return aeng
 
 
+def startup_stages_line(engine: LLMEngine, warmup_stats: dict[str, float],
+                        ready_in_s: float) -> str:
+    """One line with each start-up stage's seconds after the imports (``jaxserve bench
+    startup`` reads it): the engine's stages (``LLMEngine.startup_s``), the step programs'
+    compile (wall, and the compile threads' CPU seconds), the probe step, and ``ready_in``,
+    the seconds from ``serve()`` to ready."""
+    stages = {**engine.startup_s, "compile": warmup_stats["compile_s"],
+              "compile_cpu": warmup_stats.get("compile_cpu_s", 0.0),
+              "probe": warmup_stats.get("probe_s", 0.0), "ready_in": ready_in_s}
+    return "start-up stages (s): " + " ".join(f"{k}={v:.3f}" for k, v in stages.items())
+
+
 def serve(ns: argparse.Namespace) -> None:
     """Bind the port, load and compile on a thread, then serve until SIGTERM has drained the
     server or SIGINT stops it (the module docstring)."""
@@ -96,8 +108,10 @@ def serve(ns: argparse.Namespace) -> None:
         started.append((aeng, engine))
         aeng.start(warmup=True, progress=True, on_compiled=lifecycle.compiling)
         st = aeng.warmup_stats
+        ready_in = time.perf_counter() - t0
         print(f"compiled {int(st['num_programs'])} programs in {st['compile_s']:.1f} s; ready in "
-              f"{time.perf_counter() - t0:.1f} s", flush=True)
+              f"{ready_in:.1f} s", flush=True)
+        print(startup_stages_line(engine, st, ready_in), flush=True)
         return aeng
 
     finished = False

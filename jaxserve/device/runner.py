@@ -24,6 +24,7 @@ under a second flag, so ordinary steps keep computing logits for the sampled row
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -236,11 +237,14 @@ class ModelRunner:
                on_compiled: Callable[[int, int], None] | None = None) -> dict[str, float]:
         """Compile every bucket's program (once; the persistent cache makes reruns cheap).
 
-        Returns {"num_programs", "compile_s"}; the programs are one per bucket plus the
-        logit_bias row writer. ``on_compiled(done, total)`` is called before the first bucket
+        Returns {"num_programs", "compile_s", "compile_cpu_s"} (wall and process CPU
+        seconds); the programs are one per bucket plus the logit_bias row writer. They compile
+        one after the other: XLA:CPU already spreads one compile over two threads, and on a
+        shared 2-core CPU compiling two programs at once took 17-30% more CPU seconds and no
+        less wall time (docs/configuration.md#compilation). ``on_compiled(done, total)`` is called before the first bucket
         (``done`` 0) and after each, ``total`` counting the buckets not compiled yet.
         """
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _cpu_s()
         if self._set_bias is None:
             st = self.penalty_state
             self._set_bias = jax.jit(set_bias_row, donate_argnums=(0,)).lower(
@@ -262,7 +266,7 @@ class ModelRunner:
         if bar is not None:
             bar.close()
         return {"num_programs": float(len(self.buckets) + 1),
-                "compile_s": time.perf_counter() - t0}
+                "compile_s": time.perf_counter() - t0, "compile_cpu_s": _cpu_s() - c0}
 
     def probe(self) -> float:
         """Run the smallest bucket's program once on one greedy token in the padding block
@@ -491,6 +495,12 @@ class ModelRunner:
         """On process 0: release the processes blocked in ``follow``."""
         if self._multiprocess:
             multihost_utils.broadcast_one_to_all(np.array([-1], np.int32))
+
+
+def _cpu_s() -> float:
+    """This process's user + system CPU seconds so far (every thread)."""
+    t = os.times()
+    return t.user + t.system
 
 
 def _put_f32(buf: np.ndarray, where: slice, size: int, vals: list[float], fill: float) -> None:

@@ -115,8 +115,9 @@ class DataParallelEngine:
             if i == 0:
                 self.warmup_stats = dict(r.warmup_stats)
             elif r.warmup_stats:
-                self.warmup_stats["compile_s"] = (self.warmup_stats.get("compile_s", 0.0)
-                                                  + r.warmup_stats["compile_s"])
+                for k in ("compile_s", "compile_cpu_s"):
+                    self.warmup_stats[k] = (self.warmup_stats.get(k, 0.0)
+                                            + r.warmup_stats.get(k, 0.0))
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop every replica's engine thread."""

@@ -84,7 +84,8 @@ class LLMEngine:
         ``devices`` given) each device reads its own slice of the weights where the format
         allows, and ``load_report`` holds the per-device ``LoadReport``; otherwise it is None.
     The KV cache (``kv_layout``) may hold fewer tokens than ``max_model_len``; a request that
-    can never fit in it is refused by ``validate``.
+    can never fit in it is refused by ``validate``. ``load_s`` is the seconds this took and
+    ``startup_s`` its stages' seconds (load_weights, plan_kv, kv_cache, runner, engine).
 
     Raises:
       ValueError: invalid settings (max_model_len above the model's, a host tier smaller than
@@ -105,6 +106,7 @@ class LLMEngine:
         self.mesh = sharding.make_mesh(tp, devices) if tp > 1 or devices is not None else None
         loaded = load_model(load, self.dtype, config.seed, self.mesh, quantization=QuantConfig(
             config.quantization, config.quantization_group_size, config.quantize_embeddings))
+        t_load = time.perf_counter()
         params, self.tokenizer, self.load_report = loaded.params, loaded.tokenizer, loaded.report
         self.model_name = load.served_model_name or loaded.name
         if metrics is not None and metrics.model_name != self.model_name:
@@ -127,6 +129,7 @@ class LLMEngine:
         self.kv_layout: KVLayout = plan_kv_cache(config, load, self.model, params, self.dtype,
                                                  self.tokenizer, self.mesh, kv_sharding)
         self.num_blocks = self.kv_layout.num_blocks
+        t_plan = time.perf_counter()
         max_blocks = -(-self.max_model_len // config.block_size)
         scales = {} if self.kv_layout.scales is None else {
             "k_scale": self.kv_layout.scales[0], "v_scale": self.kv_layout.scales[1],
@@ -146,11 +149,13 @@ class LLMEngine:
             self.host_kv = HostKVTier(kv, n + 1, max_blocks_per_copy=max_blocks)
         vocab_limit = self.tokenizer.vocab_size if self.tokenizer.vocab_size < mc.vocab_size \
             else None
+        t_kv = time.perf_counter()
         self.runner = ModelRunner(self.model, params, kv,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_num_seqs=config.max_num_seqs,
                                   max_blocks_per_seq=max_blocks, vocab_limit=vocab_limit,
                                   mesh=self.mesh)
+        t_runner = time.perf_counter()
         if self.host_kv is not None and self.runner.multiprocess:
             raise ValueError("kv_offloading_size is not supported when one model spans several "
                              "processes (--num-processes > 1): the host-tier copies would run "
@@ -175,7 +180,12 @@ class LLMEngine:
                                         config.grammar_compile_timeout_s)
         self._rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
-        self.load_s = time.perf_counter() - t0
+        t_end = time.perf_counter()
+        self.load_s = t_end - t0
+        # seconds of each start-up stage before warm-up (the server prints them)
+        self.startup_s: dict[str, float] = {
+            "load_weights": t_load - t0, "plan_kv": t_plan - t_load, "kv_cache": t_kv - t_plan,
+            "runner": t_runner - t_kv, "engine": t_end - t_runner}
 
     def weights_summary(self) -> str:
         """One line for start-up logs: the weights' format and size (``kv_budget``)."""
@@ -188,14 +198,14 @@ class LLMEngine:
     def warmup(self, progress: bool = True,
                on_compiled: Callable[[int, int], None] | None = None) -> dict[str, float]:
         """Compile every step program (and the host tier's copy programs); returns
-        {"num_programs", "compile_s"}. ``on_compiled(done, total)`` is called as step programs
+        {"num_programs", "compile_s", "compile_cpu_s"} (``ModelRunner.warmup``). ``on_compiled(done, total)`` is called as step programs
         compile (``ModelRunner.warmup``). The grammar compiler's tokenizer is built meanwhile,
         in its own thread (``GrammarCompiler.prepare``)."""
         self.grammars.prepare()
         stats = self.runner.warmup(progress, on_compiled)
         if self.host_kv is not None:
             host = self.host_kv.warmup()
-            stats = {k: stats[k] + host[k] for k in stats}
+            stats = {k: stats[k] + host.get(k, 0.0) for k in stats}
         return stats
 
     def probe(self) -> float:

@@ -80,14 +80,29 @@ def test_bench_startup_command(tmp_path: Path) -> None:
         assert r["num_programs"] > 0 and r["median_load_s"] >= 0 and r["median_compile_s"] >= 0
         assert r["median_ready_s"] > r["median_load_s"]
         assert 0 < r["median_port_s"] <= r["median_ready_s"]  # the port answers first
+        assert r["median_cpu_s"] > 0
         assert len(res["runs"][kind]) == 1
+        run = res["runs"][kind][0]
+        assert run["stage_at_s"]["ready"] <= run["ready_s"] and len(run["loadavg"]) == 3
+        stages = r["median_stages_s"]
+        assert set(stages) == {"import", "load_weights", "plan_kv", "kv_cache", "runner",
+                               "engine", "compile", "probe", "server", "compile_cpu"}
+        assert stages["import"] > 0 and stages["compile"] > 0
+        # the server's own stages lie within the time to ready (the rest, "server", is not
+        # negative but for the rounding of the server's figures to 1 ms)
+        assert stages["server"] > -0.01
 
 
 def test_parse_server_output() -> None:
     text = ("loaded tiny in 1.5 s (float32 weights, 3 MiB, ...)\n"
-            "compiled 4 programs in 2.25 s; ready in 4.0 s\n")
-    assert parse_server_output(text) == {"load_s": 1.5, "compile_s": 2.25, "num_programs": 4}
-    assert parse_server_output("") == {"load_s": -1.0, "compile_s": -1.0, "num_programs": -1}
+            "compiled 4 programs in 2.25 s; ready in 4.0 s\n"
+            "start-up stages (s): load_weights=1.200 plan_kv=0.001 compile=2.250 probe=0.100\n")
+    assert parse_server_output(text) == {
+        "load_s": 1.5, "compile_s": 2.25, "num_programs": 4,
+        "stages_s": {"load_weights": 1.2, "plan_kv": 0.001, "compile": 2.25, "probe": 0.1,
+                     "ready_in": 4.0}}
+    assert parse_server_output("") == {"load_s": -1.0, "compile_s": -1.0, "num_programs": -1,
+                                       "stages_s": {}}
 
 
 def test_model_flops_hand_count() -> None:
