@@ -92,6 +92,10 @@ class EngineConfig:
         "help": "append one JSON line per engine step (schedule, pack, device and output "
                 "milliseconds; jaxserve/engine/step_trace.py) to this file; summarise it with "
                 "`jaxserve bench step-trace FILE`"})
+    async_scheduling: bool = field(default=True, metadata={
+        "help": "plan and pack the next step while the device runs the current one, reading "
+                "sampled tokens one step late (identical tokens; steps with structured-output "
+                "rows run synchronously); --no-async-scheduling turns it off"})
     grammar_compile_timeout_s: float = field(default=10.0, metadata={
         "help": "seconds a request's structured-output constraint (JSON schema, regex, choice, "
                 "grammar) may take to compile; a longer one is refused (HTTP 400)"})

@@ -168,8 +168,9 @@ class KVManager:
             seq.host_block_ids = []
 
     def cache_computed_blocks(self, seq: SeqState) -> None:
-        """Register the request's full, computed blocks in the prefix cache."""
-        num_full = seq.num_computed_tokens // self.block_size
+        """Register the request's full, computed blocks whose tokens are known (a sampled token
+        not yet read back, async scheduling, is not) in the prefix cache."""
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
         if not self.enable_caching or num_full <= seq.num_registered_blocks:
             return
         hashes = self.block_hashes(seq, num_full)

@@ -18,6 +18,19 @@ The methods change the scheduler in place; the plan and the update result are sn
 finished, aborted or preempted sequence leaves ``running`` and frees its blocks; a preempted one
 keeps its tokens, goes to the front of ``waiting``, and has its K/V swapped to the host tier if
 that has room, else recomputed later. Block bookkeeping is ``kv_manager.KVManager``'s.
+
+Async scheduling (``SchedulerConfig.async_scheduling``): the engine plans step N+1 while the
+device runs step N, so ``schedule`` may run again before ``update`` has seen the last plan. It
+then plans each sequence from where its in-flight steps end: a sequence step N samples for is
+assumed to have one more token (a placeholder, ``PLACEHOLDER_TOKEN`` in the plan's
+``token_ids``, which the step program takes from step N's sampled ids on the device), and one
+whose pending sample is its last (``max_tokens``, ``max_model_len``) is not planned again. The
+plans' ``update`` calls must come in order, each at most one ``schedule`` late. ``update``
+then appends the real token, runs the stop checks, and drops the sample of a sequence that
+finished or was aborted since (the engine never sees it). A sequence preempted while a step
+for it is in flight still gets that step's token; it is not admitted again until the token is
+known. Without the flag (the synchronous loop), every ``schedule`` is followed by its
+``update`` and the placeholders never appear.
 """
 
 from __future__ import annotations
@@ -34,6 +47,7 @@ from jaxserve.core.kv_manager import KVManager, KVStats
 from jaxserve.core.sequence import SeqState, cdiv
 
 PREEMPTION_POLICIES = ("newest", "least_progress")
+PLACEHOLDER_TOKEN = -1  # in a plan's token_ids: the token the in-flight step samples
 
 
 @dataclass
@@ -56,6 +70,7 @@ class SchedulerConfig:
     token_buckets: tuple[int, ...] = ()
     # the fixed cost of one step (weights read, dispatch, host work) in prompt tokens of compute
     step_overhead_tokens: int = 32
+    async_scheduling: bool = False  # plans may run one step ahead of update (module docstring)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
@@ -80,6 +95,7 @@ class SchedulerConfig:
             long_prefill_token_threshold=cfg.long_prefill_token_threshold,
             enable_prefix_caching=cfg.enable_prefix_caching,
             num_host_blocks=num_host_blocks,
+            async_scheduling=cfg.async_scheduling,
         )
 
 
@@ -88,10 +104,12 @@ class ScheduledSeq:
     """One sequence's share of a step."""
 
     request_id: str
-    token_ids: tuple[int, ...]  # at positions start_pos .. start_pos + len - 1
+    token_ids: tuple[int, ...]  # at positions start_pos .. start_pos + len - 1; async
+    #   scheduling: the last may be PLACEHOLDER_TOKEN (the in-flight step's sample)
     start_pos: int
     block_ids: tuple[int, ...]  # the whole block table after allocation
     sample: bool  # the chunk reaches the end of the sequence's token_ids
+    arrival_index: int = -1  # the sequence's (ids may be reused once it has finished)
 
 
 @dataclass(frozen=True)
@@ -170,8 +188,10 @@ class Scheduler:
         """
         prefill = decode = 0
         for seq in (*self.running, *self.waiting):
-            num_out = len(seq.token_ids) - seq.num_prompt_tokens
-            prefill += max(0, len(seq.token_ids) - seq.num_computed_tokens - (num_out > 0))
+            num_tokens = len(seq.token_ids) + seq.num_output_placeholders
+            num_out = num_tokens - seq.num_prompt_tokens
+            prefill += max(0, num_tokens - seq.num_computed_tokens - seq.num_inflight_tokens
+                           - (num_out > 0))
             decode += seq.max_tokens - num_out
         return prefill, decode
 
@@ -228,7 +248,8 @@ class Scheduler:
            loads its blocks back; any other starts after its longest cached prefix of full
            blocks, so ``start_pos`` may be > 0.
 
-        ``num_computed_tokens`` is advanced by ``update``, not here.
+        ``num_computed_tokens`` is advanced by ``update``, not here. With async scheduling a
+        sequence's chunk starts after its in-flight tokens (module docstring).
         """
         cfg, kv = self.config, self.kv
         pool = kv.device
@@ -238,15 +259,18 @@ class Scheduler:
 
         def plan(seq: SeqState, num_new: int) -> None:
             nonlocal budget
-            start = seq.num_computed_tokens
+            start = seq.num_computed_tokens + seq.num_inflight_tokens
             end = start + num_new
+            known = seq.token_ids[start:end]
+            sample = end == len(seq.token_ids) + seq.num_output_placeholders
             scheduled.append(
                 ScheduledSeq(
                     request_id=seq.request_id,
-                    token_ids=tuple(seq.token_ids[start:end]),
+                    token_ids=(*known, *[PLACEHOLDER_TOKEN] * (num_new - len(known))),
                     start_pos=start,
                     block_ids=tuple(seq.block_ids),
-                    sample=end == len(seq.token_ids),
+                    sample=sample,
+                    arrival_index=seq.arrival_index,
                 )
             )
             budget -= num_new
@@ -254,11 +278,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = self._chunk(seq, seq.num_computed_tokens, budget)
-            if num_new <= 0:  # defensive: after update a running sequence always has a token left
+            start = seq.num_computed_tokens + seq.num_inflight_tokens
+            num_new = 0 if self._last_sample_pending(seq) else self._chunk(seq, start, budget)
+            if num_new <= 0:  # a pending sample ends it (async), else defensive
                 i += 1
                 continue
-            need = cdiv(seq.num_computed_tokens + num_new, cfg.block_size) - len(seq.block_ids)
+            need = cdiv(start + num_new, cfg.block_size) - len(seq.block_ids)
             while need > pool.num_free_blocks:
                 victim = self.running.pop(self._pick_victim(i))
                 self._preempt(victim)
@@ -275,6 +300,8 @@ class Scheduler:
         while (not preempted and self.waiting and len(self.running) < cfg.max_num_seqs
                and budget > 0):
             seq = self.waiting[0]
+            if seq.num_inflight_tokens or seq.num_output_placeholders:
+                break  # preempted with a step in flight: its token comes with update
             if seq.host_block_ids:  # swapped out: load its blocks back
                 num_new = self._chunk(seq, seq.num_computed_tokens, budget)
                 total = cdiv(seq.num_computed_tokens + num_new, cfg.block_size)
@@ -297,6 +324,12 @@ class Scheduler:
         num_tokens = cfg.max_num_batched_tokens - budget
         if cfg.token_buckets:
             num_tokens = self._fit_bucket(scheduled, num_tokens)
+        if cfg.async_scheduling:  # the plan's tokens are in flight until its update
+            by_id = {s.request_id: s for s in self.running}
+            for chunk in scheduled:
+                seq = by_id[chunk.request_id]
+                seq.num_inflight_tokens += len(chunk.token_ids)
+                seq.num_output_placeholders += chunk.sample
         offloads, loads = kv.take_transfers()
         return SchedulerOutput(
             scheduled=tuple(scheduled),
@@ -309,7 +342,9 @@ class Scheduler:
     def update(self, plan: SchedulerOutput, sampled: Sequence[int | None]) -> UpdateResult:
         """Advance each chunk, append sampled tokens, finish ("stop", "length") and free.
 
-        Sequences no longer running (aborted or finished since ``schedule``) are skipped.
+        Sequences no longer present (aborted or finished since ``schedule``) are skipped; in
+        the synchronous loop so are those no longer running. With async scheduling a sequence
+        preempted since still gets its token (it was sampled before the preemption).
 
         Args:
           plan: the plan ``schedule`` returned for this step.
@@ -328,15 +363,29 @@ class Scheduler:
                                  "token")
         result = UpdateResult()
         running = {s.request_id: s for s in self.running}
+        known = {**{s.request_id: s for s in self.waiting}, **running} \
+            if self.config.async_scheduling else running
         done: list[SeqState] = []
         for chunk, token in zip(plan.scheduled, sampled, strict=True):
-            seq = running.get(chunk.request_id)
-            if seq is None or seq.num_computed_tokens != chunk.start_pos:
+            seq = known.get(chunk.request_id)
+            if seq is None or seq.arrival_index != chunk.arrival_index:
                 continue
-            seq.num_computed_tokens += len(chunk.token_ids)
-            self.kv.cache_computed_blocks(seq)
-            if not chunk.sample:
-                continue
+            if self.config.async_scheduling:
+                if seq.num_inflight_tokens:  # else preempted to recompute: its K/V is gone
+                    seq.num_inflight_tokens -= len(chunk.token_ids)
+                    seq.num_computed_tokens += len(chunk.token_ids)
+                    if seq.request_id in running:
+                        self.kv.cache_computed_blocks(seq)
+                if not chunk.sample:
+                    continue
+                seq.num_output_placeholders -= 1
+            else:
+                if seq.num_computed_tokens != chunk.start_pos:
+                    continue
+                seq.num_computed_tokens += len(chunk.token_ids)
+                self.kv.cache_computed_blocks(seq)
+                if not chunk.sample:
+                    continue
             assert token is not None
             seq.token_ids.append(token)
             result.new_token_ids[seq.request_id] = token
@@ -407,9 +456,16 @@ class Scheduler:
                 break
         return smaller
 
+    def _last_sample_pending(self, seq: SeqState) -> bool:
+        """The sequence's in-flight sample is its last (``max_tokens`` or ``max_model_len``):
+        nothing is planned after it (async scheduling)."""
+        n = seq.num_output_placeholders
+        return n > 0 and (seq.num_output_tokens + n >= seq.max_tokens
+                          or len(seq.token_ids) + n >= self.config.max_model_len)
+
     def _chunk(self, seq: SeqState, start: int, budget: int) -> int:
         """How many tokens from ``start`` the sequence gets with ``budget`` left."""
-        num_new = min(len(seq.token_ids) - start, budget)
+        num_new = min(len(seq.token_ids) + seq.num_output_placeholders - start, budget)
         cap = self.config.long_prefill_token_threshold
         return cap if 0 < cap < num_new else num_new
 
@@ -422,9 +478,10 @@ class Scheduler:
 
     def _preempt(self, seq: SeqState) -> None:
         """Swap out (or free, to recompute) the sequence's K/V; requeue it at the front."""
-        if not self.kv.swap_out(seq):
+        if not self.kv.swap_out(seq):  # a swapped copy holds the in-flight steps' K/V too
             self.kv.free_seq(seq)
             seq.num_computed_tokens = 0
+            seq.num_inflight_tokens = 0
             seq.num_registered_blocks = 0
         seq.num_preemptions += 1
         self.num_preemptions_total += 1

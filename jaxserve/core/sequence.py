@@ -24,7 +24,12 @@ class SeqState:
     ``num_registered_blocks`` blocks have been offered to the prefix cache.
     ``skip_prefix_cache``: every token of this request must go through the model (the engine
     needs logits at prompt positions for prompt logprobs, or counts the fed tokens for
-    penalties), so cached blocks must not stand in for any of its tokens."""
+    penalties), so cached blocks must not stand in for any of its tokens.
+
+    With async scheduling a step is planned before the previous one's results are read:
+    ``num_inflight_tokens`` are scheduled in steps ``Scheduler.update`` has not seen yet (their
+    K/V is being computed), and ``num_output_placeholders`` of those steps' samples are not yet
+    in ``token_ids``; both are 0 between steps of the synchronous loop."""
 
     request_id: str
     token_ids: list[int]
@@ -41,6 +46,8 @@ class SeqState:
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_registered_blocks: int = 0
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission
+    num_inflight_tokens: int = 0
+    num_output_placeholders: int = 0
 
     @property
     def num_output_tokens(self) -> int:
