@@ -3,10 +3,16 @@
 Per step:
   ``SchedulerOutput`` -> ``pack_step`` (numpy, into a preallocated ``i32`` buffer of the bucket's
   layout, floats bit-cast) -> one host-to-device transfer -> the bucket's compiled program
-  ``step(params, kv_cache, penalty_state, packed, allowed) -> (kv_cache, penalty_state,
-  sampled i32[S], sample logprobs, prompt logprobs)`` with ``kv_cache`` and ``penalty_state``
-  donated -> sampled ids back to the host. Logprobs stay on the device unless the engine asks
-  for them.
+  ``step(params, kv_cache, penalty_state, packed, allowed, prev_ids) -> (kv_cache,
+  penalty_state, sampled i32[max_num_seqs_bucket], sample logprobs, prompt logprobs)`` with
+  ``kv_cache`` and ``penalty_state`` donated. ``execute`` returns as soon as the program is
+  dispatched (JAX runs it asynchronously); the sampled ids reach the host when
+  ``StepOutput.ids`` is first read. Logprobs stay on the device unless the engine asks for them.
+Async scheduling: a token whose value is the previous step's sample for some row (not yet
+known on the host) is packed with that row in ``src_row``; the program reads it from
+``prev_ids``, the previous program's sampled ids, which stay on the device (a gather, no host
+round trip). Every program takes and returns the ids at the largest bucket's row count, so any
+bucket can follow any other.
 ``allowed`` (``i32[S, ceil(V / 32)]``) is each row's allowed-token bitmask (constrained
 decoding, ``jaxserve/engine/structured_output.py``): a step with a constrained row fills
 ``mask_buffer(bucket)`` on the host and sends it, with a flag that makes the program read it;
@@ -88,15 +94,24 @@ class RowParams:
 class StepOutput:
     """One step's results, on the device until fetched.
 
-    ``ids`` (``i32[S_bucket]``, on the host) are the sampled tokens. ``logprobs()`` (rows of
+    ``ids`` (``i32[max_num_seqs_bucket]`` on the host, rows past the step's bucket 0) are the
+    sampled tokens; the first read waits for the step to finish. ``logprobs()`` (rows of
     the batch) and ``prompt_logprobs()`` (tokens of the batch) fetch the ``Logprobs`` as numpy
     arrays; they hold data only when the step was packed with the matching flag.
     """
 
-    def __init__(self, ids: np.ndarray, logprobs: Logprobs, prompt_logprobs: Logprobs) -> None:
-        self.ids = ids
+    def __init__(self, ids: jax.Array | np.ndarray, logprobs: Logprobs,
+                 prompt_logprobs: Logprobs) -> None:
+        self._ids = ids
+        self._host_ids: np.ndarray | None = None
         self._lp = logprobs
         self._plp = prompt_logprobs
+
+    @property
+    def ids(self) -> np.ndarray:
+        if self._host_ids is None:
+            self._host_ids = np.asarray(self._ids)
+        return self._host_ids
 
     def logprobs(self) -> Logprobs:
         """Per row: top ids / logprobs ``[S, MAX_LOGPROBS]``, the sampled id's logprob, rank."""
@@ -118,7 +133,7 @@ class _Layout:
                  ("top_p", s), ("seed_hi", s), ("seed_lo", s), ("sample_pos", s),
                  ("min_p", s), ("slot", s), ("repetition_penalty", s),
                  ("presence_penalty", s), ("frequency_penalty", s), ("reset_slot", s),
-                 ("tok_slot", t), ("tok_is_output", t), ("tok_target", t),
+                 ("tok_slot", t), ("tok_is_output", t), ("tok_target", t), ("src_row", t),
                  ("suppress_ids", s * MAX_MIN_TOKENS_STOP_IDS), ("flags", 1)]
         self.slices: dict[str, slice] = {}
         off = 0
@@ -177,6 +192,9 @@ class ModelRunner:
         self._all_allowed: dict[Bucket, jax.Array] = {}  # i32[S, num_mask_words], all bits set
         self._mask_buffers: dict[Bucket, np.ndarray] = {}
         self.compiled: dict[Bucket, jax.stages.Compiled] = {}
+        self.max_bucket_seqs = max(b.num_seqs for b in self.buckets)
+        # i32[max_bucket_seqs]: the last program's sampled ids, the next one's prev_ids
+        self._last_ids: jax.Array = self._to_device(np.zeros(self.max_bucket_seqs, np.int32))
         self._set_bias: jax.stages.Compiled | None = None
         self.num_compiles = 0
 
@@ -191,10 +209,10 @@ class ModelRunner:
     def _step_fn(self, layout: _Layout):
         model, sl, b = self.model, layout.slices, layout.bucket
 
-        limit, k = self.vocab_limit, MAX_LOGPROBS
+        limit, k, max_rows = self.vocab_limit, MAX_LOGPROBS, self.max_bucket_seqs
 
         def step(params, kv_cache: KVCache, pen: PenaltyState, packed: jax.Array,
-                 allowed: jax.Array):
+                 allowed: jax.Array, prev_ids: jax.Array):
             f = lambda name: packed[sl[name]]
             as_f32 = lambda name: jax.lax.bitcast_convert_type(f(name), jnp.float32)
             md = AttentionMetadata(
@@ -202,7 +220,9 @@ class ModelRunner:
                 block_tables=f("block_tables").reshape(b.num_seqs, layout.max_blocks),
                 seq_lens=f("seq_lens"), query_start_loc=f("query_start_loc"),
                 num_seqs=f("num_seqs"))
-            token_ids, flags = f("token_ids"), f("flags")[0]
+            src = f("src_row")  # >= 0: the token is prev_ids[src] (async scheduling)
+            token_ids = jnp.where(src >= 0, prev_ids[jnp.maximum(src, 0)], f("token_ids"))
+            flags = f("flags")[0]
             num_slots = pen.tokens.shape[0]
             pen = jax.lax.cond(
                 jnp.any(f("tok_slot") < num_slots) | jnp.any(f("reset_slot") < num_slots),
@@ -229,6 +249,9 @@ class ModelRunner:
                 lambda h, tg: logprobs_of(self._gathered(model.compute_logits(params, h)), tg,
                                           k, limit),
                 lambda h, tg: zero_logprobs(b.num_tokens, k), hidden, f("tok_target"))
+            ids = jnp.zeros(max_rows, jnp.int32).at[:b.num_seqs].set(ids.astype(jnp.int32))
+            if self._replicated is not None:
+                ids = jax.lax.with_sharding_constraint(ids, self._replicated)
             return kv_cache, pen, ids, lp, plp
 
         return step
@@ -274,7 +297,7 @@ class ModelRunner:
         took. Proves that a compiled program runs, not only that it compiled."""
         t0 = time.perf_counter()
         bucket, packed = self.pack_step([[0]], [0], [[0]], [RowParams(0.0, 0, 1.0, 0, 0)])
-        self.execute(bucket, packed)  # StepOutput.ids is already on the host
+        self.execute(bucket, packed).ids  # noqa: B018 (waits for the step)
         return time.perf_counter() - t0
 
     def compile_bucket(self, bucket: Bucket) -> None:
@@ -288,8 +311,10 @@ class ModelRunner:
         packed = jax.ShapeDtypeStruct((lay.size,), jnp.int32, sharding=self._replicated)
         shape = (bucket.num_seqs, self.num_mask_words)
         allowed = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._replicated)
+        prev = jax.ShapeDtypeStruct((self.max_bucket_seqs,), jnp.int32,
+                                    sharding=self._replicated)
         self.compiled[bucket] = jitted.lower(self.params, self.kv_cache, self.penalty_state,
-                                             packed, allowed).compile()
+                                             packed, allowed, prev).compile()
         self.num_compiles += 1
         self._all_allowed[bucket] = self._to_device(np.full(shape, -1, np.int32))
 
@@ -328,8 +353,8 @@ class ModelRunner:
     # -- host side -----------------------------------------------------------------------------
     def pack_step(self, token_ids: Sequence[Sequence[int]], start_pos: Sequence[int],
                   block_ids: Sequence[Sequence[int]], rows: Sequence[RowParams],
-                  sample_index: Sequence[int] | None = None, want_logprobs: bool = False
-                  ) -> tuple[Bucket, np.ndarray]:
+                  sample_index: Sequence[int] | None = None, want_logprobs: bool = False,
+                  src_rows: Sequence[int] | None = None) -> tuple[Bucket, np.ndarray]:
         """Fill the bucket's buffer for a ragged batch.
 
         Args (one entry per scheduled sequence, in batch order): token_ids (this step's tokens),
@@ -337,8 +362,10 @@ class ModelRunner:
         (sampling inputs), sample_index (which of this step's tokens each sequence samples
         from, in ``[0, len(token_ids[i]))``; default: its last token; the static-batching
         baseline samples a right-padded prompt at its last real token); want_logprobs: compute
-        the sampled rows' logprobs (any row asks). Prompt logprobs are computed when any row
-        has ``prompt_targets``.
+        the sampled rows' logprobs (any row asks); src_rows: per sequence, -1 or the row of
+        the previous ``execute`` whose sampled id is this sequence's last token (its value in
+        ``token_ids`` is then ignored). Prompt logprobs are computed when any row has
+        ``prompt_targets``.
         Returns the bucket and its packed ``i32`` buffer (reused across steps).
         Raises ValueError if no bucket fits, or a block table is wider than max_blocks_per_seq.
         """
@@ -386,6 +413,13 @@ class ModelRunner:
         buf[sl["seed_lo"]][:num_seqs] = (seeds & np.uint64(0xFFFFFFFF)).astype(np.uint32) \
             .view(np.int32)
         buf[sl["sample_pos"]][:num_seqs] = [r.sample_pos for r in rows]
+        src = buf[sl["src_row"]]
+        src[:] = -1
+        if src_rows is not None:
+            for i, r in enumerate(src_rows):
+                if r >= 0:
+                    src[qsl[i + 1] - 1] = r
+                    buf[sl["token_ids"]][qsl[i + 1] - 1] = 0
         self._pack_extras(lay, buf, rows, q_lens, qsl, pos, num_tokens, want_logprobs)
         return b, buf
 
@@ -435,7 +469,7 @@ class ModelRunner:
 
     def execute(self, bucket: Bucket, packed: np.ndarray,
                 allowed: np.ndarray | None = None) -> StepOutput:
-        """Run one step; the sampled ids ``i32[num_seqs_bucket]`` come back to the host.
+        """Dispatch one step and return at once; its ``StepOutput.ids`` wait for it.
 
         Args:
           bucket, packed: as ``pack_step`` returned them (``packed``'s mask flag is set here).
@@ -461,8 +495,10 @@ class ModelRunner:
             return self._run_global(prog, packed, self._all_allowed[bucket])
         mask = self._all_allowed[bucket] if allowed is None else allowed
         self.kv_cache, self.penalty_state, ids, lp, plp = prog(
-            self.params, self.kv_cache, self.penalty_state, packed, mask)
-        return StepOutput(np.asarray(ids), lp, plp)
+            self.params, self.kv_cache, self.penalty_state, packed, mask, self._last_ids)
+        self._last_ids = ids
+        ids.copy_to_host_async()
+        return StepOutput(ids, lp, plp)
 
     # -- several processes (jax.distributed): process 0 schedules, the others follow ----------
     @property
@@ -473,7 +509,8 @@ class ModelRunner:
     def _run_global(self, prog, packed: np.ndarray, allowed: jax.Array) -> StepOutput:
         arr = self._to_device(np.asarray(packed))
         self.kv_cache, self.penalty_state, ids, lp, plp = prog(
-            self.params, self.kv_cache, self.penalty_state, arr, allowed)
+            self.params, self.kv_cache, self.penalty_state, arr, allowed, self._last_ids)
+        self._last_ids = ids
         local = lambda tree: jax.tree_util.tree_map(lambda x: x.addressable_data(0), tree)
         return StepOutput(np.asarray(ids.addressable_data(0)), local(lp), local(plp))
 

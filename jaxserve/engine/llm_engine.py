@@ -23,16 +23,18 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import jax
 import numpy as np
 
 from jaxserve import sharding
 from jaxserve.config import EngineConfig, LoadConfig
-from jaxserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from jaxserve.core.scheduler import PLACEHOLDER_TOKEN, Scheduler, SchedulerConfig, SchedulerOutput
 from jaxserve.core.sequence import SeqState
+from jaxserve.device.buckets import Bucket
 from jaxserve.device.host_tier import HostKVTier
-from jaxserve.device.runner import ModelRunner, RowParams
+from jaxserve.device.runner import ModelRunner, RowParams, StepOutput
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.kv_budget import GIB, KVLayout, plan_kv_cache, weights_summary
 from jaxserve.engine.penalty_slots import PenaltySlots
@@ -70,6 +72,28 @@ def _step_overhead_tokens(backend: str) -> int:
     experiments/2026-12-01-bucket-fit). A GPU reads all weights in every step and computes a
     prompt token in far less, so padding is cheaper there than another step."""
     return 32 if backend == "cpu" else 256
+
+@dataclass
+class _Step:
+    """A dispatched step: its plan, what the host needs to read its results, and times
+    (``time.perf_counter`` seconds)."""
+
+    plan: SchedulerOutput
+    choices: list[Choice]  # per scheduled row, the choice it ran for
+    rows: list[RowParams]
+    out: StepOutput
+    bucket: Bucket
+    want_lp: bool
+    prompt_lp_rows: list[int]
+    num_prompt_tokens: int
+    constrained: bool  # a row samples under a grammar
+    mask_s: float
+    t_dispatch: float
+    t_ready: float | None = None  # when its sampled ids were on the host
+    row_of: dict[str, int] = field(init=False)  # sequence id -> batch row
+
+    def __post_init__(self) -> None:
+        self.row_of = {s.request_id: i for i, s in enumerate(self.plan.scheduled)}
 
 
 class LLMEngine:
@@ -163,12 +187,15 @@ class LLMEngine:
         self.bounds = RequestBounds(self.tokenizer.vocab_size, self.max_model_len,
                                     self.num_blocks, config.block_size, self.runner.multiprocess,
                                     self.tokenizer.eos_token_ids)
-        self.scheduler = Scheduler(dataclasses.replace(
+        sched_config = dataclasses.replace(
             SchedulerConfig.from_engine_config(
                 config, self.num_blocks, self.max_model_len,
                 self.host_kv.num_blocks if self.host_kv is not None else 0),
             token_buckets=tuple(b.num_tokens for b in self.runner.buckets),
-            step_overhead_tokens=_step_overhead_tokens(jax.default_backend())))
+            step_overhead_tokens=_step_overhead_tokens(jax.default_backend()))
+        if self.runner.multiprocess:
+            sched_config.async_scheduling = False
+        self.scheduler = Scheduler(sched_config)
         if metrics is not None:
             metrics.set_batch_limits(config.max_num_seqs, config.max_num_batched_tokens)
             metrics.set_cache_config(config.block_size, self.num_blocks)
@@ -176,6 +203,11 @@ class LLMEngine:
         self.groups: dict[str, RequestGroup] = {}  # by request id
         self.slots = PenaltySlots(self.runner)
         self.step_trace = StepTrace(config.step_trace_file) if config.step_trace_file else None
+        # one model over several processes: the followers replay the steps (runner.follow)
+        # without the engine's overlap, so the loop stays synchronous there
+        self.async_scheduling = config.async_scheduling and not self.runner.multiprocess
+        self._inflight: _Step | None = None  # async scheduling: the step on the device
+        self._last_ready: float | None = None  # step trace: when the last ids arrived
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size,
                                         config.grammar_compile_timeout_s)
         self._rng = np.random.default_rng(config.seed)
@@ -342,27 +374,89 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns outputs of requests with new text or a finish."""
+        """Run one engine step; returns outputs of requests with new text or a finish.
+
+        With async scheduling the outputs are those of the step dispatched by the previous
+        call (and of this call's own step when it ran synchronously, see ``_needs_sync``);
+        this call's step is still running on the device when it returns.
+        """
         t0 = time.perf_counter()
         preempted_before = self.scheduler.num_preemptions_total
         plan = self.scheduler.schedule()
         self._copy_blocks(plan)
-        if plan.is_empty:
+        prev, self._inflight = self._inflight, None
+        if plan.is_empty and prev is None:
             self._record_step(plan=plan)
             return []
-        self._release_idle_slots()
         t_sched = time.perf_counter()
+        new = None
+        if not plan.is_empty:
+            self._release_idle_slots()
+            new = self._dispatch(plan, prev)
+        t_pack = time.perf_counter()
+        outputs, num_generated = [], 0
+        waits = []
+        for done in (prev, new if new is not None and self._needs_sync(new) else None):
+            if done is not None:
+                t_wait = time.perf_counter()
+                done.out.ids  # noqa: B018 (waits for the step's sampled ids)
+                t_ready = time.perf_counter()
+                waits.append(t_ready - t_wait)
+                done.t_ready = t_ready
+                n, outs = self._complete(done)
+                num_generated += n
+                outputs += outs
+        if new is not None and new.t_ready is None:
+            self._inflight = new
+        self._record_step(new.num_prompt_tokens if new else 0, num_generated,
+                          self.scheduler.num_preemptions_total - preempted_before, plan)
+        if self.step_trace is not None:
+            t_end = time.perf_counter()
+            wait = sum(waits)
+            gap = None  # the host's time between a step's ids arriving and the next dispatch
+            if new is not None and self._last_ready is not None:
+                gap = max(0.0, new.t_dispatch - self._last_ready)
+            ready = [d.t_ready for d in (prev, new) if d is not None and d.t_ready is not None]
+            if ready:
+                self._last_ready = max(ready)
+            b = new.bucket if new is not None else prev.bucket
+            self.step_trace.write({
+                "t": time.time(), "bucket_tokens": b.num_tokens, "bucket_seqs": b.num_seqs,
+                "num_seqs": len(plan.scheduled), "num_tokens": plan.num_scheduled_tokens,
+                "num_prompt_tokens": new.num_prompt_tokens if new else 0,
+                "async": self.async_scheduling and new is not None and new.t_ready is None,
+                "schedule_ms": 1e3 * (t_sched - t0), "pack_ms": 1e3 * (t_pack - t_sched),
+                "mask_ms": 1e3 * (new.mask_s if new else 0.0),
+                "device_ms": 1e3 * wait, "post_ms": 1e3 * (t_end - t_pack - wait),
+                "step_ms": 1e3 * (t_end - t0),
+                **({} if gap is None else {"host_gap_ms": 1e3 * gap})})
+        return outputs
+
+    def _needs_sync(self, step: _Step) -> bool:
+        """Whether ``step`` is finished before the next is planned: always without async
+        scheduling, and for a step with a constrained row (its next token mask needs this
+        step's token on the host)."""
+        return not self.async_scheduling or step.constrained
+
+    def _dispatch(self, plan: SchedulerOutput, prev: _Step | None) -> _Step:
+        """Build the plan's sampling rows and packed buffer and start the step on the device.
+        ``prev``: the step still in flight, whose sampled ids stand in for the plan's
+        placeholder tokens."""
         now = time.monotonic()
         rows, num_prompt_tokens, want_lp, prompt_lp_rows = [], 0, False, []
         constrained: list[tuple[int, Choice, bool]] = []  # rows sampling under a grammar
+        choices, src_rows = [], []
         vocab = self.tokenizer.vocab_size
         for i, s in enumerate(plan.scheduled):
             req = self.requests[s.request_id]
+            choices.append(req)
             g, p = req.group, req.params
             if g.first_scheduled_time is None:
                 g.first_scheduled_time = now
             num_prompt = len(g.prompt_token_ids)
             end = s.start_pos + len(s.token_ids)
+            src_rows.append(prev.row_of[s.request_id]
+                            if s.token_ids[-1] == PLACEHOLDER_TOKEN else -1)
             targets = None
             if g.prompt_logprobs is not None and req.index == 0 and s.start_pos < num_prompt - 1:
                 targets = [g.prompt_token_ids[q + 1] if q + 1 < num_prompt else -1
@@ -385,49 +479,47 @@ class LLMEngine:
         bucket, packed = self.runner.pack_step([s.token_ids for s in plan.scheduled],
                                                [s.start_pos for s in plan.scheduled],
                                                [s.block_ids for s in plan.scheduled], rows,
-                                               want_logprobs=want_lp)
+                                               want_logprobs=want_lp, src_rows=src_rows)
         allowed, t_mask = None, time.perf_counter()
         if constrained:  # a row short of min_tokens withholds its stop ids where it can
             allowed = self.runner.mask_buffer(bucket)
             self.grammars.fill_masks([(req.grammar, i, req.seq.stop_token_ids if short else ())
                                       for i, req, short in constrained], allowed)
-        t_pack = time.perf_counter()
+        mask_s = time.perf_counter() - t_mask
+        t_dispatch = time.perf_counter()
         out = self.runner.execute(bucket, packed, allowed)
-        t_device = time.perf_counter()
-        if prompt_lp_rows:
-            record_prompt_logprobs(self.tokenizer, plan.scheduled, self.requests, rows,
-                                   prompt_lp_rows, out.prompt_logprobs())
-        lp = out.logprobs() if want_lp else None
-        row_of = {s.request_id: i for i, s in enumerate(plan.scheduled)}
+        return _Step(plan, choices, rows, out, bucket, want_lp, prompt_lp_rows,
+                     num_prompt_tokens, bool(constrained), mask_s, t_dispatch)
+
+    def _complete(self, step: _Step) -> tuple[int, list[RequestOutput]]:
+        """Read a dispatched step's results into the scheduler and the requests; returns the
+        number of tokens kept and the outputs. A row whose choice finished or was aborted
+        since the step was planned (async scheduling) is dropped."""
+        plan, out = step.plan, step.out
+        live = [self.requests.get(s.request_id) is c for s, c in zip(plan.scheduled,
+                                                                       step.choices)]
+        lp_rows = [i for i in step.prompt_lp_rows if live[i]]
+        if lp_rows:
+            record_prompt_logprobs(self.tokenizer, plan.scheduled, self.requests, step.rows,
+                                   lp_rows, out.prompt_logprobs())
+        lp = out.logprobs() if step.want_lp else None
         sampled = [int(out.ids[i]) if s.sample else None for i, s in enumerate(plan.scheduled)]
         result = self.scheduler.update(plan, sampled)
         if self.metrics is not None:  # the ids are on the host: the step's device work is done
-            self.metrics.record_prefill_rate(num_prompt_tokens, time.perf_counter() - t0)
+            self.metrics.record_prefill_rate(step.num_prompt_tokens,
+                                             step.t_ready - step.t_dispatch)
         now = time.monotonic()
         touched: dict[str, RequestGroup] = {}
         for rid, tok in result.new_token_ids.items():
             req = self.requests[rid]
             if req.logprobs is not None and lp is not None:
-                record_logprobs(self.tokenizer, req, tok, lp, row_of[rid])
+                record_logprobs(self.tokenizer, req, tok, lp, step.row_of[rid])
             finish = result.finished.get(rid)
             if req.grammar is not None:
                 finish = self._advance_grammar(req, tok, finish)
             if self._process(req, tok, finish, now):
                 touched[req.group.request_id] = req.group
-        outputs = [self._group_output(g, now) for g in touched.values()]
-        self._record_step(num_prompt_tokens, len(result.new_token_ids),
-                          self.scheduler.num_preemptions_total - preempted_before, plan)
-        if self.step_trace is not None:
-            t_end = time.perf_counter()
-            self.step_trace.write({
-                "t": time.time(), "bucket_tokens": bucket.num_tokens,
-                "bucket_seqs": bucket.num_seqs, "num_seqs": len(plan.scheduled),
-                "num_tokens": plan.num_scheduled_tokens, "num_prompt_tokens": num_prompt_tokens,
-                "schedule_ms": 1e3 * (t_sched - t0), "pack_ms": 1e3 * (t_pack - t_sched),
-                "mask_ms": 1e3 * (t_pack - t_mask),
-                "device_ms": 1e3 * (t_device - t_pack), "post_ms": 1e3 * (t_end - t_device),
-                "step_ms": 1e3 * (t_end - t0)})
-        return outputs
+        return len(result.new_token_ids), [self._group_output(g, now) for g in touched.values()]
 
     def _advance_grammar(self, req: Choice, token: int, finish: str | None) -> str | None:
         """Feed a sampled token to the choice's grammar; returns its finish reason, "stop"
