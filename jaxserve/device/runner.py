@@ -178,7 +178,11 @@ class ModelRunner:
         self.max_blocks = max_blocks_per_seq
         self.buckets = make_buckets(max_num_batched_tokens, max_num_seqs)
         self.layouts = {b: _Layout(b, max_blocks_per_seq) for b in self.buckets}
-        self.buffers = {b: np.zeros(lay.size, np.int32) for b, lay in self.layouts.items()}
+        # two buffers per bucket, used in turn: a dispatched step may still read its buffer
+        # (on the CPU the program can alias the numpy memory) while the next one is packed
+        self.buffers = {b: (np.zeros(lay.size, np.int32), np.zeros(lay.size, np.int32))
+                        for b, lay in self.layouts.items()}
+        self._num_packed = 0
         self.vocab_limit = vocab_limit
         self.mesh = mesh
         self._replicated = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -366,13 +370,15 @@ class ModelRunner:
         the previous ``execute`` whose sampled id is this sequence's last token (its value in
         ``token_ids`` is then ignored). Prompt logprobs are computed when any row has
         ``prompt_targets``.
-        Returns the bucket and its packed ``i32`` buffer (reused across steps).
+        Returns the bucket and its packed ``i32`` buffer (reused every other call: a step
+        dispatched with it must have finished by then).
         Raises ValueError if no bucket fits, or a block table is wider than max_blocks_per_seq.
         """
         q_lens = [len(t) for t in token_ids]
         num_tokens, num_seqs = sum(q_lens), len(q_lens)
         b = pick_bucket(self.buckets, num_tokens, num_seqs)
-        lay, buf = self.layouts[b], self.buffers[b]
+        lay, buf = self.layouts[b], self.buffers[b][self._num_packed % 2]
+        self._num_packed += 1
         sl = lay.slices
         buf[:] = 0
         tok = np.fromiter((x for t in token_ids for x in t), np.int32, num_tokens)

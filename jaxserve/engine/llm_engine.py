@@ -360,6 +360,21 @@ class LLMEngine:
         kv = self.scheduler.kv
         return kv.device.reset_prefix_cache() + (kv.host.reset_prefix_cache() if kv.host else 0)
 
+    def set_async_scheduling(self, on: bool) -> None:
+        """Switch between the async and the synchronous loop (``EngineConfig.async_scheduling``)
+        while idle, e.g. to compare them on one engine.
+
+        Raises:
+          RuntimeError: while requests are unfinished.
+          ValueError: ``on`` when one model spans several processes.
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError("set_async_scheduling while requests are unfinished")
+        if on and self.runner.multiprocess:
+            raise ValueError("async scheduling is not supported when one model spans several "
+                             "processes")
+        self.async_scheduling = self.scheduler.config.async_scheduling = on
+
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
         return self.scheduler.has_unfinished()
