@@ -1,4 +1,4 @@
-"""The synchronous engine: requests in, one batched step at a time, outputs out.
+"""The engine: requests in, one batched step at a time, outputs out.
 
 Start-up: ``load_model`` (weights onto one device or the tensor-parallel mesh, quantised if
 asked) -> ``plan_kv_cache`` (storage dtype, block count from the memory budget, 8-bit scales)
@@ -12,6 +12,10 @@ choice. ``step()`` then runs:
   by its sampled token -> ``scheduler.update`` (token-id stop checks, block frees) -> incremental
   detokenisation and stop strings -> one ``RequestOutput`` per request that changed
   (``request_state``).
+With async scheduling (``EngineConfig.async_scheduling``, the default) a call plans, packs
+and dispatches step N+1 first and then reads step N, which ran on the device meanwhile; step
+N+1's tokens that step N samples are gathered on the device (docs/architecture.md#async-scheduling).
+A step with a structured-output row is completed in its own call.
 The async server (``AsyncEngine``) and the offline ``LLM`` both drive this object
 (docs/architecture.md#one-requests-path).
 """
@@ -207,7 +211,7 @@ class LLMEngine:
         # without the engine's overlap, so the loop stays synchronous there
         self.async_scheduling = config.async_scheduling and not self.runner.multiprocess
         self._inflight: _Step | None = None  # async scheduling: the step on the device
-        self._last_ready: float | None = None  # step trace: when the last ids arrived
+        self._last_dispatched: _Step | None = None  # step trace: for host_gap_ms
         self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size,
                                         config.grammar_compile_timeout_s)
         self._rng = np.random.default_rng(config.seed)
@@ -428,12 +432,12 @@ class LLMEngine:
         if self.step_trace is not None:
             t_end = time.perf_counter()
             wait = sum(waits)
-            gap = None  # the host's time between a step's ids arriving and the next dispatch
-            if new is not None and self._last_ready is not None:
-                gap = max(0.0, new.t_dispatch - self._last_ready)
-            ready = [d.t_ready for d in (prev, new) if d is not None and d.t_ready is not None]
-            if ready:
-                self._last_ready = max(ready)
+            gap = None  # from the previous step's ids reaching the host to this dispatch
+            last = self._last_dispatched
+            if new is not None and last is not None and last.t_ready is not None:
+                gap = max(0.0, new.t_dispatch - last.t_ready)
+            if new is not None:
+                self._last_dispatched = new
             b = new.bucket if new is not None else prev.bucket
             self.step_trace.write({
                 "t": time.time(), "bucket_tokens": b.num_tokens, "bucket_seqs": b.num_seqs,

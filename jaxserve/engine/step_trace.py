@@ -12,6 +12,14 @@ phases in milliseconds, which add up to ``step_ms``:
   are on the host;
 - ``post_ms``: scheduler update, logprobs, detokenisation, stop checks and the outputs.
 
+With async scheduling (``async`` true on a line) a call packs and dispatches its own step,
+then waits for and post-processes the previous one: ``device_ms`` is then only the part of
+that step the host did not overlap with its own work (near 0: the host is the bottleneck).
+``host_gap_ms`` (absent on a first step) is the time from the previous step's ids reaching the
+host to this step's dispatch: the device's idle time between the two when the host waited for
+the ids (all host work of the synchronous loop lands in it); 0 when this step was queued
+before the ids were read.
+
 What happens after ``step()`` returns (the server's event loop, SSE encoding) is not in it;
 the gap between one line's ``t`` and the next line's start (``t - step_ms``) is.
 """
@@ -66,7 +74,8 @@ def read(path: str) -> list[dict[str, Any]]:
 
 def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """Per bucket (``"TOKENSxSEQS"``): steps, median step and phase ms, total seconds and its
-    share of all step time; plus ``gaps_s``, the time between steps (outside ``step()``)."""
+    share of all step time; plus ``gaps_s``, the time between steps (outside ``step()``), and
+    ``host_gap_s`` / ``median_host_gap_ms`` / ``num_async_steps`` from the lines that have them."""
     recs = sorted(records, key=lambda r: r["t"])
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in recs:
@@ -84,8 +93,12 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
         }
     gaps = [b["t"] - b["step_ms"] / 1e3 - a["t"] for a, b in itertools.pairwise(recs)]
     span = recs[-1]["t"] - (recs[0]["t"] - recs[0]["step_ms"] / 1e3) if recs else 0.0
+    host_gaps = [r["host_gap_ms"] for r in recs if "host_gap_ms" in r]
     return {"num_steps": len(recs), "span_s": span, "step_s": total,
             "gaps_s": sum(g for g in gaps if g > 0),
+            "host_gap_s": sum(host_gaps) / 1e3,
+            "median_host_gap_ms": statistics.median(host_gaps) if host_gaps else 0.0,
+            "num_async_steps": sum(bool(r.get("async")) for r in recs),
             "phase_s": {p: sum(r[p] for r in recs) / 1e3 for p in PHASES}, "buckets": buckets}
 
 
@@ -94,6 +107,8 @@ def format_summary(s: dict[str, Any]) -> str:
     lines = [(f"{s['num_steps']} steps over {s['span_s']:.1f} s: {s['step_s']:.1f} s in steps, "
              f"{s['gaps_s']:.1f} s between them"),
              "phases: " + ", ".join(f"{p[:-3]} {v:.1f} s" for p, v in s["phase_s"].items()),
+             (f"host gap (ids on the host -> next dispatch): {s['host_gap_s']:.2f} s, median "
+              f"{s['median_host_gap_ms']:.2f} ms; {s['num_async_steps']} async steps"),
              (f"{'bucket':>10} {'steps':>6} {'seqs':>6} {'share':>6} {'step ms':>8} "
              f"{'sched':>6} {'pack':>6} {'device':>8} {'post':>6}")]
     for name, b in s["buckets"].items():

@@ -100,7 +100,8 @@ def run(config: SchedulerConfig, requests: list[tuple[int, list[int], int]],
         if step > last and not sched.has_unfinished():
             break
         plan = sched.schedule()
-        new = (plan, dev.run(plan)) if plan.scheduled else None
+        sampled = dev.run(plan)  # the copies run even when nothing is scheduled
+        new = (plan, sampled) if plan.scheduled else None
         if inflight is not None:
             complete(*inflight)
         inflight = new

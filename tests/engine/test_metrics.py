@@ -128,13 +128,15 @@ def test_tokens_in_flight_and_prefill_backlog_follow_the_engine() -> None:
     eng.add_request("b", list(range(1, 11)), SamplingParams(max_tokens=3, **greedy))
     label = {"model_name": "tiny"}
     gauge = lambda name: metrics.registry.get_sample_value(f"jaxserve:{name}", label)
-    eng.step()  # 16 of a's 40 prompt tokens
+    eng.step()  # 16 of a's 40 prompt tokens, still on the device (async scheduling)
     assert gauge("num_tokens_in_flight") == (40 - 16) + 10 + 5 + 3
+    assert metrics.prefill_tokens_per_s is None  # known once the step's ids are read
+    eng.step()  # a's next 16; the first step is read
     rate = metrics.prefill_tokens_per_s
     assert rate is not None and rate > 0
     assert gauge("prefill_tokens_per_second") == pytest.approx(rate)
-    assert gauge("prefill_backlog_seconds") == pytest.approx((24 + 10) / rate)
-    steps = 1
+    assert gauge("prefill_backlog_seconds") == pytest.approx((8 + 10) / rate)
+    steps = 2
     while eng.has_unfinished_requests():
         eng.step()
         steps += 1

@@ -43,6 +43,9 @@ def test_each_step_writes_a_line_whose_phases_add_up(tmp_path, capsys) -> None:
     assert sum(b["steps"] for b in s["buckets"].values()) == steps
     assert sum(b["share"] for b in s["buckets"].values()) == pytest.approx(1.0)
 
+    assert s["num_async_steps"] > 0  # the default loop
+    assert s["host_gap_s"] >= 0 and all("host_gap_ms" in r for r in recs[1:-1])
+
     out = tmp_path / "summary.json"
     assert main(["bench", "step-trace", str(path), "--output-json", str(out)]) == 0
     assert f"{steps} steps over" in capsys.readouterr().out
