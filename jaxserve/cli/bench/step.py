@@ -9,6 +9,9 @@ ignored) are prefilled, then ``--num-steps`` decode steps (one token per sequenc
 after two untimed ones. Each ``engine.step()`` is split into:
   device  ``ModelRunner.execute``: the compiled step program and the sampled ids back on the host;
   host    the rest of the step: scheduling, packing the inputs, updating the requests.
+The timer waits for each step's ids inside ``execute``, so steps run one after the other even
+with async scheduling on: ``host`` is the part that async scheduling overlaps with the device
+(measure the overlap itself with ``--step-trace``).
 Prefill steps are reported per bucket (the padded shape ``tokens x seqs`` the program ran at).
 Modes: ``greedy`` (temperature 0), ``sampled`` (temperature 1, top_p 0.9), ``logprobs`` (greedy
 with 5 logprobs), ``penalties`` (greedy, repetition 1.1 and frequency 0.5), ``n4`` (batch / 4
@@ -114,7 +117,8 @@ class _ExecuteTimer:
     def __call__(self, bucket: Any, packed: np.ndarray, allowed: np.ndarray | None = None
                  ) -> Any:
         t0 = time.perf_counter()
-        out = self._execute(bucket, packed, allowed)  # returns once the ids are on the host
+        out = self._execute(bucket, packed, allowed)
+        out.ids  # noqa: B018 (waits for the step: the device part ends with the ids on the host)
         self.calls.append((bucket, time.perf_counter() - t0))
         return out
 
