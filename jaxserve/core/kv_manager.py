@@ -167,10 +167,13 @@ class KVManager:
             self.host.free(seq.host_block_ids)
             seq.host_block_ids = []
 
-    def cache_computed_blocks(self, seq: SeqState) -> None:
-        """Register the request's full, computed blocks whose tokens are known (a sampled token
-        not yet read back, async scheduling, is not) in the prefix cache."""
-        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
+    def cache_computed_blocks(self, seq: SeqState, num_tokens: int | None = None) -> None:
+        """Register the request's full blocks among its first ``num_tokens`` (default: the
+        computed ones; async scheduling also passes those of dispatched steps, whose K/V is
+        written before any later step reads it) whose tokens are known (a sampled token not
+        yet read back is not) in the prefix cache."""
+        n = seq.num_computed_tokens if num_tokens is None else num_tokens
+        num_full = min(n, len(seq.token_ids)) // self.block_size
         if not self.enable_caching or num_full <= seq.num_registered_blocks:
             return
         hashes = self.block_hashes(seq, num_full)

@@ -249,13 +249,17 @@ class Scheduler:
            blocks, so ``start_pos`` may be > 0.
 
         ``num_computed_tokens`` is advanced by ``update``, not here. With async scheduling a
-        sequence's chunk starts after its in-flight tokens (module docstring).
+        sequence's chunk starts after its in-flight tokens, and the full blocks those fill are
+        offered to the prefix cache first (module docstring).
         """
         cfg, kv = self.config, self.kv
         pool = kv.device
         budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[str] = []
+        for seq in self.running:  # blocks the dispatched steps fill: as if update had run
+            if seq.num_inflight_tokens:
+                kv.cache_computed_blocks(seq, seq.num_computed_tokens + seq.num_inflight_tokens)
 
         def plan(seq: SeqState, num_new: int) -> None:
             nonlocal budget

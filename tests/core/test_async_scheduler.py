@@ -207,3 +207,17 @@ def test_a_stopped_request_drops_the_step_planned_after_its_stop() -> None:
     assert sched.update(first, [STOP]).finished == {"a": "stop"}
     assert sched.block_pool.num_free_blocks == sched.block_pool.num_usable_blocks
     assert sched.update(second, [11]).new_token_ids == {}  # sampled after the stop: dropped
+
+
+def test_blocks_of_a_dispatched_step_are_found_by_the_next_plan() -> None:
+    """A prompt prefilled by the step in flight is a prefix hit for a request the next plan
+    admits, as it would be after ``update`` in the synchronous loop."""
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=4,
+                                      max_model_len=64, num_blocks=33, async_scheduling=True))
+    prompt = list(range(10, 19))  # 9 tokens: 2 full blocks
+    sched.add(SeqState("a", prompt, 9, 4))
+    first = sched.schedule()
+    sched.add(SeqState("b", prompt + [5], 10, 4))
+    second = sched.schedule()
+    b = next(x for x in second.scheduled if x.request_id == "b")
+    assert b.start_pos == 8 and b.block_ids[:2] == first.scheduled[0].block_ids[:2]
