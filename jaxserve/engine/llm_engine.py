@@ -77,6 +77,7 @@ def _step_overhead_tokens(backend: str) -> int:
     prompt token in far less, so padding is cheaper there than another step."""
     return 32 if backend == "cpu" else 256
 
+
 @dataclass
 class _Step:
     """A dispatched step: its plan, what the host needs to read its results, and times

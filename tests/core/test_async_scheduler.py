@@ -135,15 +135,17 @@ def run(config: SchedulerConfig, requests: list[tuple[int, list[int], int]],
     policy=st.sampled_from(["newest", "least_progress"]),
     seed=st.integers(0, 2**16),
     num_requests=st.integers(1, 8),
+    token_buckets=st.sampled_from([(), (4, 8, 16, 32)]),
 )
 def test_async_plans_give_the_synchronous_tokens(
     block_size: int, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
     long_prefill: int, caching: bool, num_host_blocks: int, policy: str, seed: int,
-    num_requests: int,
+    num_requests: int, token_buckets: tuple[int, ...],
 ) -> None:
     """Random arrivals (shared prompt prefixes, so the prefix cache hits), small pools (so
-    requests are preempted, swapped or recomputed), stop tokens, outside finishes and aborts:
-    both loops give every request that was not aborted the same tokens."""
+    requests are preempted, swapped or recomputed), prefill chunks cut to fit a bucket, stop
+    tokens, outside finishes and aborts: both loops give every request that was not aborted
+    the same tokens."""
     rng = random.Random(seed)
     max_model_len = 32
     usable = num_blocks - 1
@@ -165,6 +167,7 @@ def test_async_plans_give_the_synchronous_tokens(
     for async_scheduling in (False, True):
         cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, block_size, max_model_len,
                               num_blocks, long_prefill, caching, num_host_blocks, policy,
+                              token_buckets=token_buckets, step_overhead_tokens=1,
                               async_scheduling=async_scheduling)
         outs[async_scheduling] = run(cfg, requests, aborts)
     sync, asyn = outs[False], outs[True]
