@@ -179,8 +179,9 @@ def measure(engine: LLMEngine, timer: _ExecuteTimer, masks: _MaskTimer, mode: st
     decode_bucket = pick_bucket(engine.runner.buckets, batch, batch)
     prefill: dict[Any, list] = {}
     sched = engine.scheduler
-    while sched.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
-                               for s in sched.running):  # until every prompt is in the cache
+    while sched.waiting or any(  # until every prompt token has run (or is running: async)
+            s.num_computed_tokens + s.num_inflight_tokens < s.num_prompt_tokens
+            for s in sched.running):
         step = _timed_step(engine, timer, masks)
         prefill.setdefault(step[0], []).append(step)
     for _ in range(NUM_UNTIMED_STEPS - 1):
