@@ -284,36 +284,46 @@ def draw_filtered(scaled: jax.Array, kth: jax.Array, top_p: jax.Array, min_p: ja
     cut = jnp.maximum(kth, jnp.log(min_p))
     e = jnp.where(scaled >= cut[:, None], jnp.exp(scaled), 0.0)  # max 0: no overflow
     p_on = top_p < 1.0
-    mass = jnp.sum(e, axis=-1)
-    mass_k = jax.lax.cond(  # the top-k mass, beyond the min-p cut
-        jnp.any(p_on & (cut > kth)),
-        lambda _: jnp.sum(jnp.where(scaled >= kth[:, None], jnp.exp(scaled), 0.0), axis=-1),
-        lambda _: mass, None)
-    target = jnp.where(p_on, top_p * mass_k, jnp.inf)
-    neg_inf = jnp.full((s,), -jnp.inf, jnp.float32)
-    tok, xt, done = _draw_round(scaled, e, neg_inf, target,
-                                _uniform(seeds, sample_pos, jnp.int32(0)))
+    u = _uniform(seeds, sample_pos, jnp.int32(0))
     few = min(s, _FEW_ROWS)
 
-    def full(c):
-        tok, pivot, done, rnd = c
-        t, x, ok = _draw_round(scaled, e, pivot, target, _uniform(seeds, sample_pos, rnd))
-        return jnp.where(done, tok, t), jnp.where(done, pivot, x), done | ok
+    def nucleus(_):
+        mass = jnp.sum(e, axis=-1)
+        mass_k = jax.lax.cond(  # the top-k mass, beyond the min-p cut
+            jnp.any(p_on & (cut > kth)),
+            lambda _: jnp.sum(jnp.where(scaled >= kth[:, None], jnp.exp(scaled), 0.0), axis=-1),
+            lambda _: mass, None)
+        target = jnp.where(p_on, top_p * mass_k, jnp.inf)
+        tok, xt, done = _draw_round(scaled, e, jnp.full((s,), -jnp.inf, jnp.float32), target, u)
 
-    def gathered(c):  # a repeated index (padding) recomputes its own row: the same writes
-        tok, pivot, done, rnd = c
-        idx = jnp.nonzero(~done, size=few, fill_value=0)[0]
-        idx = jnp.where(jnp.arange(few) < jnp.sum(~done), idx, idx[0])
-        t, x, ok = _draw_round(scaled[idx], e[idx], pivot[idx], target[idx],
-                               _uniform(seeds[idx], sample_pos[idx], rnd))
-        return tok.at[idx].set(t), pivot.at[idx].set(x), done.at[idx].set(ok)
+        def full(c):  # more than `few` rows left: a round over the batch
+            tok, pivot, done, rnd = c
+            t, x, ok = _draw_round(scaled, e, pivot, target, _uniform(seeds, sample_pos, rnd))
+            return jnp.where(done, tok, t), jnp.where(done, pivot, x), done | ok, rnd + 1
 
-    def body(c):
-        out = jax.lax.cond(jnp.sum(~c[2]) <= few, gathered, full, c)
-        return (*out, c[3] + 1)
+        def gathered(c):  # the rows left, gathered once: their rounds read `few` rows each
+            tok, pivot, done, rnd = c
+            idx = jnp.nonzero(~done, size=few, fill_value=0)[0]
+            # padding repeats a row left: it recomputes that row, the same writes
+            idx = jnp.where(jnp.arange(few) < jnp.sum(~done), idx, idx[0])
+            x, w, tg, sd, ps = scaled[idx], e[idx], target[idx], seeds[idx], sample_pos[idx]
 
-    tok, *_ = jax.lax.while_loop(lambda c: jnp.any(~c[2]), body, (tok, xt, done, jnp.int32(1)))
-    return tok
+            def round_(c):
+                tok, pivot, done, rnd = c
+                t, xt, ok = _draw_round(x, w, pivot, tg, _uniform(sd, ps, rnd))
+                return (jnp.where(done, tok, t), jnp.where(done, pivot, xt), done | ok,
+                        rnd + 1)
+
+            t, _, _, rnd = jax.lax.while_loop(lambda c: jnp.any(~c[2]), round_,
+                                              (tok[idx], pivot[idx], done[idx], rnd))
+            return tok.at[idx].set(t), pivot, jnp.ones_like(done), rnd
+
+        c = (tok, xt, done, jnp.int32(1))
+        c = jax.lax.while_loop(lambda c: jnp.sum(~c[2]) > few, full, c)
+        return jax.lax.cond(jnp.any(~c[2]), gathered, lambda c: c, c)[0]
+
+    # without a top-p row, one draw (the same as a first round's) and no mass pass
+    return jax.lax.cond(jnp.any(p_on), nucleus, lambda _: _draw(e, u), None)
 
 
 def mask_vocab(logits: jax.Array, vocab_limit: int | None) -> jax.Array:
