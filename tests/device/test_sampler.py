@@ -203,17 +203,20 @@ def test_top_k_threshold_equals_the_sorted_definition() -> None:
 
     rng = np.random.default_rng(7)
     fn = jax.jit(top_k_threshold)
+    # per step, the largest k picks lax.top_k at 64 or 256, or the bisection
+    tiers = [[0, -1, 1, 5, 40, 63, 64], [0, 1, 40, 65, 100, 255, 256], [0, 5, 256, 257, 400, -2]]
     for vocab in (50, 300, 1000):
-        n = 96
-        x = _random_rows(rng, n, vocab)
-        ks = [0, -1, 1, 5, 40, 63, 64, 65, 100, vocab - 1, vocab, vocab + 3]
-        top_k = rng.choice(ks, n).astype(np.int32)
-        cut = np.asarray(fn(jnp.asarray(x), top_k))
-        for i in range(n):
-            ref, _ = _ref_cut(x[i], int(top_k[i]), 1.0, 0.0)
-            np.testing.assert_array_equal(np.flatnonzero(x[i] >= cut[i]),
-                                          np.flatnonzero(x[i] >= ref),
-                                          err_msg=f"V={vocab} row {i}: k={top_k[i]}")
+        for tier in tiers:
+            n = 64
+            x = _random_rows(rng, n, vocab)
+            top_k = rng.choice(tier + [vocab, vocab + 3], n).astype(np.int32)
+            top_k[top_k == -2] = vocab - 1
+            cut = np.asarray(fn(jnp.asarray(x), top_k))
+            for i in range(n):
+                ref, _ = _ref_cut(x[i], int(top_k[i]), 1.0, 0.0)
+                np.testing.assert_array_equal(np.flatnonzero(x[i] >= cut[i]),
+                                              np.flatnonzero(x[i] >= ref),
+                                              err_msg=f"V={vocab} row {i}: k={top_k[i]}")
 
 
 def test_filtered_draws_stay_in_the_sorted_definition_and_reach_its_edge() -> None:
