@@ -1,11 +1,12 @@
 """On-device sampling with per-row parameters (arrays, never static arguments), and raw logprobs.
 
 Per step, ``S`` rows (``RowInputs``) of ``f[S, V]`` logits go through vLLM's order: logit_bias
-and penalties, temperature, top-k / top-p (arXiv:1904.09751) / min-p (arXiv:2407.01082) filters
-(``filter_threshold``: no sort; each filter costs passes only when some row asks), then a draw by
-inverting the filtered CDF at one uniform per row (only when some row is not greedy). Row ``i``
-draws from ``fold_in(key(seed), sample_pos)``, so its tokens depend only on its seed and
-position, not on batch-mates or on recompute after preemption.
+and penalties, temperature, then top-k (``top_k_threshold``), top-p (arXiv:1904.09751) and min-p
+(arXiv:2407.01082) in ``draw_filtered``: no sort; top-k and min-p are cuts, top-p a rejection
+loop on draws that inverts the kept tokens' CDF at one uniform per round (only when some row is
+not greedy). Row ``i``'s round ``r`` draws at ``fold_in(fold_in(key(seed), sample_pos), r)``, so
+its tokens depend only on its seed and position, not on batch-mates or on recompute after
+preemption.
 
 Penalties and bias read a device-resident ``PenaltyState`` of ``R`` slots (donated like the KV
 cache). A slot is reset when its request starts at position 0 (again after preemption), and
@@ -25,12 +26,13 @@ import jax
 import jax.numpy as jnp
 
 _NEG = -1e30
-_TOP_K_DIRECT = 64
-"""Largest top_k read from ``lax.top_k`` (cheap on XLA CPU); larger ones bisect."""
+_TOP_K_DIRECT = (64, 256)
+"""``lax.top_k`` widths tried in turn, the narrowest holding the step's largest top_k (about 4
+and 6 ms at [64, 49152] on a 2-core CPU, against ~25 ms for a bisection); larger ones bisect."""
 _DRAW_BLOCK = 256
 _FEW_ROWS = 8
-"""At most this many top-p rows bisect gathered apart from the batch (a prefill step, whose
-bucket holds many padding rows, or a small decode batch)."""
+"""Top-p rejection rounds after the first gather the rows still drawing when at most this many
+are left, so that such a round reads a few rows instead of the batch."""
 PROMPT_SEEN = 1 << 30
 """Bit of a ``PenaltyState.tokens`` entry marking a token that occurs in the prompt; the bits
 below it count the token's occurrences in the output."""
@@ -145,12 +147,11 @@ def apply_penalties(logits: jax.Array, rows: RowInputs, state: PenaltyState) -> 
     return jnp.where(has[:, None], out, logits)
 
 
-def _argmax(x: jax.Array) -> jax.Array:
-    """First index of each row's maximum, ``i32[S]``: the same as ``jnp.argmax`` (for rows
-    without NaN) at about a third of its cost on XLA CPU (two plain reductions instead of one
-    variadic reduce)."""
+def _first_max(x: jax.Array, m: jax.Array) -> jax.Array:
+    """First index of each row's maximum ``m`` (f32[S, 1], ``max(x, -1)``), ``i32[S]``: the
+    same as ``jnp.argmax`` (for rows without NaN) at about a third of its cost on XLA CPU (two
+    plain reductions instead of one variadic reduce)."""
     v = x.shape[-1]
-    m = jnp.max(x, axis=-1, keepdims=True)
     first = jnp.min(jnp.where(x == m, jnp.arange(v, dtype=jnp.int32), v), axis=-1)
     return jnp.minimum(first, v - 1)
 
@@ -185,82 +186,50 @@ def _largest_threshold(tail: Callable[[jax.Array], jax.Array], target: jax.Array
     return _unkey(lo_k)
 
 
-def filter_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                     min_p: jax.Array) -> jax.Array:
-    """The cut ``f32[S]`` of each row of temperature-scaled logits ``f32[S, V]``: the row keeps
-    the tokens whose logit is ``>=`` it (``-inf`` keeps all).
-
-    vLLM's order: top-k (ties at the k-th value kept), then top-p over the top-k tokens'
-    renormalised distribution (the smallest descending prefix whose mass reaches ``top_p``,
-    arXiv:1904.09751), then min-p (``p >= min_p * p_max``, arXiv:2407.01082). The result equals
-    that of a full descending sort, without sorting: top-k up to 64 reads ``lax.top_k``, larger
-    ones and top-p bisect on the value's bits (``_largest_threshold``; at most ``_FEW_ROWS``
-    top-p rows are gathered and bisect apart from the batch), and only when some row asks
-    (``lax.cond``). ``top_k <= 0`` or ``>= V``, ``top_p >= 1`` and ``min_p <= 0`` are off.
-    """
+def top_k_threshold(scaled: jax.Array, top_k: jax.Array) -> jax.Array:
+    """The k-th largest value ``f32[S]`` of each row of ``f32[S, V]``, ``-inf`` where top-k is
+    off (``top_k <= 0`` or ``>= V``): the row keeps the tokens whose logit is ``>=`` it (ties
+    at the k-th value kept), exactly as a descending sort would cut it. A step whose largest
+    ``top_k`` is at most 64 or 256 reads ``lax.top_k`` at that width (``_TOP_K_DIRECT``), a
+    larger one bisects on the value's bits (``_largest_threshold``); nothing runs when no row
+    asks (``lax.cond``)."""
     s, vocab = scaled.shape
-    neg_inf = jnp.full((s,), -jnp.inf, jnp.float32)
-    m = jnp.max(scaled, axis=-1)
     k_on = (top_k > 0) & (top_k < vocab)
     k = jnp.where(k_on, top_k, 1)
-    few = min(vocab, _TOP_K_DIRECT)
+    k_max = jnp.max(jnp.where(k_on, k, 0))
 
-    def kth_direct(_):
-        vals = jax.lax.top_k(scaled, few)[0]
-        return jnp.take_along_axis(vals, jnp.clip(k - 1, 0, few - 1)[:, None], axis=-1)[:, 0]
+    def kth_direct(width):
+        def kth(_):
+            vals = jax.lax.top_k(scaled, width)[0]
+            return jnp.take_along_axis(vals, jnp.clip(k - 1, 0, width - 1)[:, None],
+                                       axis=-1)[:, 0]
+        return kth
 
     def kth_bisect(_):
         def count(v):
             return jnp.sum((scaled >= v[:, None]).astype(jnp.int32), axis=-1)
-        return _largest_threshold(count, k, jnp.min(scaled, axis=-1), m)
+        return _largest_threshold(count, k, jnp.min(scaled, axis=-1), jnp.max(scaled, axis=-1))
 
-    kth = jax.lax.cond(jnp.any(k_on & (k > few)), kth_bisect,
-                       lambda _: jax.lax.cond(jnp.any(k_on), kth_direct, lambda _: m, None),
-                       None)
-    kth = jnp.where(k_on, kth, neg_inf)
+    def narrowest(width, wider):  # lax.top_k at `width` if it holds every row's k, else wider
+        return lambda _: jax.lax.cond(k_max <= width, kth_direct(width), wider, None)
 
-    def pth_of(x, top_p, kth, m):
-        e = jnp.exp(x - m[:, None])  # 0 for masked ids
-
-        def mass(v):
-            return jnp.sum(jnp.where(x >= v[:, None], e, 0.0), axis=-1)
-
-        target = top_p * mass(kth)
-        # every token below m + log((1 - p) / V) together holds less than (1 - p) of the mass,
-        # so the cut is not below it: a narrower bracket, fewer passes (checked, not assumed)
-        low = jnp.maximum(m + jnp.log1p(-jnp.minimum(top_p, 1.0)) - jnp.log(float(vocab)), kth)
-        low = jnp.where(mass(low) >= target, low, jnp.maximum(jnp.min(x, axis=-1), kth))
-        return _largest_threshold(mass, target, low, m)
-
-    def pth_few(_):  # the few rows that ask, gathered: each pass reads `few_rows` rows, not S
-        idx = jnp.nonzero(p_on, size=few_rows, fill_value=0)[0]
-        sub = pth_of(scaled[idx], top_p[idx], kth[idx], m[idx])
-        return neg_inf.at[idx].set(sub)  # a repeated fill index writes its own row's value
-
-    p_on = top_p < 1.0
-    few_rows = min(s, _FEW_ROWS)
-    n_p = jnp.sum(p_on)
-    pth = jax.lax.cond(
-        n_p == 0, lambda _: neg_inf,
-        lambda _: jax.lax.cond(n_p <= few_rows, pth_few,
-                               lambda _: pth_of(scaled, top_p, kth, m), None), None)
-    pth = jnp.where(p_on, pth, neg_inf)
-    # p >= min_p * p_max  <=>  logit >= logit_max + log(min_p); log(0) = -inf keeps everything
-    mth = m + jnp.log(min_p)
-    return jnp.maximum(jnp.maximum(kth, pth), mth)
+    kth = kth_bisect
+    for width in sorted({min(w, vocab) for w in _TOP_K_DIRECT}, reverse=True):
+        kth = narrowest(width, kth)
+    kth = jax.lax.cond(k_max == 0, lambda _: jnp.full((s,), -jnp.inf, jnp.float32), kth, None)
+    return jnp.where(k_on, kth, -jnp.inf)
 
 
-def _draw(scaled: jax.Array, cut: jax.Array, u: jax.Array) -> jax.Array:
-    """One token per row from ``softmax(scaled)`` restricted to ``scaled >= cut``, by inverting
-    the CDF at ``u`` (f32[S] in [0, 1)): ``i32[S]``.
+def _draw(e: jax.Array, u: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One token per row with chance proportional to the weights ``e`` (f32[S, V], >= 0, some
+    positive), by inverting their CDF at ``u`` (f32[S] in [0, 1)): ``i32[S]``, and the rows'
+    total weight (f32[S]).
 
     Two levels (sums of blocks of ``_DRAW_BLOCK`` ids, then the ids in the chosen block) keep
     the float32 cumulative sums short, so a token's chance is its probability to within about
-    ``2**-24`` of the row's mass. Never returns an id outside the kept set.
+    ``2**-24`` of the row's mass. Never returns an id of weight 0.
     """
-    s, vocab = scaled.shape
-    m = jnp.max(scaled, axis=-1, keepdims=True)
-    e = jnp.where(scaled >= cut[:, None], jnp.exp(scaled - m), 0.0)
+    s, vocab = e.shape
     nb = -(-vocab // _DRAW_BLOCK)
     e = jnp.pad(e, ((0, 0), (0, nb * _DRAW_BLOCK - vocab))).reshape(s, nb, _DRAW_BLOCK)
     block = jnp.sum(e, axis=-1)  # [S, NB]
@@ -278,15 +247,94 @@ def _draw(scaled: jax.Array, cut: jax.Array, u: jax.Array) -> jax.Array:
                                                   axis=-1)[:, 0], 0.0)
     w = jnp.take_along_axis(e, b[:, None, None], axis=1)[:, 0]  # [S, BLOCK]
     i = pick(jnp.cumsum(w, axis=-1), w, t - before)
-    return (b * _DRAW_BLOCK + i).astype(jnp.int32)
+    return (b * _DRAW_BLOCK + i).astype(jnp.int32), cum[:, -1]
 
 
-def _uniform(seeds: jax.Array, sample_pos: jax.Array) -> jax.Array:
+def _uniform(seeds: jax.Array, sample_pos: jax.Array, rnd: jax.Array) -> jax.Array:
+    """f32[S] in [0, 1): row ``i``'s uniform of draw round ``rnd`` (i32 scalar)."""
     def row(seed, pos):
         key = jax.random.fold_in(jax.random.wrap_key_data(seed, impl="threefry2x32"), pos)
-        return jax.random.uniform(key, (), jnp.float32)
+        return jax.random.uniform(jax.random.fold_in(key, rnd), (), jnp.float32)
 
     return jax.vmap(row)(seeds, sample_pos)
+
+
+def _draw_round(x: jax.Array, e: jax.Array, pivot: jax.Array, target: jax.Array,
+                u: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One round of top-p rejection over rows ``x``/``e`` (f32[R, V]: scaled logits and their
+    kept weights): draw among the ids above ``pivot`` (f32[R]), accept the draw when the mass
+    strictly above it is below ``target`` (f32[R]). Returns (ids i32[R], their logits, accepted
+    bool[R])."""
+    tok, _ = _draw(jnp.where(x > pivot[:, None], e, 0.0), u)
+    xt = jnp.take_along_axis(x, tok[:, None], axis=-1)[:, 0]
+    above = jnp.sum(jnp.where(x > xt[:, None], e, 0.0), axis=-1)
+    return tok, xt, above < target
+
+
+def draw_filtered(scaled: jax.Array, kth: jax.Array, top_p: jax.Array, min_p: jax.Array,
+                  seeds: jax.Array, sample_pos: jax.Array) -> jax.Array:
+    """One token per row of temperature-scaled logits ``f32[S, V]`` (row max 0), drawn from
+    their softmax restricted by vLLM's filters: top-k (``kth``, f32[S], ``top_k_threshold``),
+    then top-p over the top-k tokens' renormalised distribution (the smallest descending prefix
+    whose mass reaches ``top_p``, arXiv:1904.09751; ``>= 1`` off), then min-p (``p >= min_p *
+    p_max``, arXiv:2407.01082; ``<= 0`` off). ``i32[S]``; ``seeds`` u32[S, 2] and ``sample_pos``
+    i32[S] key each row's uniforms.
+
+    Top-p without a sort or a cut: rejection (as FlashInfer's sampling kernels). A round draws
+    among the top-k / min-p tokens above the row's pivot and accepts the draw ``j`` when the
+    mass strictly above it is below ``top_p`` of the top-k mass, which holds exactly when ``j``
+    is in the nucleus; else the pivot rises to ``j``'s logit. The nucleus is an upper set, so a
+    rejected draw lies below all of it and an accepted one is distributed as the nucleus'
+    renormalised probabilities. Each round accepts with chance >= ``top_p``; the first costs two
+    passes over the batch (draw, mass check) and later ones gather the few rows still drawing
+    (``_FEW_ROWS``). Row ``i``'s round ``r`` draws at ``fold_in(fold_in(key(seed), pos), r)``.
+    """
+    s = scaled.shape[0]
+    # p >= min_p * p_max  <=>  logit >= logit_max + log(min_p); log(0) = -inf keeps everything
+    cut = jnp.maximum(kth, jnp.log(min_p))
+    e = jnp.where(scaled >= cut[:, None], jnp.exp(scaled), 0.0)  # max 0: no overflow
+    p_on = top_p < 1.0
+    u = _uniform(seeds, sample_pos, jnp.int32(0))
+    few = min(s, _FEW_ROWS)
+
+    def nucleus(_):
+        tok, mass = _draw(e, u)  # the first round: all kept ids (pivot -inf)
+        mass_k = jax.lax.cond(  # the top-k mass, beyond the min-p cut
+            jnp.any(p_on & (cut > kth)),
+            lambda _: jnp.sum(jnp.where(scaled >= kth[:, None], jnp.exp(scaled), 0.0), axis=-1),
+            lambda _: mass, None)
+        target = jnp.where(p_on, top_p * mass_k, jnp.inf)
+        xt = jnp.take_along_axis(scaled, tok[:, None], axis=-1)[:, 0]
+        done = jnp.sum(jnp.where(scaled > xt[:, None], e, 0.0), axis=-1) < target
+
+        def full(c):  # more than `few` rows left: a round over the batch
+            tok, pivot, done, rnd = c
+            t, x, ok = _draw_round(scaled, e, pivot, target, _uniform(seeds, sample_pos, rnd))
+            return jnp.where(done, tok, t), jnp.where(done, pivot, x), done | ok, rnd + 1
+
+        def gathered(c):  # the rows left, gathered once: their rounds read `few` rows each
+            tok, pivot, done, rnd = c
+            idx = jnp.nonzero(~done, size=few, fill_value=0)[0]
+            # padding repeats a row left: it recomputes that row, the same writes
+            idx = jnp.where(jnp.arange(few) < jnp.sum(~done), idx, idx[0])
+            x, w, tg, sd, ps = scaled[idx], e[idx], target[idx], seeds[idx], sample_pos[idx]
+
+            def round_(c):
+                tok, pivot, done, rnd = c
+                t, xt, ok = _draw_round(x, w, pivot, tg, _uniform(sd, ps, rnd))
+                return (jnp.where(done, tok, t), jnp.where(done, pivot, xt), done | ok,
+                        rnd + 1)
+
+            t, _, _, rnd = jax.lax.while_loop(lambda c: jnp.any(~c[2]), round_,
+                                              (tok[idx], pivot[idx], done[idx], rnd))
+            return tok.at[idx].set(t), pivot, jnp.ones_like(done), rnd
+
+        c = (tok, xt, done, jnp.int32(1))
+        c = jax.lax.while_loop(lambda c: jnp.sum(~c[2]) > few, full, c)
+        return jax.lax.cond(jnp.any(~c[2]), gathered, lambda c: c, c)[0]
+
+    # without a top-p row, one draw (the same as a first round's) and no mass pass
+    return jax.lax.cond(jnp.any(p_on), nucleus, lambda _: _draw(e, u)[0], None)
 
 
 def mask_vocab(logits: jax.Array, vocab_limit: int | None) -> jax.Array:
@@ -311,21 +359,24 @@ def sample(logits: jax.Array, rows: RowInputs, state: PenaltyState | None = None
         any_pen = jnp.any((rows.slot >= 0) & (rows.slot < r))
         logits = jax.lax.cond(any_pen, apply_penalties, lambda lg, rw, st: lg, logits, rows,
                               state)
-    greedy = _argmax(logits)
+    # one max for both paths: a second max of the logits inside the cond below made XLA CPU's
+    # greedy path cost ~13 ms instead of ~8 at [64, 49152] (CPU time, 2 cores)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    greedy = _first_max(logits, m)
     random_rows = rows.temperature > 0
 
-    def random_path(_):
+    def random_path(logits, m):
         t = jnp.where(random_rows, rows.temperature, 1.0)[:, None]
         # shifted before scaling: the row's best is exactly 0 and nothing overflows, however
         # small the temperature (logits / 1e-9 would reach 1e10, where one ulp is 1024)
-        scaled = (logits - jnp.max(logits, axis=-1, keepdims=True)) / t
+        scaled = (logits - m) / t
         # the filters of greedy rows are switched off so that they cost no passes
-        cut = filter_threshold(scaled, jnp.where(random_rows, rows.top_k, 0),
-                               jnp.where(random_rows, rows.top_p, 1.0),
-                               jnp.where(random_rows, rows.min_p, 0.0))
-        return _draw(scaled, cut, _uniform(rows.seeds, rows.sample_pos))
+        kth = top_k_threshold(scaled, jnp.where(random_rows, rows.top_k, 0))
+        return draw_filtered(scaled, kth, jnp.where(random_rows, rows.top_p, 1.0),
+                             jnp.where(random_rows, rows.min_p, 0.0), rows.seeds,
+                             rows.sample_pos)
 
-    drawn = jax.lax.cond(jnp.any(random_rows), random_path, lambda _: greedy, None)
+    drawn = jax.lax.cond(jnp.any(random_rows), random_path, lambda lg, m: greedy, logits, m)
     return jnp.where(random_rows, drawn, greedy)
 
 

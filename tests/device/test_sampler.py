@@ -191,46 +191,78 @@ def _ref_cut(x: np.ndarray, top_k: int, top_p: float, min_p: float) -> tuple[flo
     return cut, clear
 
 
-def test_filter_threshold_equals_the_sorted_definition() -> None:
-    from jaxserve.device.sampler import filter_threshold
+def _random_rows(rng: np.random.Generator, n: int, vocab: int) -> np.ndarray:
+    """f32[n, vocab] logits of several spreads, a third of the rows with many ties."""
+    x = rng.standard_normal((n, vocab)) * rng.choice([0.5, 2.0, 6.0], (n, 1))
+    x[: n // 3] = np.round(x[: n // 3], 1)
+    return x.astype(np.float32)
+
+
+def test_top_k_threshold_equals_the_sorted_definition() -> None:
+    from jaxserve.device.sampler import top_k_threshold
 
     rng = np.random.default_rng(7)
-    ks = [0, -1, 1, 5, 40, 63, 64, 65, 100]
-    ps = [1.0, 0.999, 0.95, 0.5, 0.1, 1e-9]
-    mps = [0.0, 0.0, 0.01, 0.3, 1.0]
-    fn = jax.jit(filter_threshold)
-    checked = 0
+    fn = jax.jit(top_k_threshold)
+    # per step, the largest k picks lax.top_k at 64 or 256, or the bisection
+    tiers = [[0, -1, 1, 5, 40, 63, 64], [0, 1, 40, 65, 100, 255, 256], [0, 5, 256, 257, 400, -2]]
     for vocab in (50, 300, 1000):
-        n = 96
-        x = rng.standard_normal((n, vocab)) * rng.choice([0.5, 2.0, 6.0], (n, 1))
-        x[: n // 3] = np.round(x[: n // 3], 1)  # many ties
-        x = x.astype(np.float32)
-        top_k = rng.choice(ks + [vocab - 1, vocab, vocab + 3], n).astype(np.int32)
+        for tier in tiers:
+            n = 64
+            x = _random_rows(rng, n, vocab)
+            top_k = rng.choice(tier + [vocab, vocab + 3], n).astype(np.int32)
+            top_k[top_k == -2] = vocab - 1
+            cut = np.asarray(fn(jnp.asarray(x), top_k))
+            for i in range(n):
+                ref, _ = _ref_cut(x[i], int(top_k[i]), 1.0, 0.0)
+                np.testing.assert_array_equal(np.flatnonzero(x[i] >= cut[i]),
+                                              np.flatnonzero(x[i] >= ref),
+                                              err_msg=f"V={vocab} row {i}: k={top_k[i]}")
+
+
+def test_filtered_draws_stay_in_the_sorted_definition_and_reach_its_edge() -> None:
+    """Top-k, top-p (rejection) and min-p against a float64 sort: each row drawn under 300
+    seeds never leaves the kept set, and takes its least likely kept token whenever that one's
+    renormalised chance makes missing it in 300 draws improbable (< 1e-5)."""
+    from jaxserve.device.sampler import draw_filtered, top_k_threshold
+
+    rng = np.random.default_rng(11)
+    ks = [0, 0, 1, 5, 40, 65, 100]
+    ps = [1.0, 0.999, 0.95, 0.9, 0.5, 0.1, 1e-9]
+    mps = [0.0, 0.0, 0.0, 0.01, 0.3, 1.0]
+    reps = 300
+
+    @jax.jit
+    def draw(x, top_k, top_p, min_p, seeds):
+        scaled = x - jnp.max(x, axis=-1, keepdims=True)
+        return draw_filtered(scaled, top_k_threshold(scaled, top_k), top_p, min_p, seeds,
+                             jnp.zeros(len(x), jnp.int32))
+
+    checked = edges = 0
+    for vocab in (50, 1000):
+        n = 48
+        x = _random_rows(rng, n, vocab)
+        x -= x.max(-1, keepdims=True)
+        top_k = rng.choice(ks, n).astype(np.int32)
         top_p = rng.choice(ps, n).astype(np.float32)
         min_p = rng.choice(mps, n).astype(np.float32)
-        cut = np.asarray(fn(jnp.asarray(x), top_k, top_p, min_p))
+        seeds = np.stack([np.arange(n * reps), np.full(n * reps, 3)], 1).astype(np.uint32)
+        got = np.asarray(draw(jnp.asarray(np.repeat(x, reps, 0)), np.repeat(top_k, reps),
+                              np.repeat(top_p, reps), np.repeat(min_p, reps), seeds))
+        got = got.reshape(n, reps)
         for i in range(n):
             ref, clear = _ref_cut(x[i], int(top_k[i]), float(top_p[i]), float(min_p[i]))
             if not clear:
                 continue
             checked += 1
-            got_set = np.flatnonzero(x[i] >= cut[i])
-            ref_set = np.flatnonzero(x[i].astype(np.float64) >= ref)
-            np.testing.assert_array_equal(got_set, ref_set, err_msg=f"V={vocab} row {i}: "
-                                          f"k={top_k[i]} p={top_p[i]} min_p={min_p[i]}")
-    assert checked > 250  # nearly every row is unambiguous
-    # at most 8 top-p rows among many: they bisect gathered apart (a prefill step's bucket)
-    n, vocab = 40, 300
-    x = (rng.standard_normal((n, vocab)) * 2.0).astype(np.float32)
-    top_p = np.ones(n, np.float32)
-    top_p[[0, 7, 8, 39]] = [0.9, 0.5, 0.95, 0.3]
-    top_k = np.where(np.arange(n) % 3 == 0, 20, 0).astype(np.int32)
-    cut = np.asarray(fn(jnp.asarray(x), top_k, top_p, np.zeros(n, np.float32)))
-    for i in range(n):
-        ref, clear = _ref_cut(x[i], int(top_k[i]), float(top_p[i]), 0.0)
-        assert clear
-        np.testing.assert_array_equal(np.flatnonzero(x[i] >= cut[i]),
-                                      np.flatnonzero(x[i].astype(np.float64) >= ref))
+            keep = x[i].astype(np.float64) >= ref
+            msg = f"V={vocab} row {i}: k={top_k[i]} p={top_p[i]} min_p={min_p[i]}"
+            assert keep[got[i]].all(), msg
+            w = np.where(keep, np.exp(x[i].astype(np.float64)), 0.0)
+            edge = np.flatnonzero(keep & (x[i] == x[i][keep].min()))
+            if (1 - w[edge].sum() / w.sum()) ** reps < 1e-5:
+                edges += 1
+                assert np.isin(edge, got[i]).any(), msg
+    assert checked > 80 and edges > 20
 
 
 def test_draw_follows_the_filtered_distribution() -> None:

@@ -13,9 +13,11 @@ The timer waits for each step's ids inside ``execute``, so steps run one after t
 with async scheduling on: ``host`` is the part that async scheduling overlaps with the device
 (measure the overlap itself with ``--step-trace``).
 Prefill steps are reported per bucket (the padded shape ``tokens x seqs`` the program ran at).
-Modes: ``greedy`` (temperature 0), ``sampled`` (temperature 1, top_p 0.9), ``logprobs`` (greedy
-with 5 logprobs), ``penalties`` (greedy, repetition 1.1 and frequency 0.5), ``n4`` (batch / 4
-requests with n=4), ``json`` (greedy, every row constrained by ``BENCH_SCHEMA``, a JSON schema
+Modes: ``greedy`` (temperature 0), ``sampled`` (temperature 1, top_p 0.9), ``top_p`` (temperature
+0.7, top_p 0.95), ``top_k`` (temperature 1, top_k 200), ``min_p`` (temperature 1, min_p 0.05),
+``logprobs``
+(greedy with 5 logprobs), ``penalties`` (greedy, repetition 1.1 and frequency 0.5), ``n4`` (batch
+/ 4 requests with n=4), ``json`` (greedy, every row constrained by ``BENCH_SCHEMA``, a JSON schema
 no row can complete in the timed steps) and ``json1`` (greedy, one constrained row); for these
 the host part also shows ``mask``, the time the host spent computing the rows' token masks.
 Compare settings by running it twice (``--quantization int8``,
@@ -42,6 +44,9 @@ from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 MODES: dict[str, tuple[dict[str, Any], int]] = {  # SamplingParams fields, choices per request
     "greedy": ({"temperature": 0.0}, 1),
     "sampled": ({"temperature": 1.0, "top_p": 0.9}, 1),
+    "top_p": ({"temperature": 0.7, "top_p": 0.95}, 1),
+    "top_k": ({"temperature": 1.0, "top_k": 200}, 1),
+    "min_p": ({"temperature": 1.0, "min_p": 0.05}, 1),
     "logprobs": ({"temperature": 0.0, "logprobs": 5}, 1),
     "penalties": ({"temperature": 0.0, "repetition_penalty": 1.1, "frequency_penalty": 0.5}, 1),
     "n4": ({"temperature": 1.0, "n": 4}, 4),
