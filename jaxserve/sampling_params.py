@@ -22,9 +22,9 @@ MAX_MIN_TOKENS_STOP_IDS = 32
 ``min_tokens`` may have: the step program masks this many per row."""
 
 
-# Above this the distribution is uniform to f32 precision anyway, and masked logits (-1e30)
-# divided by the temperature would no longer stay below every allowed one: a constrained row
-# (structured output, tool calls) could then draw a token its grammar refuses.
+# Above this the distribution is uniform to float32 precision anyway (the device reads
+# temperatures as f32, whose range ends near 3.4e38); masked tokens stay masked at any
+# temperature (``device.sampler.sample``).
 MAX_TEMPERATURE = 1e6
 
 

@@ -69,3 +69,21 @@ def engine():
     )
     eng.warmup(progress=False)
     return eng
+
+
+@pytest.fixture
+def idle_engine(engine):
+    """The shared engine, checked after the test: left idle with every KV block and penalty
+    slot back and async scheduling on. Leftover requests are aborted first, so that one
+    failure does not cascade into the following tests."""
+    yield engine
+    unfinished = [*engine.groups]
+    if unfinished:
+        engine.abort_request(unfinished)
+    engine.set_async_scheduling(True)
+    assert not unfinished, f"test left requests unfinished: {unfinished}"
+    assert not engine.has_unfinished_requests()
+    pool = engine.scheduler.block_pool
+    assert pool.num_free_blocks == pool.num_usable_blocks, (
+        f"{pool.num_usable_blocks - pool.num_free_blocks} KV blocks leaked")
+    assert not engine.slots.holders

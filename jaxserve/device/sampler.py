@@ -369,7 +369,10 @@ def sample(logits: jax.Array, rows: RowInputs, state: PenaltyState | None = None
         t = jnp.where(random_rows, rows.temperature, 1.0)[:, None]
         # shifted before scaling: the row's best is exactly 0 and nothing overflows, however
         # small the temperature (logits / 1e-9 would reach 1e10, where one ulp is 1024)
-        scaled = (logits - m) / t
+        # masked entries (suppressed, grammar-refused, past the vocabulary: <= _NEG, which
+        # penalties only lower) stay at _NEG: divided by a huge temperature they would come
+        # within reach of the allowed ones
+        scaled = jnp.where(logits <= _NEG, _NEG, (logits - m) / t)
         # the filters of greedy rows are switched off so that they cost no passes
         kth = top_k_threshold(scaled, jnp.where(random_rows, rows.top_k, 0))
         return draw_filtered(scaled, kth, jnp.where(random_rows, rows.top_p, 1.0),

@@ -306,6 +306,19 @@ def test_a_tiny_temperature_draws_the_argmax() -> None:
     np.testing.assert_array_equal(got, logits.argmax(-1))
 
 
+def test_masked_tokens_stay_masked_at_any_temperature() -> None:
+    """-1e30 / 1e30 = -1 would sit beside the allowed logits: masks must outlast scaling."""
+    n = 64
+    logits = np.zeros((n, V), np.float32)
+    logits[:, :3] = 5.0
+    masked = np.asarray(jax.jit(suppress_tokens)(
+        jnp.asarray(logits), jnp.tile(jnp.arange(3, V, dtype=jnp.int32), (n, 1))))
+    seeds = np.stack([np.arange(n), np.arange(n)], 1).astype(np.uint32)
+    for t in (1.0, 1e6, 1e30, 3e38):
+        got = _draw(masked, temperature=np.full(n, t, np.float32), seeds=seeds)
+        assert set(got.tolist()) <= {0, 1, 2}, t
+
+
 def test_suppressed_ids_are_never_sampled_and_padding_masks_nothing() -> None:
     """Each row masks its own ids (min_tokens' EOS / stop ids), repeats included; -1 and ids
     outside the vocabulary are padding; a step with no id to mask leaves the logits as they

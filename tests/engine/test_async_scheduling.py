@@ -9,7 +9,7 @@ with async scheduling on (the default).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -23,17 +23,9 @@ Result = tuple[tuple[int, ...], str, str | None, str | int | None]  # ids, text,
 
 
 @pytest.fixture
-def llm(engine: LLMEngine) -> Iterator[LLMEngine]:
-    """The shared engine, left idle, with every block and slot back and async on again."""
-    yield engine
-    unfinished = [*engine.groups]
-    if unfinished:
-        engine.abort_request(unfinished)
-    engine.set_async_scheduling(True)
-    assert not unfinished, f"test left requests unfinished: {unfinished}"
-    pool = engine.scheduler.block_pool
-    assert pool.num_free_blocks == pool.num_usable_blocks
-    assert not engine.slots.holders
+def llm(idle_engine: LLMEngine) -> LLMEngine:
+    """The shared engine, checked idle afterwards (``idle_engine``)."""
+    return idle_engine
 
 
 def _run(llm: LLMEngine, async_on: bool, add_at: dict[int, Callable[[], None]],

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
 
 import jsonschema_rs
 import numpy as np
@@ -189,14 +188,9 @@ def test_strict_schemas_get_no_additional_properties() -> None:
 
 
 @pytest.fixture
-def llm(engine: LLMEngine) -> Iterator[LLMEngine]:
-    yield engine
-    unfinished = [*engine.requests]
-    if unfinished:
-        engine.abort_request(unfinished)
-    pool = engine.scheduler.block_pool
-    assert not unfinished, f"test left requests unfinished: {unfinished}"
-    assert pool.num_free_blocks == pool.num_usable_blocks
+def llm(idle_engine: LLMEngine) -> LLMEngine:
+    """The shared engine, checked idle afterwards (``idle_engine``)."""
+    return idle_engine
 
 
 def _run(engine: LLMEngine, requests: dict[str, tuple[str, SamplingParams]]

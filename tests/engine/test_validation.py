@@ -47,7 +47,7 @@ def test_effective_max_tokens() -> None:
     assert validate_request([1] * 10, SP(max_tokens=1000), roomy) == 30  # the window's rest
 
 
-def test_temperature_is_bounded_so_masked_tokens_stay_masked() -> None:
+def test_temperature_is_bounded() -> None:
     SP(temperature=MAX_TEMPERATURE)
     for bad in (MAX_TEMPERATURE * 1.01, 1e30, 1e308):
         with pytest.raises(ValueError, match="temperature must be") as e:

@@ -76,7 +76,7 @@ MALFORMED_CHAT = [
     (json.dumps({"messages": HI, "max_completion_tokens": -3}).encode(), J, 400),
     (json.dumps({"messages": HI, "temperature": -1}).encode(), J, 400),
     (json.dumps({"messages": HI, "temperature": "hot"}).encode(), J, 400),
-    (json.dumps({"messages": HI, "temperature": 1e30}).encode(), J, 400),  # masks must hold
+    (json.dumps({"messages": HI, "temperature": 1e30}).encode(), J, 400),  # above MAX_TEMPERATURE
     (json.dumps({"messages": HI, "top_p": 1.5}).encode(), J, 400),
     (json.dumps({"messages": HI, "top_p": 0}).encode(), J, 400),
     (json.dumps({"messages": HI, "top_k": -2}).encode(), J, 400),
