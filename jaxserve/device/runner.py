@@ -109,6 +109,8 @@ class StepOutput:
 
     @property
     def ids(self) -> np.ndarray:
+        """``i32[S]`` sampled ids on the host; the first read waits for the step to finish
+        (``execute`` returns at dispatch), later reads reuse that copy."""
         if self._host_ids is None:
             self._host_ids = np.asarray(self._ids)
         return self._host_ids

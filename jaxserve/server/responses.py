@@ -294,12 +294,15 @@ class ResponseStore:
         return entry.items
 
     def put(self, response: ResponseObject, items: list[InputItem]) -> None:
+        """Keep a finished response with its conversation as input items (history, input,
+        output); the oldest is dropped past ``capacity``."""
         self._entries[response.id] = StoredResponse(response, items)
         self._entries.move_to_end(response.id)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
 
     def get(self, response_id: str) -> StoredResponse | None:
+        """The stored response of that id, or None."""
         return self._entries.get(response_id)
 
     def delete(self, response_id: str) -> bool:
