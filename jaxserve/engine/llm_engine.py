@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.core.scheduler import PLACEHOLDER_TOKEN, Scheduler, SchedulerConfig, SchedulerOutput
 from jaxserve.core.sequence import SeqState
 from jaxserve.device.buckets import Bucket
+from jaxserve.device.executable_cache import ExecutableCache
 from jaxserve.device.host_tier import HostKVTier
 from jaxserve.device.runner import ModelRunner, RowParams, StepOutput
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
@@ -179,11 +181,19 @@ class LLMEngine:
         vocab_limit = self.tokenizer.vocab_size if self.tokenizer.vocab_size < mc.vocab_size \
             else None
         t_kv = time.perf_counter()
+        # programs over a mesh are not cached (their device assignment is the mesh's)
+        exe_cache = ExecutableCache(os.path.join(os.path.expanduser(
+            config.compilation_cache_dir), "jaxserve-executables")) \
+            if config.compilation_cache_dir and self.mesh is None else None
         self.runner = ModelRunner(self.model, params, kv,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_num_seqs=config.max_num_seqs,
                                   max_blocks_per_seq=max_blocks, vocab_limit=vocab_limit,
-                                  mesh=self.mesh)
+                                  mesh=self.mesh, executable_cache=exe_cache,
+                                  program_description=repr((
+                                      type(self.model).__module__,
+                                      type(self.model).__qualname__, mc, str(self.dtype),
+                                      config)))
         t_runner = time.perf_counter()
         if self.host_kv is not None and self.runner.multiprocess:
             raise ValueError("kv_offloading_size is not supported when one model spans several "
