@@ -1,13 +1,18 @@
-"""The model runner: turns a scheduler plan into one padded step and runs the compiled program.
+"""The model runner: turns a scheduler plan into one padded step and runs its two compiled programs.
 
 Per step:
   ``SchedulerOutput`` -> ``pack_step`` (numpy, into a preallocated ``i32`` buffer of the bucket's
-  layout, floats bit-cast) -> one host-to-device transfer -> the bucket's compiled program
-  ``step(params, kv_cache, penalty_state, packed, allowed, prev_ids) -> (kv_cache,
-  penalty_state, sampled i32[max_num_seqs_bucket], sample logprobs, prompt logprobs)`` with
-  ``kv_cache`` and ``penalty_state`` donated. ``execute`` returns as soon as the program is
-  dispatched (JAX runs it asynchronously); the sampled ids reach the host when
-  ``StepOutput.ids`` is first read. Logprobs stay on the device unless the engine asks for them.
+  layout, floats bit-cast) -> one host-to-device transfer -> the bucket's model program
+  ``model_step(params, kv_cache, penalty_state, packed, prev_ids) -> (kv_cache, penalty_state,
+  logits f32[S, vocab], prompt logprobs, sampler inputs)`` with ``kv_cache`` and
+  ``penalty_state`` donated -> the sampler program of the bucket's row count ``S``
+  ``sample_rows(logits, penalty_state, sampler inputs, allowed) -> (sampled
+  i32[max_num_seqs_bucket], sample logprobs)``. Every intermediate stays on the device. The
+  sampler is its own program, shared by the buckets with as many rows (four of the default
+  seven have 64), so it compiles once per row count: about 2 CPU-s of each bucket's 4-5 on the
+  2-core CPU. ``execute`` returns as soon as both are dispatched (JAX runs them
+  asynchronously); the sampled ids reach the host when ``StepOutput.ids`` is first read.
+  Logprobs stay on the device unless the engine asks for them.
 Async scheduling: a token whose value is the previous step's sample for some row (not yet
 known on the host) is packed with that row in ``src_row``; the program reads it from
 ``prev_ids``, the previous program's sampled ids, which stay on the device (a gather, no host
@@ -18,8 +23,8 @@ decoding, ``jaxserve/engine/structured_output.py``): a step with a constrained r
 ``mask_buffer(bucket)`` on the host and sends it, with a flag that makes the program read it;
 any other step passes the bucket's all-ones mask, which stays on the device, and the program
 skips it, so it costs no transfer, no host work and no device work.
-Every bucket's program is compiled once by ``warmup``, plus one small program that writes a
-logit_bias row into the penalty state; ``execute`` only looks programs up, so serving never
+Every bucket's model program and every row count's sampler program are compiled once by
+``warmup``, plus one small program that writes a logit_bias row into the penalty state; ``execute`` only looks programs up, so serving never
 compiles (``num_compiles`` counts, and a test checks the jax compile events too).
 
 Logprobs cost nothing in a step where no request asks for them: a flag in the packed buffer
@@ -126,25 +131,38 @@ class StepOutput:
         return Logprobs(*(np.asarray(x) for x in self._plp))
 
 
+def _sampler_fields(s: int) -> list[tuple[str, int]]:
+    """The packed fields the sampler program reads, in order: the buffer's tail, laid out the
+    same for every bucket of ``s`` rows."""
+    return [("temperature", s), ("top_k", s), ("top_p", s), ("seed_hi", s), ("seed_lo", s),
+            ("sample_pos", s), ("min_p", s), ("slot", s), ("repetition_penalty", s),
+            ("presence_penalty", s), ("frequency_penalty", s),
+            ("suppress_ids", s * MAX_MIN_TOKENS_STOP_IDS), ("flags", 1)]
+
+
+def _offsets(sizes: list[tuple[str, int]], start: int = 0) -> tuple[dict[str, slice], int]:
+    out, off = {}, start
+    for name, n in sizes:
+        out[name] = slice(off, off + n)
+        off += n
+    return out, off
+
+
 class _Layout:
-    """Offsets of each field in the packed ``i32`` step buffer of one bucket."""
+    """Offsets of each field in the packed ``i32`` step buffer of one bucket: the model
+    program's fields, then the sampler's (``sampler_start`` on; ``sampler_slices`` relative
+    to it, the same for every bucket with as many rows)."""
 
     def __init__(self, bucket: Bucket, max_blocks: int) -> None:
         t, s = bucket.num_tokens, bucket.num_seqs
-        sizes = [("token_ids", t), ("positions", t), ("slot_mapping", t),
+        model = [("token_ids", t), ("positions", t), ("slot_mapping", t),
                  ("block_tables", s * max_blocks), ("seq_lens", s), ("query_start_loc", s + 1),
-                 ("num_seqs", 1), ("logits_indices", s), ("temperature", s), ("top_k", s),
-                 ("top_p", s), ("seed_hi", s), ("seed_lo", s), ("sample_pos", s),
-                 ("min_p", s), ("slot", s), ("repetition_penalty", s),
-                 ("presence_penalty", s), ("frequency_penalty", s), ("reset_slot", s),
-                 ("tok_slot", t), ("tok_is_output", t), ("tok_target", t), ("src_row", t),
-                 ("suppress_ids", s * MAX_MIN_TOKENS_STOP_IDS), ("flags", 1)]
-        self.slices: dict[str, slice] = {}
-        off = 0
-        for name, n in sizes:
-            self.slices[name] = slice(off, off + n)
-            off += n
-        self.size = off
+                 ("num_seqs", 1), ("logits_indices", s), ("reset_slot", s),
+                 ("tok_slot", t), ("tok_is_output", t), ("tok_target", t), ("src_row", t)]
+        self.slices, self.sampler_start = _offsets(model)
+        tail, self.size = _offsets(_sampler_fields(s), self.sampler_start)
+        self.slices.update(tail)
+        self.sampler_slices = _offsets(_sampler_fields(s))[0]
         self.bucket = bucket
         self.max_blocks = max_blocks
 
@@ -207,7 +225,8 @@ class ModelRunner:
         self.num_mask_words = -(-model.cfg.vocab_size // 32)
         self._all_allowed: dict[Bucket, jax.Array] = {}  # i32[S, num_mask_words], all bits set
         self._mask_buffers: dict[Bucket, np.ndarray] = {}
-        self.compiled: dict[Bucket, jax.stages.Compiled] = {}
+        self.compiled: dict[Bucket, jax.stages.Compiled] = {}  # model programs
+        self.samplers: dict[int, jax.stages.Compiled] = {}  # by row count
         self.max_bucket_seqs = max(b.num_seqs for b in self.buckets)
         # i32[max_bucket_seqs]: the last program's sampled ids, the next one's prev_ids
         self._last_ids: jax.Array = self._to_device(np.zeros(self.max_bucket_seqs, np.int32))
@@ -222,15 +241,16 @@ class ModelRunner:
             return logits
         return jax.lax.with_sharding_constraint(logits, self._replicated)
 
-    def _step_fn(self, layout: _Layout):
+    def _model_fn(self, layout: _Layout):
+        """The bucket's model program: ``(params, kv_cache, pen, packed, prev_ids) ->
+        (kv_cache, pen, logits f32[S, vocab] of the sampled rows, prompt logprobs,
+        sampler_inputs i32[...])``, the last the packed buffer's sampler tail."""
         model, sl, b = self.model, layout.slices, layout.bucket
-
-        limit, k, max_rows = self.vocab_limit, MAX_LOGPROBS, self.max_bucket_seqs
+        limit, k, start = self.vocab_limit, MAX_LOGPROBS, layout.sampler_start
 
         def step(params, kv_cache: KVCache, pen: PenaltyState, packed: jax.Array,
-                 allowed: jax.Array, prev_ids: jax.Array):
+                 prev_ids: jax.Array):
             f = lambda name: packed[sl[name]]
-            as_f32 = lambda name: jax.lax.bitcast_convert_type(f(name), jnp.float32)
             md = AttentionMetadata(
                 slot_mapping=f("slot_mapping"),
                 block_tables=f("block_tables").reshape(b.num_seqs, layout.max_blocks),
@@ -247,30 +267,47 @@ class ModelRunner:
             hidden, kv_cache = model.forward(params, token_ids, f("positions"), kv_cache, md)
             logits = model.compute_logits(params, hidden[f("logits_indices")])
             logits = self._gathered(logits)
+            plp = jax.lax.cond(
+                (flags & self.FLAG_PROMPT_LOGPROBS) != 0,
+                lambda h, tg: logprobs_of(self._gathered(model.compute_logits(params, h)), tg,
+                                          k, limit),
+                lambda h, tg: zero_logprobs(b.num_tokens, k), hidden, f("tok_target"))
+            return kv_cache, pen, logits, plp, packed[start:]
+
+        return step
+
+    def _sampler_fn(self, num_seqs: int):
+        """The sampler program of ``num_seqs`` rows, shared by every bucket with as many:
+        ``(logits f32[S, vocab], pen, sampler_inputs, allowed) -> (ids i32[max_bucket_seqs],
+        logprobs)``. Apart from the model programs so that it compiles once per row count
+        (about 2 CPU-s of each step program's 4-5 on the 2-core CPU)."""
+        sl = _offsets(_sampler_fields(num_seqs))[0]
+        limit, k, max_rows = self.vocab_limit, MAX_LOGPROBS, self.max_bucket_seqs
+
+        def sample_rows(logits: jax.Array, pen: PenaltyState, inputs: jax.Array,
+                        allowed: jax.Array):
+            f = lambda name: inputs[sl[name]]
+            as_f32 = lambda name: jax.lax.bitcast_convert_type(f(name), jnp.float32)
+            flags = f("flags")[0]
             seeds = jax.lax.bitcast_convert_type(
                 jnp.stack([f("seed_hi"), f("seed_lo")], axis=-1), jnp.uint32)  # [S, 2]
             rows = RowInputs(as_f32("temperature"), f("top_k"), as_f32("top_p"),
                              as_f32("min_p"), seeds, f("sample_pos"), f("slot"),
                              as_f32("repetition_penalty"), as_f32("presence_penalty"),
                              as_f32("frequency_penalty"))
-            suppress = f("suppress_ids").reshape(b.num_seqs, MAX_MIN_TOKENS_STOP_IDS)
+            suppress = f("suppress_ids").reshape(num_seqs, MAX_MIN_TOKENS_STOP_IDS)
             ids = sample(suppress_tokens(logits, suppress, allowed,
                                          (flags & self.FLAG_ALLOWED) != 0), rows, pen, limit)
             lp = jax.lax.cond(
                 (flags & self.FLAG_LOGPROBS) != 0,
                 lambda lg, ch: logprobs_of(lg, ch, k, limit),
-                lambda lg, ch: zero_logprobs(b.num_seqs, k), logits, ids)
-            plp = jax.lax.cond(
-                (flags & self.FLAG_PROMPT_LOGPROBS) != 0,
-                lambda h, tg: logprobs_of(self._gathered(model.compute_logits(params, h)), tg,
-                                          k, limit),
-                lambda h, tg: zero_logprobs(b.num_tokens, k), hidden, f("tok_target"))
-            ids = jnp.zeros(max_rows, jnp.int32).at[:b.num_seqs].set(ids.astype(jnp.int32))
+                lambda lg, ch: zero_logprobs(num_seqs, k), logits, ids)
+            ids = jnp.zeros(max_rows, jnp.int32).at[:num_seqs].set(ids.astype(jnp.int32))
             if self._replicated is not None:
                 ids = jax.lax.with_sharding_constraint(ids, self._replicated)
-            return kv_cache, pen, ids, lp, plp
+            return ids, lp
 
-        return step
+        return sample_rows
 
     def warmup(self, progress: bool = True,
                on_compiled: Callable[[int, int], None] | None = None) -> dict[str, float]:
@@ -290,10 +327,7 @@ class ModelRunner:
                     jax.ShapeDtypeStruct(st.bias.shape[1:], jnp.float32))
             compile_fn = lambda: jax.jit(set_bias_row, donate_argnums=(0,)).lower(
                 *args).compile()
-            self._set_bias = compile_fn() if self.executable_cache is None else \
-                self.executable_cache.get_or_compile(repr(("set_bias", self.program_description)),
-                                                     args, compile_fn)
-            self.num_compiles += 1
+            self._set_bias = self._cached(("set_bias",), args, compile_fn)
         # tracing allocates many short-lived objects: the collector's passes took ~0.6 s of
         # a warm start's ~2.3 s of tracing and lowering (7 programs, 2-core CPU)
         gc_was_on = gc.isenabled()
@@ -303,19 +337,26 @@ class ModelRunner:
         finally:
             if gc_was_on:
                 gc.enable()
-        return {"num_programs": float(len(self.buckets) + 1),
+        return {"num_programs": float(len(self.compiled) + len(self.samplers) + 1),
                 "compile_s": time.perf_counter() - t0, "compile_cpu_s": _cpu_s() - c0}
 
     def _warmup_buckets(self, progress: bool,
                         on_compiled: Callable[[int, int], None] | None) -> None:
-        todo = [b for b in self.buckets if b not in self.compiled]
+        todo: list[Callable[[], None]] = []
+        rows = set(self.samplers)
+        for b in self.buckets:
+            if b not in self.compiled:
+                todo.append(lambda b=b: self._compile_model(b))
+            if b.num_seqs not in rows:
+                rows.add(b.num_seqs)
+                todo.append(lambda b=b: self._compile_sampler(b))
         bar = None
         if progress:
             bar = tqdm(total=len(todo), desc="compiling step programs", unit="program")
         if on_compiled is not None:
             on_compiled(0, len(todo))
-        for i, b in enumerate(todo):
-            self.compile_bucket(b)
+        for i, compile_one in enumerate(todo):
+            compile_one()
             if bar is not None:
                 bar.update(1)
             if on_compiled is not None:
@@ -333,29 +374,50 @@ class ModelRunner:
         return time.perf_counter() - t0
 
     def compile_bucket(self, bucket: Bucket) -> None:
-        """Compile one bucket's step program (``warmup`` compiles them all).
+        """Compile one bucket's model program, and the sampler program of its row count if
+        that is not compiled yet (``warmup`` compiles them all).
 
         Args:
-          bucket: one of ``self.buckets``; compiled again if it already is.
+          bucket: one of ``self.buckets``; its model program is compiled again if it already is.
         """
+        self._compile_model(bucket)
+        if bucket.num_seqs not in self.samplers:
+            self._compile_sampler(bucket)
+
+    def _cached(self, what: tuple, args: tuple, compile_fn) -> jax.stages.Compiled:
+        self.num_compiles += 1
+        if self.executable_cache is None:
+            return compile_fn()
+        return self.executable_cache.get_or_compile(
+            repr((*what, self.program_description, self.vocab_limit, self.max_bucket_seqs,
+                  MAX_LOGPROBS, MAX_MIN_TOKENS_STOP_IDS)), args, compile_fn)
+
+    def _compile_model(self, bucket: Bucket) -> None:
         lay = self.layouts[bucket]
         packed = jax.ShapeDtypeStruct((lay.size,), jnp.int32, sharding=self._replicated)
-        shape = (bucket.num_seqs, self.num_mask_words)
-        allowed = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._replicated)
         prev = jax.ShapeDtypeStruct((self.max_bucket_seqs,), jnp.int32,
                                     sharding=self._replicated)
-        args = (self.params, self.kv_cache, self.penalty_state, packed, allowed, prev)
-        compile_fn = lambda: jax.jit(self._step_fn(lay), donate_argnums=(1, 2)).lower(
+        args = (self.params, self.kv_cache, self.penalty_state, packed, prev)
+        compile_fn = lambda: jax.jit(self._model_fn(lay), donate_argnums=(1, 2)).lower(
             *args).compile()
-        if self.executable_cache is None:
-            self.compiled[bucket] = compile_fn()
-        else:
-            what = repr(("step", self.program_description, bucket, lay.slices, lay.max_blocks,
-                         self.vocab_limit, self.max_bucket_seqs, MAX_LOGPROBS,
-                         MAX_MIN_TOKENS_STOP_IDS))
-            self.compiled[bucket] = self.executable_cache.get_or_compile(what, args, compile_fn)
-        self.num_compiles += 1
+        self.compiled[bucket] = self._cached(("model", bucket, lay.slices, lay.max_blocks),
+                                             args, compile_fn)
+        shape = (bucket.num_seqs, self.num_mask_words)
         self._all_allowed[bucket] = self._to_device(np.full(shape, -1, np.int32))
+
+    def _compile_sampler(self, bucket: Bucket) -> None:
+        """The sampler program of ``bucket``'s row count, its inputs' shapes taken from the
+        bucket's compiled model program."""
+        lay, s = self.layouts[bucket], bucket.num_seqs
+        logits = self.compiled[bucket].out_info[2]
+        args = (jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=self._replicated),
+                self.penalty_state,
+                jax.ShapeDtypeStruct((lay.size - lay.sampler_start,), jnp.int32,
+                                     sharding=self._replicated),
+                jax.ShapeDtypeStruct((s, self.num_mask_words), jnp.int32,
+                                     sharding=self._replicated))
+        compile_fn = lambda: jax.jit(self._sampler_fn(s)).lower(*args).compile()
+        self.samplers[s] = self._cached(("sampler", s, lay.sampler_slices), args, compile_fn)
 
     def _to_device(self, host: np.ndarray) -> jax.Array:
         """A host array on the step programs' devices (replicated over the mesh, if any)."""
@@ -520,8 +582,8 @@ class ModelRunner:
           RuntimeError: if the bucket was not compiled by warmup (serving never compiles).
           ValueError: a mask when one model spans several processes.
         """
-        prog = self.compiled.get(bucket)
-        if prog is None:
+        prog, sampler = self.compiled.get(bucket), self.samplers.get(bucket.num_seqs)
+        if prog is None or sampler is None:
             raise RuntimeError(f"bucket {bucket} was not compiled; call warmup() first")
         flags = self.layouts[bucket].slices["flags"]
         packed[flags] = (packed[flags] & ~self.FLAG_ALLOWED) | (
@@ -533,10 +595,11 @@ class ModelRunner:
             multihost_utils.broadcast_one_to_all(
                 np.array([self.buckets.index(bucket)], np.int32))
             packed = multihost_utils.broadcast_one_to_all(packed)
-            return self._run_global(prog, packed, self._all_allowed[bucket])
+            return self._run_global(bucket, packed)
         mask = self._all_allowed[bucket] if allowed is None else allowed
-        self.kv_cache, self.penalty_state, ids, lp, plp = prog(
-            self.params, self.kv_cache, self.penalty_state, packed, mask, self._last_ids)
+        self.kv_cache, self.penalty_state, logits, plp, inputs = prog(
+            self.params, self.kv_cache, self.penalty_state, packed, self._last_ids)
+        ids, lp = sampler(logits, self.penalty_state, inputs, mask)
         self._last_ids = ids
         ids.copy_to_host_async()
         return StepOutput(ids, lp, plp)
@@ -547,10 +610,12 @@ class ModelRunner:
         """True when the mesh spans several processes (see jaxserve.cli.multihost)."""
         return self._multiprocess
 
-    def _run_global(self, prog, packed: np.ndarray, allowed: jax.Array) -> StepOutput:
+    def _run_global(self, bucket: Bucket, packed: np.ndarray) -> StepOutput:
         arr = self._to_device(np.asarray(packed))
-        self.kv_cache, self.penalty_state, ids, lp, plp = prog(
-            self.params, self.kv_cache, self.penalty_state, arr, allowed, self._last_ids)
+        self.kv_cache, self.penalty_state, logits, plp, inputs = self.compiled[bucket](
+            self.params, self.kv_cache, self.penalty_state, arr, self._last_ids)
+        ids, lp = self.samplers[bucket.num_seqs](logits, self.penalty_state, inputs,
+                                                 self._all_allowed[bucket])
         self._last_ids = ids
         local = lambda tree: jax.tree_util.tree_map(lambda x: x.addressable_data(0), tree)
         return StepOutput(np.asarray(ids.addressable_data(0)), local(lp), local(plp))
@@ -566,7 +631,7 @@ class ModelRunner:
             bucket = self.buckets[idx]
             buf = multihost_utils.broadcast_one_to_all(
                 np.zeros(self.layouts[bucket].size, np.int32))
-            self._run_global(self.compiled[bucket], buf, self._all_allowed[bucket])
+            self._run_global(bucket, buf)
             steps += 1
 
     def stop_followers(self) -> None:

@@ -103,19 +103,20 @@ def test_warm_engine_loads_every_program_and_serves_the_same_tokens(tmp_path):
         from jaxserve.sampling_params import SamplingParams
         eng = LLMEngine(EngineConfig(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
                                      compilation_cache_dir=sys.argv[1]), LoadConfig("tiny", "dummy"))
-        eng.warmup(progress=False)
+        n = int(eng.warmup(progress=False)["num_programs"])
         eng.add_request("r", [3, 1, 4, 1, 5], SamplingParams(max_tokens=6, temperature=0.8, seed=3))
         while eng.has_unfinished_requests():
             for out in eng.step():
                 ids = out.outputs[0].token_ids
         c = eng.runner.executable_cache
-        print(len(eng.runner.buckets) + 1, c.hits, c.misses, c.not_stored, *ids)
+        print(n, c.hits, c.misses, c.not_stored, *ids)
     """)
     run = lambda: [int(x) for x in subprocess.run(
         [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
         check=True, timeout=600).stdout.split()]
     cold, warm = run(), run()
-    n = cold[0]  # the step programs and the logit_bias writer
+    n = cold[0]  # model, sampler and logit_bias programs
+    assert n == 4  # buckets (8, 4) and (16, 4): 2 model programs, one sampler for 4 rows
     assert cold[1:4] == [0, n, 0] and warm[1:4] == [n, 0, 0]
     assert len(warm[4:]) == 6 and warm[4:] == cold[4:]
 
