@@ -39,6 +39,11 @@ CONFIGS = {
 }
 CONFIGS.update({k: f"{XLA_SCHED} {v}" for k, v in CONFIGS.items()
                 if k not in ("jaxserve", "default", "no_conc_sched")})
+SCHED_OFF = CONFIGS["no_conc_sched"]
+CONFIGS.update({  # on top of jaxserve's default
+    "off+vec512": f"{SCHED_OFF} --xla_cpu_prefer_vector_width=512",
+    "off+fastmath": f"{SCHED_OFF} --xla_cpu_enable_fast_math=true",
+})
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
