@@ -9,6 +9,8 @@ ignored) are prefilled, then ``--num-steps`` decode steps (one token per sequenc
 after two untimed ones. Each ``engine.step()`` is split into:
   device  ``ModelRunner.execute``: the compiled step program and the sampled ids back on the host;
   host    the rest of the step: scheduling, packing the inputs, updating the requests.
+  cpu     the process's CPU seconds over the step (every thread: XLA's, the engine's), which a
+          busy shared machine disturbs less than the wall time.
 The timer waits for each step's ids inside ``execute``, so steps run one after the other even
 with async scheduling on: ``host`` is the part that async scheduling overlaps with the device
 (measure the overlap itself with ``--step-trace``).
@@ -128,24 +130,25 @@ class _ExecuteTimer:
         return out
 
 
-Step = tuple[Any, float, float, float]  # bucket, step s, device s, mask s
+Step = tuple[Any, float, float, float, float]  # bucket, step s, device s, mask s, CPU s
 
 
 def _timed_step(engine: LLMEngine, timer: _ExecuteTimer, masks: _MaskTimer) -> Step:
-    """One engine step: (its bucket, its seconds, the device part of them, the mask part)."""
+    """One engine step: (its bucket, its seconds, the device part of them, the mask part, the
+    process CPU seconds over it)."""
     n, m = len(timer.calls), len(masks.calls)
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     engine.step()
-    step_s = time.perf_counter() - t0
+    step_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     if len(timer.calls) != n + 1:
         raise RuntimeError("an engine step ran no device program; nothing was scheduled")
     bucket, device_s = timer.calls[-1]
-    return bucket, step_s, device_s, sum(masks.calls[m:])
+    return bucket, step_s, device_s, sum(masks.calls[m:]), cpu_s
 
 
 def _summary(steps: list[Step], num_seqs: int | None = None) -> dict[str, Any]:
-    step_ms = [1e3 * s for _, s, _, _ in steps]
-    device_ms = [1e3 * d for _, _, d, _ in steps]
+    step_ms = [1e3 * s for _, s, _, _, _ in steps]
+    device_ms = [1e3 * d for _, _, d, _, _ in steps]
     host_ms = [a - b for a, b in zip(step_ms, device_ms)]
     bucket = steps[0][0]
     out = {"bucket_tokens": bucket.num_tokens, "bucket_seqs": bucket.num_seqs,
@@ -153,7 +156,8 @@ def _summary(steps: list[Step], num_seqs: int | None = None) -> dict[str, Any]:
            "min_step_ms": min(step_ms), "max_step_ms": max(step_ms),
            "median_device_ms": statistics.median(device_ms),
            "median_host_ms": statistics.median(host_ms),
-           "median_mask_ms": statistics.median(1e3 * k for _, _, _, k in steps)}
+           "median_mask_ms": statistics.median(1e3 * k for _, _, _, k, _ in steps),
+           "median_cpu_ms": statistics.median(1e3 * c for *_, c in steps)}
     if num_seqs is not None:  # a decode step: one token per sequence
         out["tokens_per_second"] = num_seqs / (out["median_step_ms"] / 1e3)
     return out
@@ -251,7 +255,7 @@ def format_table(result: dict[str, Any]) -> str:
              f"{cfg['block_size']}); {int(result['num_programs'])} programs compiled in "
              f"{result['compile_s']:.1f} s"),
              (f"{'mode':<10}{'batch':>6}{'phase':>9}{'bucket':>10}{'steps':>6}{'step ms':>10}"
-             f"{'device ms':>11}{'host ms':>9}{'mask ms':>9}{'tok/s':>10}")]
+             f"{'device ms':>11}{'host ms':>9}{'mask ms':>9}{'cpu ms':>9}{'tok/s':>10}")]
     for r in result["rows"]:
         for phase, s in [("decode", r["decode"])] + [("prefill", p) for p in r["prefill"]]:
             tok_s = f"{s['tokens_per_second']:>10.1f}" if phase == "decode" else f"{'':>10}"
@@ -259,5 +263,5 @@ def format_table(result: dict[str, Any]) -> str:
                          f"{str(s['bucket_tokens']) + 'x' + str(s['bucket_seqs']):>10}"
                          f"{s['num_steps']:>6}{s['median_step_ms']:>10.2f}"
                          f"{s['median_device_ms']:>11.2f}{s['median_host_ms']:>9.2f}"
-                         f"{s['median_mask_ms']:>9.2f}{tok_s}")
+                         f"{s['median_mask_ms']:>9.2f}{s['median_cpu_ms']:>9.2f}{tok_s}")
     return "\n".join(lines)
