@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
 # copies of names in pallas_kernels and models.quant, which import jax (tests/test_config.py)
-KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "int8")
+KV_8BIT_DTYPES = ("fp8", "int8")  # the ones stored with calibrated scales
 KV_SCALE_MODES = ("calibrated", "unit")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas-interpret")
 QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8")
@@ -54,8 +55,9 @@ class EngineConfig:
                 "float32, bfloat16, float16"})
     # fp8 is stored as its bit patterns in uint8 arrays; 1 byte per element either way
     kv_cache_dtype: str = field(default="auto", metadata={
-        "help": "KV-cache storage: auto (the serving dtype), fp8 (float8 e4m3) or int8, 8-bit "
-                "with per-(layer, kv-head) scales calibrated at start"})
+        "help": "KV-cache storage: auto (the serving dtype), bfloat16 (half of a float32 "
+                "cache, no scales), fp8 (float8 e4m3) or int8, 8-bit with per-(layer, kv-head) "
+                "scales calibrated at start"})
     # the calibration pass: jaxserve/device/kv_calibration.py
     kv_calibration_file: str | None = field(default=None, metadata={
         "help": "text file whose K/V magnitudes set the 8-bit KV scales (default: a short passage "
@@ -152,7 +154,7 @@ class EngineConfig:
             raise ValueError(f"{self.kv_scale_mode=} must be one of {KV_SCALE_MODES}")
         if not 0.0 < self.kv_calibration_percentile <= 100.0:
             raise ValueError(f"{self.kv_calibration_percentile=} must be in (0, 100]")
-        if self.kv_calibration_file is not None and (self.kv_cache_dtype == "auto"
+        if self.kv_calibration_file is not None and (self.kv_cache_dtype not in KV_8BIT_DTYPES
                                                      or self.kv_scale_mode != "calibrated"):
             raise ValueError(f"{self.kv_calibration_file=} is used only with kv_cache_dtype "
                              f"fp8 or int8 and kv_scale_mode 'calibrated' (got "

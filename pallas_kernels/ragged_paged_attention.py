@@ -230,9 +230,12 @@ def ragged_paged_attention(
         m_new = jnp.maximum(m, s.max(axis=1))
         p = jnp.where(mask3, jnp.exp(s - m_new[:, None, :]), 0.0)
         alpha = jnp.exp(m - m_new)
-        o = jnp.einsum("scy,scx->syx", p, jnp.where(mask3, v, 0.0))
-        o = jnp.einsum("skgjd,kj->skgd", o.reshape(num_slots, num_kv_heads, group, num_kv_heads,
-                                                   head_dim), eye)
+        # p . v as a broadcast multiply summed over the chunk, not a second block-diagonal
+        # matmul: XLA fuses the masking (and an 8-bit or bf16 cache's conversion) into the
+        # reduction, so the gathered values are read once and never copied to float32, and no
+        # kv-fold wasted products are made (~10% of the decode attention on XLA CPU).
+        vm = jnp.where(mask3, v, 0.0).reshape(num_slots, chunk_d, num_kv_heads, 1, head_dim)
+        o = jnp.sum(p.reshape(num_slots, chunk_d, num_kv_heads, group, 1) * vm, axis=1)
         acc = acc * alpha.reshape(num_slots, num_kv_heads, group)[..., None] + o
         return m_new, l * alpha + p.sum(axis=1), acc
 

@@ -12,4 +12,5 @@ from pallas_kernels import kv_cache
 def test_config_names_match_implementations() -> None:
     assert config.ATTENTION_BACKENDS == pallas_kernels.ATTENTION_BACKENDS
     assert config.QUANTIZATION_METHODS == quant.METHODS
-    assert set(config.KV_CACHE_DTYPES) == {"auto", *kv_cache.KV_QUANT_DTYPES}
+    assert set(config.KV_CACHE_DTYPES) == {"auto", "bfloat16", *kv_cache.KV_QUANT_DTYPES}
+    assert set(config.KV_8BIT_DTYPES) == set(kv_cache.KV_QUANT_DTYPES)

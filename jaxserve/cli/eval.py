@@ -65,7 +65,7 @@ from jaxserve.cli.eval_inputs import (
     read_corpus,
     read_prompts,
 )
-from jaxserve.config import EngineConfig, LoadConfig
+from jaxserve.config import KV_8BIT_DTYPES, EngineConfig, LoadConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -419,8 +419,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", default=None,
                    help="configurations to compare with the unquantised baseline, comma "
                         "separated; parts joined with '+': int8, int4, fp8 (weights), emb "
-                        "(also the embedding / LM head), kv-fp8, kv-int8 (KV cache), none "
-                        "(e.g. int8,int4,fp8,kv-fp8,kv-int8,int8+emb+kv-fp8). Default: the "
+                        "(also the embedding / LM head), kv-fp8, kv-int8, kv-bfloat16 (KV "
+                        "cache), none (e.g. int8,int4,fp8,kv-fp8,kv-int8,int8+emb+kv-fp8). "
+                        "Default: the "
                         "configuration the engine flags give, when it is quantised")
     p.add_argument("--output", default=None, help="also write the report as JSON here")
     p.add_argument("--eval-window", type=int, default=None,
@@ -493,7 +494,7 @@ def run(ns: argparse.Namespace, config: EngineConfig, load: LoadConfig,
                    for name, overrides in parse_compare(ns.compare)]
         if kv_calibration_file is not None:
             for _, overrides in configs:
-                if overrides.get("kv_cache_dtype", config.kv_cache_dtype) != "auto":
+                if overrides.get("kv_cache_dtype", config.kv_cache_dtype) in KV_8BIT_DTYPES:
                     overrides["kv_calibration_file"] = kv_calibration_file
     elif describe(config) != "none":
         configs = [(describe(config), {})]

@@ -28,6 +28,7 @@ COMPARE_PARTS: dict[str, tuple[str, object]] = {
     "int4": ("quantization", "int4"),
     "fp8": ("quantization", "fp8"),
     "emb": ("quantize_embeddings", True),
+    "kv-bfloat16": ("kv_cache_dtype", "bfloat16"),
     "kv-fp8": ("kv_cache_dtype", "fp8"),
     "kv-int8": ("kv_cache_dtype", "int8"),
 }

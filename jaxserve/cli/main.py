@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             # a calibration file serves the 8-bit KV configurations of --compare even when
             # the base configuration's cache is float (where EngineConfig refuses it)
             calibration = getattr(ns, "kv_calibration_file", None)
-            if getattr(ns, "kv_cache_dtype", None) in (None, "auto"):
+            if getattr(ns, "kv_cache_dtype", None) in (None, "auto", "bfloat16"):
                 ns.kv_calibration_file = None
             return eval_cmd.run(ns, engine_config_from_args(ns),
                             LoadConfig(ns.model, ns.load_format, ns.served_model_name),

@@ -36,7 +36,7 @@ GIB = 1 << 30
 class KVLayout:
     """How the paged KV cache is stored and how big it is."""
 
-    name: str  # kv_cache_dtype as configured: "auto", "fp8" or "int8"
+    name: str  # kv_cache_dtype as configured: "auto", "bfloat16", "fp8" or "int8"
     dtype: jnp.dtype  # storage dtype (uint8 holds fp8 bit patterns)
     num_blocks: int  # including padding block 0
     bytes_per_token: int  # K + V, all layers, all devices
@@ -50,7 +50,7 @@ class KVLayout:
         cache how its scales were set (e.g. ``"kv fp8 (float8_e4m3fn bits in uint8), 23040
         B/token, scales calibrated on 868 tokens in 1.2 s"``)."""
         line = f"kv {self.name}"
-        if self.name != "auto":
+        if self.dtype in KV_FORMAT_NAMES:
             line += f" ({KV_FORMAT_NAMES[self.dtype]})"
         line += f", {self.bytes_per_token} B/token"
         if self.scales_source == "calibrated":
@@ -81,12 +81,13 @@ def plan_kv_cache(config: EngineConfig, load: LoadConfig, model: CausalLM, param
         not fit the model (``jaxserve.device.kv_calibration``).
     """
     mc = model.cfg
-    kv_dtype = dtype if config.kv_cache_dtype == "auto" else KV_QUANT_DTYPES[config.kv_cache_dtype]
+    kv_dtype = {"auto": jnp.dtype(dtype), "bfloat16": jnp.dtype(jnp.bfloat16),
+                **KV_QUANT_DTYPES}[config.kv_cache_dtype]
     float_cache = KVLayout(
         config.kv_cache_dtype, kv_dtype, _num_blocks(config, mc, kv_dtype, mesh),
         kv_cache_bytes_per_block(mc.num_layers, 1, mc.num_kv_heads, mc.head_dim, kv_dtype),
         scales=None, scales_source=None)
-    if config.kv_cache_dtype == "auto":
+    if config.kv_cache_dtype not in KV_QUANT_DTYPES:  # a float cache: no scales
         return float_cache
     shape = (mc.num_layers, mc.num_kv_heads)
     if config.kv_scale_mode == "unit":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.engine.kv_budget import KVLayout, plan_kv_cache
@@ -32,6 +33,23 @@ def test_float_cache_from_a_memory_budget() -> None:
     assert got.dtype == jnp.float32 and got.bytes_per_token == per_block // 16
     assert (got.scales, got.scales_source, got.calibration_tokens) == (None, None, 0)
     assert got.summary() == f"kv auto, {got.bytes_per_token} B/token"
+
+
+def test_bfloat16_cache_is_half_of_float32_and_has_no_scales() -> None:
+    f32 = _plan(kv_cache_memory_gib=0.01)
+    got = _plan(kv_cache_dtype="bfloat16", kv_cache_memory_gib=0.01)
+    assert got.dtype == jnp.bfloat16 and 2 * got.bytes_per_token == f32.bytes_per_token
+    assert 2 * f32.num_blocks <= got.num_blocks < 2 * (f32.num_blocks + 1)
+    assert (got.scales, got.scales_source, got.calibration_tokens) == (None, None, 0)
+    assert got.summary() == f"kv bfloat16, {got.bytes_per_token} B/token"
+
+
+def test_calibration_file_is_refused_for_a_float_cache(tmp_path) -> None:
+    cal = tmp_path / "cal.txt"
+    cal.write_text("some text")
+    for kv in ("auto", "bfloat16"):
+        with pytest.raises(ValueError, match="kv_calibration_file"):
+            EngineConfig(kv_cache_dtype=kv, kv_calibration_file=str(cal))
 
 
 def test_unit_scales_for_a_one_byte_cache() -> None:

@@ -79,3 +79,26 @@ def test_traced_sliding_window_one_program() -> None:
                                           sliding_window=ref_window)
         np.testing.assert_allclose(got[:total], want[:total], rtol=1e-5, atol=1e-5)
     assert run._cache_size() == 1
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_bfloat16_cache_matches_reference_on_stored_values(block_size: int) -> None:
+    """A bfloat16 cache (``kv_cache_dtype=bfloat16``) is read exactly: the op on bf16 pages (NaN
+    in every page no sequence owns) equals the float64 reference on the same stored values, on
+    the decode path (many one-row sequences, contexts across several chunks) and the prefill
+    path."""
+    rng = np.random.default_rng()
+    q_lens = [1, 1, 1, 1, 9, 1]
+    ctx_lens = [1, 70, 129, 200, 40, 17]
+    q, k, v, bt, sl, qsl, ns = make_case(rng, q_lens, ctx_lens, block_size=block_size,
+                                         num_seqs_pad=8, tokens_pad=16)
+    kb, vb = jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
+    got = np.asarray(ragged_paged_attention(
+        jnp.asarray(q, jnp.float32), kb, vb, jnp.int32(1), jnp.asarray(bt), jnp.asarray(sl),
+        jnp.asarray(qsl), jnp.asarray(ns), sm_scale=0.25))
+    want = ref_ragged_paged_attention(q, np.asarray(kb), np.asarray(vb), 1, bt, sl, qsl, ns,
+                                      sm_scale=0.25)
+    total = qsl[-1]
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got[:total], want[:total], rtol=1e-5, atol=1e-5)
+    assert np.all(got[total:] == 0.0)

@@ -171,9 +171,10 @@ def measure(engine: LLMEngine, timer: _ExecuteTimer, masks: _MaskTimer, mode: st
     """
     kw, n = MODES[mode]
     vocab = engine.tokenizer.vocab_size
-    # the first sequences decode while later ones prefill: enough tokens to outlast that
-    prefill_steps = -(-batch * context // engine.config.max_num_batched_tokens)
-    params = SamplingParams(max_tokens=num_steps + NUM_UNTIMED_STEPS + prefill_steps + 8,
+    # the first sequences decode while later ones prefill: room to the context window (or the
+    # cache), so that no row finishes in the timed steps (the requests are aborted after them)
+    room = min(engine.max_model_len, (engine.num_blocks - 1) * engine.config.block_size)
+    params = SamplingParams(max_tokens=max(1, room - context),
                             ignore_eos=True,
                             seed=int(rng.integers(1 << 31)), **kw)
     ids = [f"step-{mode}-{batch}-{i}" for i in range(batch // n)]
@@ -197,8 +198,8 @@ def measure(engine: LLMEngine, timer: _ExecuteTimer, masks: _MaskTimer, mode: st
         _timed_step(engine, timer, masks)
     decode = [_timed_step(engine, timer, masks) for _ in range(num_steps)]
     if any(b != decode_bucket for b, *_ in decode):
-        raise RuntimeError("a timed decode step ran at another shape; were other requests in "
-                           "the engine?")
+        raise RuntimeError(f"a timed decode step ran at another shape than {decode_bucket} "
+                           f"({[b for b, *_ in decode]}); were other requests in the engine?")
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
@@ -223,9 +224,14 @@ def run(ns: argparse.Namespace) -> int:
         raise ValueError("mode n4 needs batch sizes that are multiples of 4")
     if getattr(ns, "max_num_seqs", None) is None:
         ns.max_num_seqs = max(ns.batch_sizes)
-    if getattr(ns, "max_model_len", None) is None:
+    fit_model_len = getattr(ns, "max_model_len", None) is None
+    if fit_model_len:
         ns.max_model_len = ns.context + ns.num_steps + NUM_UNTIMED_STEPS + 16
     cfg = engine_config_from_args(ns)
+    if fit_model_len:  # also the tokens the first rows decode while the last ones prefill
+        budget = max(1, cfg.max_num_batched_tokens - max(ns.batch_sizes))
+        prefill_steps = 2 * -(-max(ns.batch_sizes) * ns.context // budget)
+        cfg = dataclasses.replace(cfg, max_model_len=cfg.max_model_len + prefill_steps)
     if max(ns.batch_sizes) > cfg.max_num_seqs:
         raise ValueError(f"--batch-sizes {max(ns.batch_sizes)} exceeds max_num_seqs="
                          f"{cfg.max_num_seqs}")
