@@ -13,8 +13,10 @@ known before tracing:
 - the caller's description of the program (the engine config, model config and bucket layout)
   and the tree structure, shapes, dtypes and shardings of every argument.
 
-A loaded program is checked against the arguments' tree and avals before it is used; a
-missing, unreadable or mismatching entry is compiled as before, and stored only if XLA
+An entry carries a sha256 of its bytes, checked before anything is unpickled, and a loaded
+program is checked against the arguments' tree and avals before it is used; an entry that is
+damaged (a flipped byte in an executable could otherwise run wrong code), unreadable or
+mismatching is logged and deleted, and the program compiled as before, and stored only if XLA
 compiled it: an executable that jax's persistent cache loaded serializes without its
 functions on XLA:CPU (jax 0.11.2: running it fails with "NOT_FOUND: Function ... not found"),
 so after a persistent-cache hit the entry is left out and the next start takes the same path.
@@ -25,6 +27,7 @@ kept, up to ``max_bytes`` in all.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -40,6 +43,13 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 _SOURCE_PACKAGES = ("jaxserve", "models", "pallas_kernels")
+# an entry: magic, sha256 of the payload, the payload (the pickled serialized executable)
+_MAGIC = b"jaxserve-exe-1\n"
+_DIGEST_BYTES = len(_MAGIC) + 32
+# jax settings that do not change a compiled program (where the caches live); left out of the
+# key so that a warm cache still hits after it is copied or mounted at another path
+_KEY_EXCLUDED_CONFIG = ("jax_compilation_cache_dir", "jax_persistent_cache_",
+                        "jax_compilation_cache_")
 _code_digest: str | None = None
 # jax's event for a compile its persistent cache could not answer (jax._src.compiler); only
 # what XLA compiled is stored (module docstring)
@@ -101,7 +111,8 @@ def _environment() -> str:
     return repr((jax.__version__, jaxlib.__version__, np.__version__, jax.default_backend(),
                  dev[0].client.platform_version, sorted({d.device_kind for d in dev}),
                  len(dev), os.environ.get("XLA_FLAGS", ""),
-                 sorted((k, repr(v)) for k, v in jax.config.values.items())))
+                 sorted((k, repr(v)) for k, v in jax.config.values.items()
+                        if not k.startswith(_KEY_EXCLUDED_CONFIG))))
 
 
 def _describe_args(args: tuple) -> str:
@@ -168,8 +179,13 @@ class ExecutableCache:
         except OSError as e:
             log.warning("executable cache: cannot read %s: %s", path, e)
             return None
+        digest, payload = blob[:_DIGEST_BYTES], blob[_DIGEST_BYTES:]
+        if blob[:len(_MAGIC)] != _MAGIC or hashlib.sha256(payload).digest() != \
+                digest[len(_MAGIC):]:
+            self._discard(path, "its checksum does not match (a damaged or foreign file)")
+            return None
         try:
-            serialized, in_tree, out_tree, device_ids = pickle.loads(blob)
+            serialized, in_tree, out_tree, device_ids = pickle.loads(payload)
             by_id = {d.id: d for d in jax.devices()}
             compiled = deserialize_and_load(serialized, in_tree, out_tree,
                                             execution_devices=[by_id[i] for i in device_ids])
@@ -177,22 +193,29 @@ class ExecutableCache:
             got = [(tuple(a.shape), a.dtype) for a in jax.tree_util.tree_leaves(compiled.in_avals)]
             if compiled.in_tree != want or got != [
                     (tuple(x.shape), x.dtype) for x in jax.tree_util.tree_leaves(args)]:
-                log.warning("executable cache: %s does not match its arguments; compiling",
-                            path.name)
+                self._discard(path, "it does not match the program's arguments")
                 return None
-            os.utime(path)
-            return compiled
         except Exception as e:  # noqa: BLE001 (a bad entry must never stop a start)
-            log.warning("executable cache: cannot load %s (%s: %s); compiling", path.name,
-                        type(e).__name__, e)
+            self._discard(path, f"it cannot be loaded ({type(e).__name__}: {e})")
             return None
+        with contextlib.suppress(OSError):  # a read-only cache is still read
+            os.utime(path)
+        return compiled
+
+    def _discard(self, path: Path, why: str) -> None:
+        """Log and delete a bad entry (so that a later compile can store it again)."""
+        log.warning("executable cache: not using %s: %s; the program is compiled (or read "
+                    "from XLA's cache) instead", path.name, why)
+        with contextlib.suppress(OSError):
+            path.unlink()
 
     def _store(self, path: Path, compiled: jax.stages.Compiled) -> None:
         from jax.experimental.serialize_executable import serialize
 
         try:
             devices = compiled.runtime_executable().local_devices()
-            blob = pickle.dumps((*serialize(compiled), [d.id for d in devices]))
+            payload = pickle.dumps((*serialize(compiled), [d.id for d in devices]))
+            blob = _MAGIC + hashlib.sha256(payload).digest() + payload
             self.directory.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:

@@ -193,7 +193,8 @@ class LLMEngine:
                                   program_description=repr((
                                       type(self.model).__module__,
                                       type(self.model).__qualname__, mc, str(self.dtype),
-                                      config)))
+                                      # where the caches live does not change a program
+                                      dataclasses.replace(config, compilation_cache_dir=""))))
         t_runner = time.perf_counter()
         if self.host_kv is not None and self.runner.multiprocess:
             raise ValueError("kv_offloading_size is not supported when one model spans several "

@@ -76,11 +76,18 @@ def served_name(load: LoadConfig) -> str:
 
 
 def setup_compilation_cache(cache_dir: str) -> None:
-    """Turn on JAX's persistent compilation cache in ``cache_dir`` ("" leaves it off)."""
+    """Turn on JAX's persistent compilation cache in ``cache_dir`` ("" leaves it off).
+
+    Raises ValueError naming ``compilation_cache_dir`` if it is not a directory and cannot be
+    made one."""
     if not cache_dir:
         return
     path = os.path.expanduser(cache_dir)
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"compilation_cache_dir={cache_dir!r} is not a usable directory: "
+                         f"{e.strerror or e}") from None
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

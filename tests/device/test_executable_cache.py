@@ -4,6 +4,7 @@ engine built from the cache serves the same tokens as a cold one."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -67,11 +68,56 @@ def test_bad_entry_is_compiled_again_and_replaced(tmp_path, caplog):
     (entry,) = tmp_path.glob("*.bin")
     entry.write_bytes(b"not a pickle")
     prog = cache.get_or_compile("double", args, lambda: _compiler(calls)(args))
-    assert len(calls) == 2 and "cannot load" in caplog.text
+    assert len(calls) == 2 and "not using" in caplog.text
     assert float(prog(jnp.ones(4), jnp.ones(4))[0]) == 3.0 + calls[1]
     assert ExecutableCache(tmp_path).get_or_compile(
         "double", args, lambda: _compiler(calls)(args)) is not None
     assert len(calls) == 2  # the replaced entry loads
+
+
+def test_a_flipped_byte_is_caught_by_the_checksum_and_the_entry_deleted(tmp_path, caplog):
+    """A damaged executable can unpickle and load, then run wrong code or crash; the entry's
+    sha256 is checked first, and the entry is deleted."""
+    args = (jax.ShapeDtypeStruct((4,), jnp.float32),) * 2
+    calls: list = []
+    ExecutableCache(tmp_path).get_or_compile("double", args, lambda: _compiler(calls)(args))
+    (entry,) = tmp_path.glob("*.bin")
+    blob = bytearray(entry.read_bytes())
+    blob[len(blob) * 85 // 100] ^= 0x01  # inside the serialized executable
+    entry.write_bytes(bytes(blob))
+    cache = ExecutableCache(tmp_path)
+    prog = cache.get_or_compile("double", args, lambda: _compiler(calls)(args))
+    assert "checksum" in caplog.text and cache.hits == 0 and len(calls) == 2
+    assert float(prog(jnp.ones(4), jnp.ones(4))[0]) == 3.0 + calls[1]
+    (entry,) = tmp_path.glob("*.bin")  # the damaged one was deleted, the new one stored
+    assert ExecutableCache(tmp_path).get_or_compile("double", args, lambda: None) is not None
+
+
+def test_read_only_entries_and_a_moved_directory_still_hit(tmp_path, monkeypatch):
+    args = (jax.ShapeDtypeStruct((4,), jnp.float32),) * 2
+    calls: list = []
+    ExecutableCache(tmp_path / "a").get_or_compile("double", args,
+                                                   lambda: _compiler(calls)(args))
+    def no_utime(*a, **k):
+        raise PermissionError(1, "Operation not permitted")
+    monkeypatch.setattr("os.utime", no_utime)
+    ro = ExecutableCache(tmp_path / "a")
+    assert ro.get_or_compile("double", args, lambda: _compiler(calls)(args)) is not None
+    assert ro.hits == 1 and len(calls) == 1
+    monkeypatch.undo()
+    # the key does not hold the directory (jax's cache-dir setting included), so a copy of a
+    # warm cache mounted elsewhere hits
+    (tmp_path / "b").mkdir()
+    for p in (tmp_path / "a").glob("*.bin"):
+        (tmp_path / "b" / p.name).write_bytes(p.read_bytes())
+    old = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "b"))
+        moved = ExecutableCache(tmp_path / "b")
+        moved.get_or_compile("double", args, lambda: _compiler(calls)(args))
+    finally:
+        jax.config.update("jax_compilation_cache_dir", old)
+    assert moved.hits == 1 and len(calls) == 1
 
 
 def test_entries_past_max_bytes_are_pruned_oldest_first(tmp_path):
@@ -111,14 +157,17 @@ def test_warm_engine_loads_every_program_and_serves_the_same_tokens(tmp_path):
         c = eng.runner.executable_cache
         print(n, c.hits, c.misses, c.not_stored, *ids)
     """)
-    run = lambda: [int(x) for x in subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+    run = lambda d: [int(x) for x in subprocess.run(
+        [sys.executable, "-c", script, str(d)], capture_output=True, text=True,
         check=True, timeout=600).stdout.split()]
-    cold, warm = run(), run()
+    cold, warm = run(tmp_path / "a"), run(tmp_path / "a")
     n = cold[0]  # model, sampler and logit_bias programs
     assert n == 4  # buckets (8, 4) and (16, 4): 2 model programs, one sampler for 4 rows
     assert cold[1:4] == [0, n, 0] and warm[1:4] == [n, 0, 0]
     assert len(warm[4:]) == 6 and warm[4:] == cold[4:]
+    # a copy of the warm cache at another path (another volume mount) hits as well
+    shutil.copytree(tmp_path / "a" / "jaxserve-executables", tmp_path / "b" / "jaxserve-executables")
+    assert run(tmp_path / "b")[1:] == warm[1:]
 
 
 def test_no_cache_dir_or_a_mesh_means_no_executable_cache():
