@@ -24,8 +24,8 @@ decoding, ``jaxserve/engine/structured_output.py``): a step with a constrained r
 any other step passes the bucket's all-ones mask, which stays on the device, and the program
 skips it, so it costs no transfer, no host work and no device work.
 Every bucket's model program and every row count's sampler program are compiled once by
-``warmup``, plus one small program that writes a logit_bias row into the penalty state; ``execute`` only looks programs up, so serving never
-compiles (``num_compiles`` counts, and a test checks the jax compile events too).
+``warmup``, plus one small program that writes a logit_bias row into the penalty state;
+``execute`` only looks programs up, so serving never compiles (``num_compiles`` counts, and a test checks the jax compile events too).
 
 Logprobs cost nothing in a step where no request asks for them: a flag in the packed buffer
 selects a ``lax.cond`` branch that returns zeros. Prompt logprobs (``echo`` / ``prompt_logprobs``)
@@ -276,12 +276,12 @@ class ModelRunner:
 
         return step
 
-    def _sampler_fn(self, num_seqs: int):
-        """The sampler program of ``num_seqs`` rows, shared by every bucket with as many:
-        ``(logits f32[S, vocab], pen, sampler_inputs, allowed) -> (ids i32[max_bucket_seqs],
-        logprobs)``. Apart from the model programs so that it compiles once per row count
-        (about 2 CPU-s of each step program's 4-5 on the 2-core CPU)."""
-        sl = _offsets(_sampler_fields(num_seqs))[0]
+    def _sampler_fn(self, layout: _Layout):
+        """The sampler program of ``layout``'s row count ``S``, shared by every bucket with as
+        many: ``(logits f32[S, vocab], pen, sampler_inputs, allowed) -> (ids
+        i32[max_bucket_seqs], logprobs)``. Apart from the model programs so that it compiles
+        once per row count (about 2 CPU-s of each step program's 4-5 on the 2-core CPU)."""
+        sl, num_seqs = layout.sampler_slices, layout.bucket.num_seqs
         limit, k, max_rows = self.vocab_limit, MAX_LOGPROBS, self.max_bucket_seqs
 
         def sample_rows(logits: jax.Array, pen: PenaltyState, inputs: jax.Array,
@@ -416,7 +416,7 @@ class ModelRunner:
                                      sharding=self._replicated),
                 jax.ShapeDtypeStruct((s, self.num_mask_words), jnp.int32,
                                      sharding=self._replicated))
-        compile_fn = lambda: jax.jit(self._sampler_fn(s)).lower(*args).compile()
+        compile_fn = lambda: jax.jit(self._sampler_fn(lay)).lower(*args).compile()
         self.samplers[s] = self._cached(("sampler", s, lay.sampler_slices), args, compile_fn)
 
     def _to_device(self, host: np.ndarray) -> jax.Array:
