@@ -226,7 +226,13 @@ def qmatmul(x: jax.Array, w: jax.Array | QuantizedWeight, *, transpose: bool = F
       ValueError: a quantised ``w`` quantised along the other axis.
     """
     if not isinstance(w, QuantizedWeight):
-        return x @ (w.T if transpose else w)
+        if w.dtype == x.dtype:
+            return x @ (w.T if transpose else w)
+        # narrower stored weights (bfloat16 under float32 activations, the CPU's mixed mode):
+        # the dot reads them as stored (a dot_general, not a transposed copy), in float32
+        dims = (((x.ndim - 1,), (1 if transpose else 0,)), ((), ()))
+        return jax.lax.dot_general(x.astype(w.dtype), w, dims,
+                                   preferred_element_type=jnp.float32).astype(x.dtype)
     want = -1 if transpose else -2
     if w.axis != want:
         raise ValueError(f"weight quantised along axis {w.axis}, contracted along {want}")

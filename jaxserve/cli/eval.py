@@ -419,8 +419,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", default=None,
                    help="configurations to compare with the unquantised baseline, comma "
                         "separated; parts joined with '+': int8, int4, fp8 (weights), emb "
-                        "(also the embedding / LM head), kv-fp8, kv-int8, kv-bfloat16 (KV "
-                        "cache), none (e.g. int8,int4,fp8,kv-fp8,kv-int8,int8+emb+kv-fp8). "
+                        "(also the embedding / LM head), bfloat16, float32 (--dtype), "
+                        "kv-fp8, kv-int8, kv-bfloat16 (KV cache), none (e.g. int8,int4,fp8,kv-fp8,kv-int8,int8+emb+kv-fp8). "
                         "Default: the "
                         "configuration the engine flags give, when it is quantised")
     p.add_argument("--output", default=None, help="also write the report as JSON here")
@@ -440,7 +440,8 @@ def row_names(config: EngineConfig, configs: Sequence[tuple[str, dict[str, objec
               ) -> list[tuple[str, dict[str, object]]]:
     """Name each ``(item, overrides)`` by what it runs on top of ``config``: ``describe()`` of
     the resulting config (so quantisation flags given beside ``--compare`` show, e.g.
-    ``int8+kv-fp8``), with ``@gN`` for int4 at a group size other than the default.
+    ``int8+kv-fp8``), with ``@gN`` for int4 at a group size other than the default and the
+    ``--dtype`` first when the item changes it (``bfloat16``, ``bfloat16+int8``).
 
     Raises:
       ValueError: two items that run the same configuration (e.g. ``int8+emb,emb+int8``), or
@@ -453,6 +454,8 @@ def row_names(config: EngineConfig, configs: Sequence[tuple[str, dict[str, objec
         name = describe(cfg)
         if cfg.quantization == "int4" and cfg.quantization_group_size != DEFAULT_GROUP_SIZE:
             name += f"@g{cfg.quantization_group_size}"
+        if cfg.dtype != config.dtype:  # the float dtype, when the item changes it
+            name = cfg.dtype if name == "none" else f"{cfg.dtype}+{name}"
         if name in seen:
             raise ValueError(f"--compare: {seen[name]!r} and {item!r} run the same "
                              f"configuration ({name})")

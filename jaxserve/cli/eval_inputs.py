@@ -28,6 +28,8 @@ COMPARE_PARTS: dict[str, tuple[str, object]] = {
     "int4": ("quantization", "int4"),
     "fp8": ("quantization", "fp8"),
     "emb": ("quantize_embeddings", True),
+    "bfloat16": ("dtype", "bfloat16"),
+    "float32": ("dtype", "float32"),
     "kv-bfloat16": ("kv_cache_dtype", "bfloat16"),
     "kv-fp8": ("kv_cache_dtype", "fp8"),
     "kv-int8": ("kv_cache_dtype", "int8"),
@@ -47,7 +49,7 @@ def parse_compare(spec: str) -> list[tuple[str, dict[str, object]]]:
     """``"int8,int4+kv-fp8,none"`` -> ``[(name, EngineConfig overrides), ...]``.
 
     Items are separated by commas; each item joins parts with ``+``: a weight format (int8,
-    int4, fp8), ``emb`` (also quantise the embedding / LM head; needs a weight format), a KV
+    int4, fp8), a float dtype (bfloat16, float32: ``--dtype``), ``emb`` (also quantise the embedding / LM head; needs a weight format), a KV
     format (kv-fp8, kv-int8), or ``none`` / ``baseline`` alone (the unquantised model again).
 
     Raises:

@@ -132,19 +132,25 @@ def _num_blocks(config: EngineConfig, mc, kv_dtype: jnp.dtype, mesh: Mesh | None
     return max(2, int(budget // per_block))
 
 
-def weights_summary(params, config: EngineConfig, dtype: jnp.dtype) -> str:
+def weights_summary(params, config: EngineConfig, dtype: jnp.dtype,
+                    compute_dtype: jnp.dtype | None = None) -> str:
     """One line for start-up logs: the weights' format and size, e.g. ``"float32 weights,
-    513 MiB"`` or ``"int8 weights (+embeddings) computing in float32, 129 MiB"``.
+    513 MiB"``, ``"bfloat16 weights, float32 activations, 257 MiB"`` or ``"int8 weights
+    (+embeddings) computing in float32, 129 MiB"``.
 
     Args:
       params: the served params pytree.
       config: the engine settings (``quantization`` and its options).
-      dtype: the compute dtype.
+      dtype: the serving (float weights') dtype.
+      compute_dtype: the activations' dtype (default: ``dtype``).
     """
     c = config
+    compute = dtype if compute_dtype is None else compute_dtype
     size = param_bytes(params)["total_bytes"] / 2 ** 20
     if c.quantization == "none":
-        return f"{dtype} weights, {size:.0f} MiB"
+        acts = "" if compute == dtype else f", {compute} activations"
+        return f"{dtype} weights{acts}, {size:.0f} MiB"
+    dtype = compute
     group = f" group {c.quantization_group_size}" if c.quantization == "int4" else ""
     emb = " (+embeddings)" if c.quantize_embeddings else ""
     return f"{c.quantization}{group} weights{emb} computing in {dtype}, {size:.0f} MiB"

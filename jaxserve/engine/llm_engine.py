@@ -60,7 +60,8 @@ from jaxserve.engine.validation import (
     truncate_prompt,
     validate_request,
 )
-from jaxserve.loading.load import load_model, resolve_dtype, setup_compilation_cache
+from jaxserve.loading.load import (compute_dtype, load_model, resolve_dtype,
+                                   setup_compilation_cache)
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from models.quant import QuantConfig
@@ -155,7 +156,8 @@ class LLMEngine:
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context "
                              f"window of {mc.max_position_embeddings}")
-        self.model = get_architecture(mc.architecture).model(mc, self.dtype,
+        self.compute_dtype = compute_dtype(self.dtype)
+        self.model = get_architecture(mc.architecture).model(mc, self.compute_dtype,
                                                              attention_fn=attention_fn)
         self.kv_layout: KVLayout = plan_kv_cache(config, load, self.model, params, self.dtype,
                                                  self.tokenizer, self.mesh, kv_sharding)
@@ -237,7 +239,7 @@ class LLMEngine:
 
     def weights_summary(self) -> str:
         """One line for start-up logs: the weights' format and size (``kv_budget``)."""
-        return weights_summary(self.runner.params, self.config, self.dtype)
+        return weights_summary(self.runner.params, self.config, self.dtype, self.compute_dtype)
 
     def kv_cache_summary(self) -> str:
         """One line for start-up logs: the KV cache's dtype, size per token and scales."""

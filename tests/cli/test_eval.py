@@ -19,7 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY = LoadConfig("tiny", "dummy")
 # small buckets and cache: a 48-token window and a 64-token step budget make the engine chunk
 # windows across steps (chunked prefill reads the earlier chunk back from the paged cache)
-CONFIG = EngineConfig(max_model_len=128, num_kv_blocks=48, max_num_seqs=4,
+CONFIG = EngineConfig(dtype="float32", max_model_len=128, num_kv_blocks=48, max_num_seqs=4,
                       max_num_batched_tokens=64,
                       compilation_cache_dir=str(REPO_ROOT / ".jax_cache"))
 NUM_TOKENS, WINDOW, STRIDE = 150, 48, 20
@@ -56,7 +56,7 @@ def test_window_settings_are_checked() -> None:
         ev.EvalInputs(None, None)
 
 
-ALL_FIELDS = {"quantization", "quantize_embeddings", "kv_cache_dtype"}
+ALL_FIELDS = {"quantization", "quantize_embeddings", "kv_cache_dtype", "dtype"}
 
 
 def test_parse_compare(monkeypatch) -> None:
@@ -68,6 +68,11 @@ def test_parse_compare(monkeypatch) -> None:
     assert eval_inputs.parse_compare(" int8+emb+kv-fp8 , none") == [
         ("int8+emb+kv-fp8", {"quantization": "int8", "quantize_embeddings": True,
                              "kv_cache_dtype": "fp8"}), ("none", {})]
+    assert eval_inputs.parse_compare("bfloat16,float32+int8") == [
+        ("bfloat16", {"dtype": "bfloat16"}),
+        ("float32+int8", {"dtype": "float32", "quantization": "int8"})]
+    with pytest.raises(ValueError, match="two values for dtype"):
+        eval_inputs.parse_compare("bfloat16+float32")
     with pytest.raises(ValueError, match=r"unknown configuration 'int3'.*int8, int4, fp8"):
         eval_inputs.parse_compare("int8,int3")
     with pytest.raises(ValueError, match="two values for quantization"):
@@ -91,6 +96,15 @@ def test_describe_and_baseline_follow_the_config_fields() -> None:
         q = cfg.replace(quantization="int8", quantize_embeddings=True, kv_cache_dtype="fp8")
         assert eval_inputs.describe(q) == "int8+emb+kv-fp8"
         assert eval_inputs.baseline_config(q) == cfg
+
+
+def test_rows_that_change_the_float_dtype_are_named_by_it() -> None:
+    base = EngineConfig(dtype="float32")
+    items = eval_inputs.parse_compare("bfloat16,bfloat16+int8,float32+kv-bfloat16,none")
+    assert [n for n, _ in ev.row_names(base, items)] == [
+        "bfloat16", "bfloat16+int8", "kv-bfloat16", "none"]
+    with pytest.raises(ValueError, match="'float32' and 'none' run the same"):
+        ev.row_names(base, eval_inputs.parse_compare("float32,none"))
 
 
 def test_bad_inputs_name_the_file_and_line(tmp_path) -> None:

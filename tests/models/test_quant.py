@@ -207,6 +207,23 @@ def test_qmatmul_and_embed_lookup_match_the_dequantised_weight() -> None:
             quant.qmatmul(x, qt)
 
 
+def test_qmatmul_of_bfloat16_weights_under_float32_activations() -> None:
+    # the CPU's mixed mode: the dot takes bf16 operands as stored and accumulates in f32
+    x = _rand((5, 128), seed=8, outliers=False)
+    w = _rand((128, 40), seed=9).astype(jnp.bfloat16)
+    xb = np.asarray(x.astype(jnp.bfloat16), np.float64)
+    want = xb @ np.asarray(w, np.float64)
+    got = quant.qmatmul(x, w)
+    assert got.dtype == jnp.float32 and got.shape == (5, 40)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    table = _rand((50, 128), seed=10).astype(jnp.bfloat16)
+    got_t = quant.qmatmul(x, table, transpose=True)
+    np.testing.assert_allclose(np.asarray(got_t), xb @ np.asarray(table, np.float64).T,
+                               rtol=1e-5, atol=1e-5)
+    # a float32 dot of the same operands: bfloat16 rounding of x is all that differs
+    assert np.abs(np.asarray(got) - np.asarray(x @ w.astype(jnp.float32))).max() > 0
+
+
 def test_settings_are_validated_naming_the_field() -> None:
     with pytest.raises(ValueError, match="quantization='int3'"):
         EngineConfig(quantization="int3")
