@@ -62,6 +62,7 @@ def engine():
 
     eng = LLMEngine(
         EngineConfig(
+            dtype="float32",  # the goldens are float32 references (HF transformers)
             max_model_len=ENGINE_MAX_MODEL_LEN,
             num_kv_blocks=ENGINE_NUM_KV_BLOCKS,
             compilation_cache_dir=str(REPO_ROOT / ".jax_cache"),

@@ -397,7 +397,7 @@ def test_block_capacity_grows_under_the_same_memory(tokenizer, dtype: str, facto
 
 
 def _tiny_fp8_engine(tokenizer, **kw) -> LLMEngine:
-    cfg = {"kv_cache_dtype": "fp8", "max_model_len": 128, "num_kv_blocks": 40, "max_num_seqs": 4,
+    cfg = {"dtype": "float32", "kv_cache_dtype": "fp8", "max_model_len": 128, "num_kv_blocks": 40, "max_num_seqs": 4,
            "max_num_batched_tokens": 8, "compilation_cache_dir": "", **kw}  # one step program
     eng = _engine_with(_tiny_loader(tokenizer), EngineConfig(**cfg))
     eng.warmup(progress=False)

@@ -60,8 +60,8 @@ def test_registered_by_name(tiny_gpt) -> None:
 
 
 def test_serves_over_http_as_its_reference_computes(tiny_gpt, checkpoint_dir, tokenizer) -> None:
-    eng = LLMEngine(EngineConfig(max_model_len=64, num_kv_blocks=16, max_num_seqs=2,
-                                 max_num_batched_tokens=16,
+    eng = LLMEngine(EngineConfig(dtype="float32", max_model_len=64, num_kv_blocks=16,
+                                 max_num_seqs=2, max_num_batched_tokens=16,
                                  compilation_cache_dir=str(REPO_ROOT / ".jax_cache")),
                     LoadConfig(checkpoint_dir))
     assert isinstance(eng.model, tiny_gpt.TinyGPT) and eng.model_name == "tiny-gpt"

@@ -62,7 +62,8 @@ def engine():
     from jaxserve.loading.model_files import gemma3_gguf_path
 
     eng = LLMEngine(
-        EngineConfig(max_model_len=1152, num_kv_blocks=160, max_num_batched_tokens=32,
+        EngineConfig(dtype="float32",  # the goldens are float32 references
+                     max_model_len=1152, num_kv_blocks=160, max_num_batched_tokens=32,
                      max_num_seqs=4, compilation_cache_dir=str(REPO_ROOT / ".jax_cache")),
         LoadConfig(model=gemma3_gguf_path()))
     return eng
