@@ -214,19 +214,28 @@ def ragged_paged_attention(
     width = num_kv_heads * group
     q_blk = jnp.einsum("skgd,kj->skdjg", qd, eye).reshape(num_slots, num_kv_heads * head_dim,
                                                           width)
+    # a bfloat16 cache: the score dot takes bfloat16 operands (the queries rounded to
+    # bfloat16, accumulation in float32), as the model's bfloat16 matmuls do
+    bf16_scores = jnp.dtype(k_cache.dtype) == jnp.bfloat16
+    q_blk_dot = q_blk.astype(jnp.bfloat16) if bf16_scores else q_blk
 
     def dec_body(c, carry):
         m, l, acc = carry  # [S, kv * g], [S, kv * g], [S, kv, g, d]
         pages = jax.lax.dynamic_slice_in_dim(tables, c * ppc_d, ppc_d, axis=1)
         flat = (num_slots, chunk_d, num_kv_heads * head_dim)
-        k = kv_to_float(k_cache[layer, pages].reshape(flat))
         v = kv_to_float(v_cache[layer, pages].reshape(flat))
         kpos = c * chunk_d + kpos0_d
         mask = kpos[None, :] <= qpos_d[:, None]  # [S, C]
         if sliding_window is not None:
             mask &= kpos[None, :] > qpos_d[:, None] - sliding_window
         mask3 = mask[:, :, None]
-        s = jnp.where(mask3, scores(jnp.einsum("scx,sxy->scy", k, q_blk)), _MASK_VALUE)
+        if bf16_scores:  # the gathered keys go to the dot as stored: no float32 copy
+            k = k_cache[layer, pages].reshape(flat)
+            qk = jnp.einsum("scx,sxy->scy", k, q_blk_dot, preferred_element_type=jnp.float32)
+        else:
+            qk = jnp.einsum("scx,sxy->scy", kv_to_float(k_cache[layer, pages].reshape(flat)),
+                            q_blk)
+        s = jnp.where(mask3, scores(qk), _MASK_VALUE)
         m_new = jnp.maximum(m, s.max(axis=1))
         p = jnp.where(mask3, jnp.exp(s - m_new[:, None, :]), 0.0)
         alpha = jnp.exp(m - m_new)

@@ -85,8 +85,8 @@ def test_traced_sliding_window_one_program() -> None:
 def test_bfloat16_cache_matches_reference_on_stored_values(block_size: int) -> None:
     """A bfloat16 cache (``kv_cache_dtype=bfloat16``) is read exactly: the op on bf16 pages (NaN
     in every page no sequence owns) equals the float64 reference on the same stored values, on
-    the decode path (many one-row sequences, contexts across several chunks) and the prefill
-    path."""
+    the decode path (many one-row sequences, contexts across several chunks; its score dot
+    takes the queries rounded to bfloat16) and the prefill path."""
     rng = np.random.default_rng()
     q_lens = [1, 1, 1, 1, 9, 1]
     ctx_lens = [1, 70, 129, 200, 40, 17]
@@ -96,7 +96,12 @@ def test_bfloat16_cache_matches_reference_on_stored_values(block_size: int) -> N
     got = np.asarray(ragged_paged_attention(
         jnp.asarray(q, jnp.float32), kb, vb, jnp.int32(1), jnp.asarray(bt), jnp.asarray(sl),
         jnp.asarray(qsl), jnp.asarray(ns), sm_scale=0.25))
-    want = ref_ragged_paged_attention(q, np.asarray(kb), np.asarray(vb), 1, bt, sl, qsl, ns,
+    q_ref = np.array(q)
+    for i, n in enumerate(q_lens):  # the decode rows' queries as the score dot reads them
+        if n == 1:
+            row = qsl[i]
+            q_ref[row] = np.asarray(jnp.asarray(q[row] * 0.25, jnp.bfloat16), np.float64) / 0.25
+    want = ref_ragged_paged_attention(q_ref, np.asarray(kb), np.asarray(vb), 1, bt, sl, qsl, ns,
                                       sm_scale=0.25)
     total = qsl[-1]
     assert np.all(np.isfinite(got))
