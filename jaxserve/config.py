@@ -36,7 +36,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = field(default=0.8, metadata={
         "help": "fraction of free device memory after weights for the KV cache on accelerators"})
     max_num_seqs: int = field(default=64, metadata={"help": "most sequences in one step"})
-    max_num_batched_tokens: int = field(default=512, metadata={
+    max_num_batched_tokens: int = field(default=1024, metadata={
         "help": "most tokens (prefill chunks + decode tokens) in one step; the largest compiled "
                 "bucket"})
     long_prefill_token_threshold: int = field(default=0, metadata={

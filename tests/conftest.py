@@ -64,6 +64,7 @@ def engine():
         EngineConfig(
             dtype="float32",  # the goldens are float32 references (HF transformers)
             max_model_len=ENGINE_MAX_MODEL_LEN,
+            max_num_batched_tokens=512,  # tests/engine/test_engine.py fills buckets 8 .. 512
             num_kv_blocks=ENGINE_NUM_KV_BLOCKS,
             compilation_cache_dir=str(REPO_ROOT / ".jax_cache"),
         )

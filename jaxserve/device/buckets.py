@@ -5,7 +5,7 @@ A step's ragged batch (``num_tokens`` tokens from ``num_seqs`` sequences) is pad
 ``max_num_batched_tokens``, which is always the last bucket), and ``S = min(T, max_num_seqs)``.
 Every sequence contributes at least one token, so ``num_seqs <= num_tokens <= T`` and
 ``num_seqs <= max_num_seqs``: one ``S`` per ``T`` always fits. That gives one program per token
-bucket (7 for the default 512 tokens) instead of the full (T, S) grid.
+bucket (8 for the default 1024 tokens) instead of the full (T, S) grid.
 """
 
 from __future__ import annotations

@@ -91,6 +91,7 @@ def _start(log_path: Path, port: int) -> tuple[subprocess.Popen, int]:
     """Start the CLI; return the process and the port it bound (parsed from uvicorn's line)."""
     cmd = [sys.executable, "-m", "jaxserve.cli.main", "serve", "--max-model-len", str(MAX_MODEL_LEN),
            "--num-kv-blocks", "300", "--port", str(port),
+           "--max-num-batched-tokens", "512",  # a 700-token prompt is prefilled in two steps
            "--compilation-cache-dir", str(REPO_ROOT / ".jax_cache")]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(log_path, "wb") as log:
