@@ -1,7 +1,7 @@
 """In-process A/B of model variants, decode steps interleaved engine by engine (issue 16).
 
     PYTHONPATH=. .venv/bin/python experiments/2026-12-01-bf16-weights/inproc_ab.py \
-        --variants fused,unfused --batch-sizes 1,16,64 --context 300 --rounds 6
+        --variants main,dtype=float32 --batch-sizes 1,16,64 --context 300 --rounds 6
 
 The machine's speed drifts by 15-40% over minutes, more than the changes measured here, so
 two processes run one after the other cannot compare them. This builds one engine per variant
@@ -9,52 +9,39 @@ in one process (the variant is applied while the engine traces its programs; no 
 cache, so nothing is shared), prefills the same batch on each, then alternates: a few decode
 steps on A, the same on B, ``--rounds`` times, and prints per variant the median step time and
 the median process CPU time per step over all rounds. Variants:
-  fused    the model as committed (q/k/v and gate/up as one dot each)
-  unfused  one dot per weight (models.llama.fused_qmatmul replaced by qmatmuls)
-  dtype=X  any --dtype (e.g. dtype=float32), the model as committed
+  main     the model as committed
+  dtype=X  any --dtype (e.g. dtype=float32)
+A model change is compared by adding a variant that patches it in while its engine traces
+(``fuse_ab.json`` came from one that joined q/k/v and gate/up into one dot each: 3-5% slower
+at batch 1/16/64, not kept).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import time
 
 import numpy as np
 
-import models.llama as llama
 from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
-from models.quant import qmatmul
-
-
-@contextlib.contextmanager
-def variant(name: str):
-    saved = llama.fused_qmatmul
-    if name == "unfused":
-        llama.fused_qmatmul = lambda x, ws: [qmatmul(x, w) for w in ws]
-    try:
-        yield
-    finally:
-        llama.fused_qmatmul = saved
 
 
 def build(name: str, max_seqs: int, max_len: int, ns) -> LLMEngine:
     dtype = name.split("=", 1)[1] if name.startswith("dtype=") else "auto"
-    with variant(name):
-        eng = LLMEngine(EngineConfig(dtype=dtype, compilation_cache_dir="", max_num_seqs=max_seqs,
-                                     max_model_len=max_len, enable_prefix_caching=False,
-                                     block_size=ns.block_size), LoadConfig())
-        eng.warmup(progress=False)
+    eng = LLMEngine(EngineConfig(dtype=dtype, compilation_cache_dir="", max_num_seqs=max_seqs,
+                                 max_model_len=max_len, enable_prefix_caching=False,
+                                 block_size=ns.block_size), LoadConfig())
+    eng.warmup(progress=False)
     return eng
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="fused,unfused")
+    ap.add_argument("--variants", default="main,dtype=float32")
     ap.add_argument("--batch-sizes", default="1,16,64")
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=6)
