@@ -60,8 +60,7 @@ from jaxserve.engine.validation import (
     truncate_prompt,
     validate_request,
 )
-from jaxserve.loading.load import (compute_dtype, load_model, resolve_dtype,
-                                   setup_compilation_cache)
+from jaxserve.loading.load import compute_dtype, load_model, resolve_dtype, setup_compilation_cache
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from models.quant import QuantConfig
