@@ -67,6 +67,7 @@ from jaxserve.cli.eval_inputs import (
 )
 from jaxserve.config import KV_8BIT_DTYPES, EngineConfig, LoadConfig
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.loading.load import resolve_dtype
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from models import checkpoint
@@ -454,8 +455,9 @@ def row_names(config: EngineConfig, configs: Sequence[tuple[str, dict[str, objec
         name = describe(cfg)
         if cfg.quantization == "int4" and cfg.quantization_group_size != DEFAULT_GROUP_SIZE:
             name += f"@g{cfg.quantization_group_size}"
-        if cfg.dtype != config.dtype:  # the float dtype, when the item changes it
-            name = cfg.dtype if name == "none" else f"{cfg.dtype}+{name}"
+        dtype = resolve_dtype(cfg.dtype)
+        if dtype != resolve_dtype(config.dtype):  # the float dtype, when the item changes it
+            name = dtype.name if name == "none" else f"{dtype.name}+{name}"
         if name in seen:
             raise ValueError(f"--compare: {seen[name]!r} and {item!r} run the same "
                              f"configuration ({name})")

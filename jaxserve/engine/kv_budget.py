@@ -47,10 +47,13 @@ class KVLayout:
 
     def summary(self) -> str:
         """One line for start-up logs: the cache dtype, bytes per token, and for an 8-bit
-        cache how its scales were set (e.g. ``"kv fp8 (float8_e4m3fn bits in uint8), 23040
-        B/token, scales calibrated on 868 tokens in 1.2 s"``)."""
+        cache how its scales were set (e.g. ``"kv auto (bfloat16), 23040 B/token"``, ``"kv fp8
+        (float8_e4m3fn bits in uint8), 23040 B/token, scales calibrated on 868 tokens in
+        1.2 s"``)."""
         line = f"kv {self.name}"
-        if self.dtype in KV_FORMAT_NAMES:
+        if self.name == "auto":  # the serving dtype it resolved to
+            line += f" ({jnp.dtype(self.dtype).name})"
+        elif self.dtype in KV_FORMAT_NAMES:
             line += f" ({KV_FORMAT_NAMES[self.dtype]})"
         line += f", {self.bytes_per_token} B/token"
         if self.scales_source == "calibrated":

@@ -98,7 +98,14 @@ def test_describe_and_baseline_follow_the_config_fields() -> None:
         assert eval_inputs.baseline_config(q) == cfg
 
 
-def test_rows_that_change_the_float_dtype_are_named_by_it() -> None:
+def test_rows_that_change_the_float_dtype_are_named_by_it(monkeypatch) -> None:
+    from jaxserve.loading import load
+    monkeypatch.setattr(load, "cpu_has_bf16_dot", lambda: True)  # auto -> bfloat16 here
+    auto = EngineConfig()
+    assert [n for n, _ in ev.row_names(auto, eval_inputs.parse_compare("float32,bfloat16+int8"))
+            ] == ["float32", "int8"]
+    with pytest.raises(ValueError, match="'none' and 'bfloat16' run the same"):
+        ev.row_names(auto, eval_inputs.parse_compare("none,bfloat16"))
     base = EngineConfig(dtype="float32")
     items = eval_inputs.parse_compare("bfloat16,bfloat16+int8,float32+kv-bfloat16,none")
     assert [n for n, _ in ev.row_names(base, items)] == [

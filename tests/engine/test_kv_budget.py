@@ -32,7 +32,7 @@ def test_float_cache_from_a_memory_budget() -> None:
     assert got.num_blocks == int(0.01 * 2**30 // per_block)
     assert got.dtype == jnp.float32 and got.bytes_per_token == per_block // 16
     assert (got.scales, got.scales_source, got.calibration_tokens) == (None, None, 0)
-    assert got.summary() == f"kv auto, {got.bytes_per_token} B/token"
+    assert got.summary() == f"kv auto (float32), {got.bytes_per_token} B/token"
 
 
 def test_bfloat16_cache_is_half_of_float32_and_has_no_scales() -> None:
