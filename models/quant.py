@@ -218,6 +218,10 @@ def qmatmul(x: jax.Array, w: jax.Array | QuantizedWeight, *, transpose: bool = F
             ) -> jax.Array:
     """``x @ w`` (``x @ w.T`` with ``transpose``) -> ``[T, m]`` in ``x.dtype``.
 
+    A plain ``w`` of another dtype than ``x`` (bfloat16 weights under float32 activations on
+    the CPU, ``jaxserve.loading.load.compute_dtype``) is contracted as stored: ``x`` is cast
+    to ``w.dtype`` and the dot accumulates in float32.
+
     Args:
       x: ``[T, k]`` activations.
       w: ``[k, m]`` (``[m, k]`` with ``transpose``), plain or quantised along that ``k``.

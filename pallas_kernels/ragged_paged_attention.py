@@ -229,12 +229,9 @@ def ragged_paged_attention(
         if sliding_window is not None:
             mask &= kpos[None, :] > qpos_d[:, None] - sliding_window
         mask3 = mask[:, :, None]
-        if bf16_scores:  # the gathered keys go to the dot as stored: no float32 copy
-            k = k_cache[layer, pages].reshape(flat)
-            qk = jnp.einsum("scx,sxy->scy", k, q_blk_dot, preferred_element_type=jnp.float32)
-        else:
-            qk = jnp.einsum("scx,sxy->scy", kv_to_float(k_cache[layer, pages].reshape(flat)),
-                            q_blk)
+        k = k_cache[layer, pages].reshape(flat)  # bf16: to the dot as stored, no f32 copy
+        qk = jnp.einsum("scx,sxy->scy", k if bf16_scores else kv_to_float(k), q_blk_dot,
+                        preferred_element_type=jnp.float32)
         s = jnp.where(mask3, scores(qk), _MASK_VALUE)
         m_new = jnp.maximum(m, s.max(axis=1))
         p = jnp.where(mask3, jnp.exp(s - m_new[:, None, :]), 0.0)

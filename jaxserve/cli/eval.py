@@ -421,8 +421,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="configurations to compare with the unquantised baseline, comma "
                         "separated; parts joined with '+': int8, int4, fp8 (weights), emb "
                         "(also the embedding / LM head), bfloat16, float32 (--dtype), "
-                        "kv-fp8, kv-int8, kv-bfloat16 (KV cache), none (e.g. int8,int4,fp8,kv-fp8,kv-int8,int8+emb+kv-fp8). "
-                        "Default: the "
+                        "kv-fp8, kv-int8, kv-bfloat16 (KV cache), none (e.g. "
+                        "int8,int4,fp8,kv-fp8,kv-int8,int8+emb+kv-fp8). Default: the "
                         "configuration the engine flags give, when it is quantised")
     p.add_argument("--output", default=None, help="also write the report as JSON here")
     p.add_argument("--eval-window", type=int, default=None,

@@ -49,8 +49,8 @@ def parse_compare(spec: str) -> list[tuple[str, dict[str, object]]]:
     """``"int8,int4+kv-fp8,none"`` -> ``[(name, EngineConfig overrides), ...]``.
 
     Items are separated by commas; each item joins parts with ``+``: a weight format (int8,
-    int4, fp8), a float dtype (bfloat16, float32: ``--dtype``), ``emb`` (also quantise the embedding / LM head; needs a weight format), a KV
-    format (kv-fp8, kv-int8), or ``none`` / ``baseline`` alone (the unquantised model again).
+    int4, fp8), a float dtype (bfloat16, float32: ``--dtype``), ``emb`` (also quantise the
+    embedding / LM head; needs a weight format), a KV format (kv-bfloat16, kv-fp8, kv-int8), or ``none`` / ``baseline`` alone (the unquantised model again).
 
     Raises:
       ValueError: naming ``--compare``: an empty item, an unknown part (listing the valid

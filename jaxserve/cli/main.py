@@ -39,7 +39,7 @@ from jaxserve.cli.bench import serve as bench_serve_cmd
 from jaxserve.cli.bench import startup
 from jaxserve.cli.bench import step_trace as step_trace_cmd
 from jaxserve.cli.bench import sweep as sweep_cmd
-from jaxserve.config import LoadConfig
+from jaxserve.config import KV_8BIT_DTYPES, LoadConfig
 
 # Importing this module imports no jax: build_parser and main import the subcommand modules
 # that do (they load the engine) in one block each, marked "# jax".
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             # a calibration file serves the 8-bit KV configurations of --compare even when
             # the base configuration's cache is float (where EngineConfig refuses it)
             calibration = getattr(ns, "kv_calibration_file", None)
-            if getattr(ns, "kv_cache_dtype", None) in (None, "auto", "bfloat16"):
+            if getattr(ns, "kv_cache_dtype", None) not in KV_8BIT_DTYPES:
                 ns.kv_calibration_file = None
             return eval_cmd.run(ns, engine_config_from_args(ns),
                             LoadConfig(ns.model, ns.load_format, ns.served_model_name),

@@ -153,7 +153,6 @@ def weights_summary(params, config: EngineConfig, dtype: jnp.dtype,
     if c.quantization == "none":
         acts = "" if compute == dtype else f", {compute} activations"
         return f"{dtype} weights{acts}, {size:.0f} MiB"
-    dtype = compute
     group = f" group {c.quantization_group_size}" if c.quantization == "int4" else ""
     emb = " (+embeddings)" if c.quantize_embeddings else ""
-    return f"{c.quantization}{group} weights{emb} computing in {dtype}, {size:.0f} MiB"
+    return f"{c.quantization}{group} weights{emb} computing in {compute}, {size:.0f} MiB"
