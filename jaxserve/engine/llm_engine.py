@@ -39,6 +39,7 @@ from jaxserve.core.scheduler import PLACEHOLDER_TOKEN, Scheduler, SchedulerConfi
 from jaxserve.core.sequence import SeqState
 from jaxserve.device.buckets import Bucket
 from jaxserve.device.executable_cache import ExecutableCache
+from jaxserve.device.host_malloc import keep_freed_blocks
 from jaxserve.device.host_tier import HostKVTier
 from jaxserve.device.runner import ModelRunner, RowParams, StepOutput
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
@@ -186,6 +187,8 @@ class LLMEngine:
         exe_cache = ExecutableCache(os.path.join(os.path.expanduser(
             config.compilation_cache_dir), "jaxserve-executables")) \
             if config.compilation_cache_dir and self.mesh is None else None
+        if jax.default_backend() == "cpu":  # step temporaries stay paged in (host_malloc)
+            keep_freed_blocks()
         self.runner = ModelRunner(self.model, params, kv,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_num_seqs=config.max_num_seqs,
