@@ -203,9 +203,11 @@ def test_top_k_threshold_equals_the_sorted_definition() -> None:
 
     rng = np.random.default_rng(7)
     fn = jax.jit(top_k_threshold)
-    # per step, the largest k picks lax.top_k at 64 or 256, or the bisection
-    tiers = [[0, -1, 1, 5, 40, 63, 64], [0, 1, 40, 65, 100, 255, 256], [0, 5, 256, 257, 400, -2]]
-    for vocab in (50, 300, 1000):
+    # per step, the largest k picks 64, 256 or 1024 blocks (where the vocabulary has as many
+    # blocks of 16 ids), or the bisection
+    tiers = [[0, -1, 1, 5, 40, 63, 64], [0, 1, 40, 65, 100, 255, 256], [0, 5, 256, 257, 400, -2],
+             [1, 300, 1000, 1024], [2, 1025, 3000]]
+    for vocab in (50, 300, 1000, 5000, 20000):
         for tier in tiers:
             n = 64
             x = _random_rows(rng, n, vocab)
@@ -394,3 +396,17 @@ def test_allowed_mask_keeps_only_its_tokens_per_row_and_all_ones_change_nothing(
     np.testing.assert_array_equal(off, logits)
     on = np.asarray(flagged(jnp.asarray(logits), jnp.asarray(ids), allowed, True))
     np.testing.assert_array_equal(on, masked)
+
+
+def test_greedy_over_several_blocks_is_the_first_argmax() -> None:
+    """A vocabulary of several 256-id blocks (and a padded last one): the first of tied maxima
+    across blocks, and jnp.argmax on random rows."""
+    vocab = 1000
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((6, vocab)).astype(np.float32)
+    logits[0, [700, 300, 999]] = 9.0  # ties in blocks 1, 2 and the padded block 3
+    logits[1, [999]] = 9.0
+    logits[2, :] = -1e30  # all masked: the first id
+    got = _draw(logits, temperature=np.zeros(6, np.float32))
+    assert got[:3].tolist() == [300, 999, 0]
+    np.testing.assert_array_equal(got[3:], logits[3:].argmax(-1))
