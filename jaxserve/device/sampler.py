@@ -26,11 +26,12 @@ import jax
 import jax.numpy as jnp
 
 _NEG = -1e30
-_TOP_K_WIDTHS = (64, 256, 1024)
+_TOP_K_WIDTHS = (256,)
 """Candidate widths of ``_kth_in_blocks`` tried in turn, the narrowest holding the step's
-largest top_k; a larger top_k bisects the whole row. At [64, 49152] on a 2-core CPU: 3.0, 4.7
-and 10.5 ms, against 6.0 and 12.4 ms for ``lax.top_k`` at 64 and 256 and 24 ms for the
-whole-row bisection."""
+largest top_k; a larger top_k bisects the whole row. At [64, 49152] on a 2-core CPU, width 256
+took 4.7 ms, against 12.4 ms for ``lax.top_k`` at 256 and 24 ms for the whole-row bisection.
+Each width adds ~0.4 s to a sampler program's compile (64 and 1024 as well: 3.0 and 10.5 ms,
++1.1 s), so one width serves top_k up to 256."""
 _TOP_K_BLOCK = 16
 """Ids per block of ``_kth_in_blocks``."""
 _MAX_BLOCK = 256
@@ -242,8 +243,8 @@ def top_k_threshold(scaled: jax.Array, top_k: jax.Array) -> jax.Array:
     """The k-th largest value ``f32[S]`` of each row of ``f32[S, V]``, ``-inf`` where top-k is
     off (``top_k <= 0`` or ``>= V``): the row keeps the tokens whose logit is ``>=`` it (ties
     at the k-th value kept), exactly as a descending sort would cut it. A step whose largest
-    ``top_k`` is at most 64, 256 or 1024 (``_TOP_K_WIDTHS``, where the vocabulary has that
-    many blocks) reads that many blocks of the row (``_kth_in_blocks``), a larger one bisects
+    ``top_k`` is at most 256 (``_TOP_K_WIDTHS``, where the vocabulary has that many blocks)
+    reads that many blocks of the row (``_kth_in_blocks``), a larger one bisects
     on the whole row's bits (``_largest_threshold``); nothing runs when no row asks
     (``lax.cond``)."""
     s, vocab = scaled.shape

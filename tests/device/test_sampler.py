@@ -203,8 +203,8 @@ def test_top_k_threshold_equals_the_sorted_definition() -> None:
 
     rng = np.random.default_rng(7)
     fn = jax.jit(top_k_threshold)
-    # per step, the largest k picks 64, 256 or 1024 blocks (where the vocabulary has as many
-    # blocks of 16 ids), or the bisection
+    # per step, the largest k picks 256 blocks of 16 ids (where the vocabulary has as many) or
+    # the bisection
     tiers = [[0, -1, 1, 5, 40, 63, 64], [0, 1, 40, 65, 100, 255, 256], [0, 5, 256, 257, 400, -2],
              [1, 300, 1000, 1024], [2, 1025, 3000]]
     for vocab in (50, 300, 1000, 5000, 20000):
