@@ -95,12 +95,15 @@ def write_kv(
 
 def _online_softmax_step(carry, s, v, mask, pv_eq: str):
     """One FlashAttention update. s: scores [..., C] (masked entries arbitrary), v:
-    values already zeroed where no query may read them, mask: broadcastable to s, pv_eq: the
-    einsum of probabilities and values."""
+    values already zeroed where no query may read them, mask: broadcastable to s, or None
+    where every query reads every key, pv_eq: the einsum of probabilities and values."""
     m, l, acc = carry
-    s = jnp.where(mask, s, _MASK_VALUE)
+    if mask is not None:
+        s = jnp.where(mask, s, _MASK_VALUE)
     m_new = jnp.maximum(m, s.max(axis=-1))
-    p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+    p = jnp.exp(s - m_new[..., None])
+    if mask is not None:
+        p = jnp.where(mask, p, 0.0)
     alpha = jnp.exp(m - m_new)
     return m_new, l * alpha + p.sum(axis=-1), acc * alpha[..., None] + jnp.einsum(pv_eq, p, v)
 
@@ -283,6 +286,11 @@ def ragged_paged_attention(
                 .reshape(num_kv_heads, qt_rows * group, head_dim)
             last_pos = first_pos + jnp.minimum(q_len, (ti + 1) * qt_rows) - 1
 
+            def full_body(c, carry):  # a chunk before the tile's first row: no mask
+                k, v = keys(jax.lax.dynamic_slice_in_dim(table, c * ppc, ppc), (chunk,))
+                s = scores(jnp.einsum("kqd,ckd->kqc", qtile, k))
+                return _online_softmax_step(carry, s, v, None, "kqc,ckd->kqd")
+
             def kv_body(c, carry):
                 pages = jax.lax.dynamic_slice_in_dim(table, c * ppc, ppc)
                 k, v = keys(pages, (chunk,))  # [C, kv, d]
@@ -299,10 +307,16 @@ def ragged_paged_attention(
             init = (jnp.full((num_kv_heads, qt_rows * group), _MASK_VALUE, jnp.float32),
                     jnp.zeros((num_kv_heads, qt_rows * group), jnp.float32),
                     jnp.zeros((num_kv_heads, qt_rows * group, head_dim), jnp.float32))
-            first = 0
+            n_chunks = last_pos // chunk + 1
             if sliding_window is not None:  # the tile's first row sees nothing earlier
                 first = jnp.maximum(first_pos + ti * qt_rows + 1 - sliding_window, 0) // chunk
-            _, l, acc = jax.lax.fori_loop(first, last_pos // chunk + 1, kv_body, init)
+            else:
+                # chunks whose keys all precede the tile's first row: every real row reads
+                # all of them (they are the sequence's own written keys), and rows outside
+                # the tile are dropped below, so these run without a mask
+                first = jnp.minimum((first_pos + ti * qt_rows + 1) // chunk, n_chunks)
+                init = jax.lax.fori_loop(0, first, full_body, init)
+            _, l, acc = jax.lax.fori_loop(first, n_chunks, kv_body, init)
             res = _finish(l, acc).reshape(num_kv_heads, qt_rows, group, head_dim) \
                 .transpose(1, 0, 2, 3)
             cur = jax.lax.dynamic_slice_in_dim(out, r0, qt_rows)
