@@ -47,7 +47,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from jaxserve.device.buckets import Bucket, make_buckets, pick_bucket
+from jaxserve.device.buckets import MIN_TOKEN_BUCKET, Bucket, make_buckets, pick_bucket
 from jaxserve.device.executable_cache import ExecutableCache
 from jaxserve.device.sampler import (
     Logprobs,
@@ -175,6 +175,8 @@ class ModelRunner:
       params: its params pytree, on the device.
       kv_cache: the paged cache; donated to every step and replaced by the result.
       max_num_batched_tokens, max_num_seqs: bucket limits.
+      single_token_bucket: compile a 1-token bucket as well (``jaxserve.device.buckets``; the
+        engine asks for it on the CPU).
       max_blocks_per_seq: block-table width (``cdiv(max_model_len, block_size)``).
       vocab_limit: ids at or above it are never sampled (tokenizer smaller than the embedding).
       num_penalty_slots: rows of the penalty state (default ``max_num_seqs``: every running
@@ -195,7 +197,7 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, params, kv_cache: KVCache, *,
                  max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
-                 vocab_limit: int | None = None, num_penalty_slots: int | None = None,
+                 single_token_bucket: bool = False, vocab_limit: int | None = None, num_penalty_slots: int | None = None,
                  mesh: jax.sharding.Mesh | None = None,
                  executable_cache: ExecutableCache | None = None,
                  program_description: str = "") -> None:
@@ -206,7 +208,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.max_blocks = max_blocks_per_seq
-        self.buckets = make_buckets(max_num_batched_tokens, max_num_seqs)
+        self.buckets = make_buckets(max_num_batched_tokens, max_num_seqs, single_token_bucket)
         self.layouts = {b: _Layout(b, max_blocks_per_seq) for b in self.buckets}
         # two buffers per bucket, used in turn: a dispatched step may still read its buffer
         # (on the CPU the program can alias the numpy memory) while the next one is packed
@@ -265,11 +267,10 @@ class ModelRunner:
                 feed_tokens, lambda st, *_: st, pen, f("reset_slot"), f("tok_slot"), token_ids,
                 f("tok_is_output"))
             hidden, kv_cache = model.forward(params, token_ids, f("positions"), kv_cache, md)
-            logits = model.compute_logits(params, hidden[f("logits_indices")])
-            logits = self._gathered(logits)
+            logits = self._gathered(_lm_head(model, params, hidden[f("logits_indices")]))
             plp = jax.lax.cond(
                 (flags & self.FLAG_PROMPT_LOGPROBS) != 0,
-                lambda h, tg: logprobs_of(self._gathered(model.compute_logits(params, h)), tg,
+                lambda h, tg: logprobs_of(self._gathered(_lm_head(model, params, h)), tg,
                                           k, limit),
                 lambda h, tg: zero_logprobs(b.num_tokens, k), hidden, f("tok_target"))
             return kv_cache, pen, logits, plp, packed[start:]
@@ -638,6 +639,18 @@ class ModelRunner:
         """On process 0: release the processes blocked in ``follow``."""
         if self._multiprocess:
             multihost_utils.broadcast_one_to_all(np.array([-1], np.int32))
+
+
+def _lm_head(model: CausalLM, params, hidden: jax.Array) -> jax.Array:
+    """``model.compute_logits`` of ``hidden [L, hidden]``, with fewer than
+    ``MIN_TOKEN_BUCKET`` rows padded up to it and cut back: XLA:CPU runs a 1-row dot against
+    the transposed embedding as a slow reduction (SmolLM2-135M's 1-token step took 65 ms with
+    it, 24 ms padded to 8 rows)."""
+    rows = hidden.shape[0]
+    if rows >= MIN_TOKEN_BUCKET:
+        return model.compute_logits(params, hidden)
+    padded = jnp.pad(hidden, ((0, MIN_TOKEN_BUCKET - rows), (0, 0)))
+    return model.compute_logits(params, padded)[:rows]
 
 
 def _cpu_s() -> float:

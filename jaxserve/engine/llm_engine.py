@@ -187,11 +187,13 @@ class LLMEngine:
         exe_cache = ExecutableCache(os.path.join(os.path.expanduser(
             config.compilation_cache_dir), "jaxserve-executables")) \
             if config.compilation_cache_dir and self.mesh is None else None
-        if jax.default_backend() == "cpu":  # step temporaries stay paged in (host_malloc)
+        on_cpu = jax.default_backend() == "cpu"
+        if on_cpu:  # step temporaries stay paged in (host_malloc)
             keep_freed_blocks()
         self.runner = ModelRunner(self.model, params, kv,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_num_seqs=config.max_num_seqs,
+                                  single_token_bucket=on_cpu,
                                   max_blocks_per_seq=max_blocks, vocab_limit=vocab_limit,
                                   mesh=self.mesh, executable_cache=exe_cache,
                                   program_description=repr((

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxserve.device.buckets import Bucket
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -108,11 +109,20 @@ def test_golden_prefix_len() -> None:
 
 
 @pytest.mark.parametrize("name", GOLDEN_NAMES)
-def test_greedy_alone_matches_golden(name: str, llm: LLMEngine, goldens: dict) -> None:
+def test_greedy_alone_matches_golden(name: str, llm: LLMEngine, goldens: dict,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Alone, a request decodes in the CPU's 1-token bucket (``device.buckets``) and keeps
+    the golden tokens."""
     p = _golden(goldens, name)
+    used: list[Bucket] = []
+    execute = llm.runner.execute
+    monkeypatch.setattr(llm.runner, "execute",
+                        lambda b, packed, allowed=None: used.append(b) or execute(b, packed,
+                                                                                  allowed))
     llm.add_request(name, p["prompt_token_ids"], _greedy(len(p["greedy_token_ids"])))
     done = _drive(llm)
     _check_golden(done[name], p)
+    assert used.count(Bucket(1, 1)) == len(p["greedy_token_ids"]) - 1, used
 
 
 def test_greedy_batched_matches_golden(llm: LLMEngine, goldens: dict) -> None:
@@ -259,6 +269,10 @@ def test_no_compiles_after_warmup(llm: LLMEngine, monkeypatch: pytest.MonkeyPatc
                 15: abort(["c13", "no-such-id"]),
             },
         )
+        # then one request alone: its decodes run the CPU's 1-token bucket
+        requests.append(("c20", rng.integers(0, vocab, 9).tolist(),
+                         SamplingParams(max_tokens=4, temperature=0.8, seed=20, ignore_eos=True)))
+        done.update(_drive(llm, add_at={0: add(20, 21)}))
     finally:
         jax.monitoring.unregister_event_duration_listener(on_duration)
         jax.monitoring.unregister_event_listener(on_event)

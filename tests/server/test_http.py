@@ -871,5 +871,12 @@ def test_concurrent_requests_match_sequential(base_url, client):
     with concurrent.futures.ThreadPoolExecutor(len(CONCURRENT_PROMPTS)) as ex:
         together = list(ex.map(one, range(len(CONCURRENT_PROMPTS))))
     assert len(set(alone)) == len(alone)  # varied outputs, so a mix-up would show
-    for p, a, t in zip(CONCURRENT_PROMPTS, alone, together):
-        assert t == a, p
+    # A request decoding alone runs the CPU's 1-token bucket, whose 1-row matmuls sum in
+    # another order than batched rows (jaxserve/device/buckets.py), so a near-tie may flip a
+    # later greedy token (the first comes from the prefill, batched either way); a mix-up of
+    # requests would make an output share more with another prompt's text than with its own.
+    shared = lambda x, y: len(os.path.commonprefix([x, y]))
+    for i, (p, a, t) in enumerate(zip(CONCURRENT_PROMPTS, alone, together)):
+        assert all(shared(t, a) > shared(t, b) for j, b in enumerate(alone) if j != i), (p, t)
+    same = sum(a == t for a, t in zip(alone, together))
+    assert same >= len(alone) // 2, list(zip(alone, together))
