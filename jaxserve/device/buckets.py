@@ -2,17 +2,20 @@
 
 A step's ragged batch (``num_tokens`` tokens from ``num_seqs`` sequences) is padded to a bucket
 ``(T, S)``: ``T`` the smallest token bucket >= num_tokens (powers of two from 8 up to
-``max_num_batched_tokens``, which is always the last bucket, and on the CPU a 1-token bucket
-first), and ``S = min(T, max_num_seqs)``.
+``max_num_batched_tokens``, which is always the last bucket, after any ``small`` buckets below
+8), and ``S = min(T, max_num_seqs)``.
 Every sequence contributes at least one token, so ``num_seqs <= num_tokens <= T`` and
 ``num_seqs <= max_num_seqs``: one ``S`` per ``T`` always fits. That gives one program per token
-bucket (8 for the default 1024 tokens, 9 with the 1-token bucket) instead of the full (T, S)
-grid.
+bucket (8 for the default 1024 tokens, 10 with the CPU's small buckets) instead of the full
+(T, S) grid.
 
-The 1-token bucket is for one request decoding alone. On XLA:CPU its step took 24 ms against
-32 ms padded to 8 rows (SmolLM2-135M, bfloat16 weights, context 300): a 1-row weight matmul
-runs as a matrix-vector product, and attention gathers one sequence's pages instead of eight
-(7 of them padding). It costs one model and one sampler program more to compile.
+On the CPU the engine adds ``CPU_SMALL_BUCKETS``, 1 and 4 tokens, for one to four requests
+decoding. XLA:CPU runs a 1-row weight matmul as a matrix-vector product, and a step's
+attention gathers every slot's pages (padding slots' too). SmolLM2-135M, bfloat16 weights,
+context 300 (``jaxserve bench step``): one decode 24 ms in the 1-token bucket against 32 ms in
+the 8-token one; four decodes 30-32 ms in the 4-token bucket against 36 ms. Each costs one
+model and one sampler program more to compile; a 2-token bucket was no faster for two
+decodes.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import bisect
 from dataclasses import dataclass
 
 MIN_TOKEN_BUCKET = 8
+CPU_SMALL_BUCKETS = (1, 4)  # token buckets below 8 that the engine compiles on the CPU
 
 
 @dataclass(frozen=True)
@@ -31,10 +35,16 @@ class Bucket:
     num_seqs: int
 
 
-def token_buckets(max_num_batched_tokens: int, single_token: bool = False) -> list[int]:
-    """Powers of two from 8 below ``max_num_batched_tokens``, then that maximum itself; with
-    ``single_token``, 1 before them."""
-    out, t = [1] if single_token else [], MIN_TOKEN_BUCKET
+def token_buckets(max_num_batched_tokens: int, small: tuple[int, ...] = ()) -> list[int]:
+    """``small`` (ascending, each below 8), then powers of two from 8 below
+    ``max_num_batched_tokens``, then that maximum itself.
+
+    Raises:
+      ValueError: a ``small`` bucket not in ``[1, 8)`` or not ascending.
+    """
+    if any(not 1 <= t < MIN_TOKEN_BUCKET for t in small) or list(small) != sorted(set(small)):
+        raise ValueError(f"small buckets {small} must ascend within [1, {MIN_TOKEN_BUCKET})")
+    out, t = list(small), MIN_TOKEN_BUCKET
     while t < max_num_batched_tokens:
         out.append(t)
         t *= 2
@@ -42,11 +52,11 @@ def token_buckets(max_num_batched_tokens: int, single_token: bool = False) -> li
     return out
 
 
-def make_buckets(max_num_batched_tokens: int, max_num_seqs: int, single_token: bool = False
-                 ) -> list[Bucket]:
+def make_buckets(max_num_batched_tokens: int, max_num_seqs: int,
+                 small: tuple[int, ...] = ()) -> list[Bucket]:
     """The bucket table, one entry per token bucket (``token_buckets``), ascending."""
     return [Bucket(t, min(t, max_num_seqs))
-            for t in token_buckets(max_num_batched_tokens, single_token)]
+            for t in token_buckets(max_num_batched_tokens, small)]
 
 
 def pick_bucket(buckets: list[Bucket], num_tokens: int, num_seqs: int) -> Bucket:

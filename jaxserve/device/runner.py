@@ -175,8 +175,8 @@ class ModelRunner:
       params: its params pytree, on the device.
       kv_cache: the paged cache; donated to every step and replaced by the result.
       max_num_batched_tokens, max_num_seqs: bucket limits.
-      single_token_bucket: compile a 1-token bucket as well (``jaxserve.device.buckets``; the
-        engine asks for it on the CPU).
+      small_buckets: token buckets below 8 to compile as well (``jaxserve.device.buckets``;
+        the engine asks for ``CPU_SMALL_BUCKETS`` on the CPU).
       max_blocks_per_seq: block-table width (``cdiv(max_model_len, block_size)``).
       vocab_limit: ids at or above it are never sampled (tokenizer smaller than the embedding).
       num_penalty_slots: rows of the penalty state (default ``max_num_seqs``: every running
@@ -197,7 +197,8 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, params, kv_cache: KVCache, *,
                  max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
-                 single_token_bucket: bool = False, vocab_limit: int | None = None, num_penalty_slots: int | None = None,
+                 small_buckets: tuple[int, ...] = (), vocab_limit: int | None = None,
+                 num_penalty_slots: int | None = None,
                  mesh: jax.sharding.Mesh | None = None,
                  executable_cache: ExecutableCache | None = None,
                  program_description: str = "") -> None:
@@ -208,7 +209,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.max_blocks = max_blocks_per_seq
-        self.buckets = make_buckets(max_num_batched_tokens, max_num_seqs, single_token_bucket)
+        self.buckets = make_buckets(max_num_batched_tokens, max_num_seqs, small_buckets)
         self.layouts = {b: _Layout(b, max_blocks_per_seq) for b in self.buckets}
         # two buffers per bucket, used in turn: a dispatched step may still read its buffer
         # (on the CPU the program can alias the numpy memory) while the next one is packed
@@ -645,7 +646,7 @@ def _lm_head(model: CausalLM, params, hidden: jax.Array) -> jax.Array:
     """``model.compute_logits`` of ``hidden [L, hidden]``, with fewer than
     ``MIN_TOKEN_BUCKET`` rows padded up to it and cut back: XLA:CPU runs a 1-row dot against
     the transposed embedding as a slow reduction (SmolLM2-135M's 1-token step took 65 ms with
-    it, 24 ms padded to 8 rows)."""
+    it, 24 ms padded to 8 rows); up to 8 rows cost what 1 does on YNNPACK."""
     rows = hidden.shape[0]
     if rows >= MIN_TOKEN_BUCKET:
         return model.compute_logits(params, hidden)

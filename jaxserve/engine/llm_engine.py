@@ -37,7 +37,7 @@ from jaxserve import sharding
 from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.core.scheduler import PLACEHOLDER_TOKEN, Scheduler, SchedulerConfig, SchedulerOutput
 from jaxserve.core.sequence import SeqState
-from jaxserve.device.buckets import Bucket
+from jaxserve.device.buckets import CPU_SMALL_BUCKETS, Bucket
 from jaxserve.device.executable_cache import ExecutableCache
 from jaxserve.device.host_malloc import keep_freed_blocks
 from jaxserve.device.host_tier import HostKVTier
@@ -193,7 +193,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, params, kv,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_num_seqs=config.max_num_seqs,
-                                  single_token_bucket=on_cpu,
+                                  small_buckets=CPU_SMALL_BUCKETS if on_cpu else (),
                                   max_blocks_per_seq=max_blocks, vocab_limit=vocab_limit,
                                   mesh=self.mesh, executable_cache=exe_cache,
                                   program_description=repr((

@@ -162,9 +162,9 @@ def test_warm_engine_loads_every_program_and_serves_the_same_tokens(tmp_path):
         check=True, timeout=600).stdout.split()]
     cold, warm = run(tmp_path / "a"), run(tmp_path / "a")
     n = cold[0]  # model, sampler and logit_bias programs
-    # buckets (1, 1), (8, 4) and (16, 4): 3 model programs, samplers for 1 and 4 rows, and
-    # the logit_bias row writer
-    assert n == 6
+    # buckets (1, 1), (4, 4), (8, 4) and (16, 4): 4 model programs, samplers for 1 and 4
+    # rows, and the logit_bias row writer
+    assert n == 7
     assert cold[1:4] == [0, n, 0] and warm[1:4] == [n, 0, 0]
     assert len(warm[4:]) == 6 and warm[4:] == cold[4:]
     # a copy of the warm cache at another path (another volume mount) hits as well

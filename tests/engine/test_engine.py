@@ -269,10 +269,14 @@ def test_no_compiles_after_warmup(llm: LLMEngine, monkeypatch: pytest.MonkeyPatc
                 15: abort(["c13", "no-such-id"]),
             },
         )
-        # then one request alone: its decodes run the CPU's 1-token bucket
-        requests.append(("c20", rng.integers(0, vocab, 9).tolist(),
-                         SamplingParams(max_tokens=4, temperature=0.8, seed=20, ignore_eos=True)))
-        done.update(_drive(llm, add_at={0: add(20, 21)}))
+        # then three requests, then one alone: their decodes run the CPU's 4- and 1-token
+        # buckets
+        for i in (20, 21, 22, 23):
+            requests.append((f"c{i}", rng.integers(0, vocab, 9).tolist(),
+                             SamplingParams(max_tokens=4, temperature=0.8, seed=i,
+                                            ignore_eos=True)))
+        done.update(_drive(llm, add_at={0: add(20, 23)}))
+        done.update(_drive(llm, add_at={0: add(23, 24)}))
     finally:
         jax.monitoring.unregister_event_duration_listener(on_duration)
         jax.monitoring.unregister_event_listener(on_event)
