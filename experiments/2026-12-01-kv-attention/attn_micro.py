@@ -2,7 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python experiments/2026-12-01-kv-attention/attn_micro.py \\
         --tree . --batch 64 --context 300 --dtypes f32,bf16,int8 --block-sizes 16,64 \\
-        --out results/attn_micro.json
+        --out results/attn_micro.json [--decode-kv-chunks 64,128]
 
 ``ragged_paged_attention`` from source tree ``--tree`` (so two trees can be compared) runs in a
 ``lax.scan`` over 30 layers, as the model calls it: ``--batch`` one-row (decode) sequences of
@@ -30,6 +30,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--dtypes", default="f32,bf16,int8")
     ap.add_argument("--block-sizes", default="16")
+    ap.add_argument("--decode-kv-chunks", default="64",
+                    help="the op's decode_kv_chunk values to compare")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None)
     ns = ap.parse_args()
@@ -79,10 +81,12 @@ def main() -> None:
                 kw = {"k_scale": sc, "v_scale": sc}
             else:
                 raise ValueError(f"dtype {dt!r} not in f32, bf16, int8")
-            f = run_fn(kw)
-            args = (q, k, v, jnp.asarray(tables))
-            jax.block_until_ready(f(*args))
-            cases[f"{dt}/bs{bs}"] = functools.partial(f, *args)
+            for dc in [int(x) for x in ns.decode_kv_chunks.split(",")]:
+                f = run_fn({**kw, "decode_kv_chunk": dc, "kv_chunk": max(128, dc)})
+                args = (q, k, v, jnp.asarray(tables))
+                jax.block_until_ready(f(*args))
+                cases[f"{dt}/bs{bs}" + (f"/dc{dc}" if dc != 64 else "")] = \
+                    functools.partial(f, *args)
         del kf
     best = {n: (1e9, 1e9) for n in cases}
     for _ in range(ns.rounds):
