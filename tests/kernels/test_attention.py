@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from pallas_kernels import ragged_paged_attention, ref_ragged_paged_attention, write_kv
+from pallas_kernels.ragged_paged_attention import decode_chunk_for
 from pallas_kernels.testing import make_case
 
 
-@pytest.mark.parametrize("tiles", [(128, 128), (4, 8)], ids=["default-tiles", "small-tiles"])
+@pytest.mark.parametrize("tiles", [(128, 128, None), (4, 8, 8)], ids=["default-tiles", "small-tiles"])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("window,cap", [(None, None), (5, None), (None, 20.0)])
 def test_matches_naive_reference(block_size: int, window: int | None, cap: float | None,
@@ -28,7 +29,7 @@ def test_matches_naive_reference(block_size: int, window: int | None, cap: float
             jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32),
             jnp.int32(layer), jnp.asarray(bt), jnp.asarray(sl), jnp.asarray(qsl), jnp.asarray(ns),
             sm_scale=scale, sliding_window=window, logit_soft_cap=cap, q_tile=tiles[0],
-            kv_chunk=tiles[1])
+            kv_chunk=tiles[1], decode_kv_chunk=tiles[2])
         want = ref_ragged_paged_attention(q, k, v, layer, bt, sl, qsl, ns, sm_scale=scale,
                                           sliding_window=window, logit_soft_cap=cap)
         got = np.asarray(got)
@@ -36,6 +37,24 @@ def test_matches_naive_reference(block_size: int, window: int | None, cap: float
         assert np.all(np.isfinite(got))
         np.testing.assert_allclose(got[:total], want[:total], rtol=1e-5, atol=1e-5)
         assert np.all(got[total:] == 0.0), "padding rows must be zero"
+
+
+@pytest.mark.parametrize("num_slots", [4, 32])
+def test_default_decode_chunk_by_slots(num_slots: int) -> None:
+    """The decode path's default step (``decode_chunk_for``: 512 keys up to 16 slots, 128
+    above) matches the reference with contexts across several of its chunks, beside a prefill."""
+    rng = np.random.default_rng()
+    q_lens = [1, 1, 7, 1]
+    ctx_lens = [300, 1100, 7, 513]
+    q, k, v, bt, sl, qsl, ns = make_case(rng, q_lens, ctx_lens, block_size=16,
+                                         num_seqs_pad=num_slots, tokens_pad=16)
+    got = np.asarray(ragged_paged_attention(
+        *(jnp.asarray(x, jnp.float32) for x in (q, k, v)), jnp.int32(0), jnp.asarray(bt),
+        jnp.asarray(sl), jnp.asarray(qsl), jnp.asarray(ns), sm_scale=0.25))
+    want = ref_ragged_paged_attention(q, k, v, 0, bt, sl, qsl, ns, sm_scale=0.25)
+    total = qsl[-1]
+    np.testing.assert_allclose(got[:total], want[:total], rtol=1e-5, atol=1e-5)
+    assert decode_chunk_for(num_slots) == (512 if num_slots <= 16 else 128)
 
 
 def test_write_kv_scatters_to_slots() -> None:
@@ -70,7 +89,8 @@ def test_traced_sliding_window_one_program() -> None:
     def run(window):
         return ragged_paged_attention(*args, jnp.int32(1), jnp.asarray(bt), jnp.asarray(sl),
                                       jnp.asarray(qsl), jnp.asarray(ns), sm_scale=0.25,
-                                      sliding_window=window, q_tile=4, kv_chunk=8)
+                                      sliding_window=window, q_tile=4, kv_chunk=8,
+                                      decode_kv_chunk=8)
 
     total = qsl[-1]
     for window, ref_window in ((7, 7), (1, 1), (1 << 30, None)):
