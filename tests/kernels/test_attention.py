@@ -54,7 +54,7 @@ def test_default_decode_chunk_by_slots(num_slots: int) -> None:
     want = ref_ragged_paged_attention(q, k, v, 0, bt, sl, qsl, ns, sm_scale=0.25)
     total = qsl[-1]
     np.testing.assert_allclose(got[:total], want[:total], rtol=1e-5, atol=1e-5)
-    assert decode_chunk_for(num_slots) == (512 if num_slots <= 16 else 128)
+    assert max(ctx_lens) > 2 * decode_chunk_for(num_slots), "the case must span 3+ chunks"
 
 
 def test_write_kv_scatters_to_slots() -> None:
