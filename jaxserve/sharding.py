@@ -17,6 +17,7 @@ Every split axis must divide by ``tp`` (int4 row-parallel: ``in / quantization_g
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Sequence
 
@@ -124,8 +125,8 @@ def param_partition_specs(params, cfg: ModelConfig) -> dict:
         scale = list(s)
         if leaf.scale.shape[ax] == 1:  # per-channel: one scale along the contraction axis
             scale[ax] = None
-        return QuantizedWeight(P(*s), P(*scale), leaf.method, leaf.group_size, leaf.axis,
-                               None if leaf.zero is None else P(*scale))
+        return dataclasses.replace(leaf, q=P(*s), scale=P(*scale),
+                                   zero=None if leaf.zero is None else P(*scale))
 
     return jax.tree_util.tree_map_with_path(
         spec, params, is_leaf=lambda x: isinstance(x, QuantizedWeight))

@@ -20,13 +20,17 @@ target). Formats, for contraction axis ``axis`` of length ``n`` (-2 for a linear
 - ``fp8``: ``float8_e4m3fn`` (arXiv:2209.05433) per output channel, ``scale = amax / 448``;
   error <= ``max(|w| * 2**-4, scale * 2**-10)``.
 
-Compute: int8/fp8 ``q`` converts exactly to the activation dtype, the dot runs, and the scale
-applies to the ``[T, out]`` result in float32; int4 dequantises to the activation dtype first.
+Compute: int8/fp8 ``q`` converts exactly to the dot's operand dtype, the dot runs, and the scale
+applies to the ``[T, out]`` result in float32; int4 dequantises to the operand dtype first. The
+operand dtype is the activations', except under the CPU's mixed mode (float32 activations, the
+weights' ``dot_dtype`` bfloat16) at ``NARROW_DOT_MIN_ROWS`` rows or more: there the dot takes
+bfloat16 operands and accumulates in float32, as a plain bfloat16 weight's does (``qmatmul``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import jax
@@ -42,6 +46,15 @@ INT4_FORMAT = "asym-zp16"  # the int4 layout this module writes (recorded in che
 DEFAULT_GROUP_SIZE = 32
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# Rows (tokens) from which a quantised weight whose ``dot_dtype`` is narrower than the float32
+# activations is dequantised to that dtype for the dot. Measured on XLA:CPU (2-core Zen 5 with
+# AVX512-BF16; SmolLM2-135M's 30 layers of 7 matmuls, weights streamed from memory, best of 20;
+# experiments/2026-12-02-quant-dot-dtype/results/matmul_forms.txt): int8 as bfloat16 took 10.7
+# against 12.9 ms at 2 rows and 32.3 against 53.6 at 64; at one row 12.2 against 12.9 there
+# but 9.4-10.3 against 8.4-8.5 in an earlier run, so one row stays float32; int4 31.6 against
+# 36.4 at 32 and 40.9 against 54.8 at 64, but 24.9 against 21.2 at 16 (its nibble unpacking
+# costs more in the bfloat16 dot's smaller tiles).
+NARROW_DOT_MIN_ROWS = {"int8": 2, "fp8": 2, "int4": 32}
 
 
 @dataclass(frozen=True)
@@ -87,6 +100,8 @@ class QuantizedWeight:
     group_size: int = field(metadata={"static": True})  # int4's; 0 for per-channel formats
     axis: int = field(metadata={"static": True})  # contraction axis, negative (-2 or -1)
     zero: jax.Array | None = None  # int4: u8 of scale's shape, sixteenths of a step; else None
+    # the dtype of the float weight this replaced (``qmatmul``'s narrow operands); not stored
+    dot_dtype: str = field(default="float32", metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -185,7 +200,7 @@ def quantize(w: jax.Array, method: str, group_size: int = DEFAULT_GROUP_SIZE, ax
             q = jnp.clip(jnp.round(x), -INT8_MAX, INT8_MAX).astype(jnp.int8)
         else:
             q = jnp.clip(x, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
-        return QuantizedWeight(q, scale, method, 0, axis)
+        return QuantizedWeight(q, scale, method, 0, axis, dot_dtype=_float_name(w.dtype))
     n = w.shape[ax]
     _check_group(n, group_size)
     g = wf.reshape(*w.shape[:ax], n // group_size, group_size, *w.shape[ax + 1:])
@@ -198,7 +213,14 @@ def quantize(w: jax.Array, method: str, group_size: int = DEFAULT_GROUP_SIZE, ax
     q = jnp.clip(jnp.round(g / scale + zero / INT4_ZERO_STEPS), 0, INT4_LEVELS)
     return QuantizedWeight(pack_int4(q.astype(jnp.uint8).reshape(w.shape), ax),
                            jnp.squeeze(scale, ax + 1).astype(INT4_SCALE_DTYPE), method,
-                           group_size, axis, jnp.squeeze(zero, ax + 1).astype(jnp.uint8))
+                           group_size, axis, jnp.squeeze(zero, ax + 1).astype(jnp.uint8),
+                           _float_name(w.dtype))
+
+
+def _float_name(dtype) -> str:
+    """``dtype``'s name if a float dtype, else "float32" (what integer sources compute in)."""
+    dtype = jnp.dtype(dtype)
+    return dtype.name if jnp.issubdtype(dtype, jnp.floating) else "float32"
 
 
 def dequantize(qw: QuantizedWeight, dtype: jnp.dtype = jnp.float32) -> jax.Array:
@@ -220,7 +242,12 @@ def qmatmul(x: jax.Array, w: jax.Array | QuantizedWeight, *, transpose: bool = F
 
     A plain ``w`` of another dtype than ``x`` (bfloat16 weights under float32 activations on
     the CPU, ``jaxserve.loading.load.compute_dtype``) is contracted as stored: ``x`` is cast
-    to ``w.dtype`` and the dot accumulates in float32.
+    to ``w.dtype`` and the dot accumulates in float32. A quantised ``w`` whose ``dot_dtype``
+    is such a dtype does the same from ``NARROW_DOT_MIN_ROWS[w.method]`` rows of ``x`` on
+    (dequantised to it; int8 and fp8 values are exact in bfloat16); below, its dot runs in
+    ``x.dtype``, which measured faster there. So a quantised model's rounding differs between
+    a one-row decode step and a batch (jaxserve's outputs are not batch-invariant anyway:
+    docs/architecture.md).
 
     Args:
       x: ``[T, k]`` activations.
@@ -240,11 +267,17 @@ def qmatmul(x: jax.Array, w: jax.Array | QuantizedWeight, *, transpose: bool = F
     want = -1 if transpose else -2
     if w.axis != want:
         raise ValueError(f"weight quantised along axis {w.axis}, contracted along {want}")
+    rows = math.prod(x.shape[:-1])
+    narrow = jnp.dtype(w.dot_dtype)
+    op = narrow if (narrow.itemsize < jnp.dtype(x.dtype).itemsize
+                    and rows >= NARROW_DOT_MIN_ROWS[w.method]) else jnp.dtype(x.dtype)
+    dims = (((x.ndim - 1,), (1 if transpose else 0,)), ((), ()))
     if w.method == "int4":
-        d = dequantize(w, x.dtype)
-        return x @ (d.T if transpose else d)
-    q = w.q.astype(x.dtype)
-    y = jnp.matmul(x, q.T if transpose else q, preferred_element_type=jnp.float32)
+        y = jax.lax.dot_general(x.astype(op), dequantize(w, op), dims,
+                                preferred_element_type=jnp.float32)
+        return y.astype(x.dtype)
+    y = jax.lax.dot_general(x.astype(op), w.q.astype(op), dims,
+                            preferred_element_type=jnp.float32)
     return (y * w.scale.reshape(-1)).astype(x.dtype)
 
 
@@ -373,12 +406,13 @@ def quantized_shapes(shapes, targets: QuantTargets, qcfg: QuantConfig):
             return QuantizedWeight(jax.ShapeDtypeStruct(tuple(qs), jnp.uint8),
                                    jax.ShapeDtypeStruct(tuple(ss), INT4_SCALE_DTYPE), "int4",
                                    qcfg.group_size, axis,
-                                   jax.ShapeDtypeStruct(tuple(ss), jnp.uint8))
+                                   jax.ShapeDtypeStruct(tuple(ss), jnp.uint8),
+                                   _float_name(s.dtype))
         ss[ax] = 1
         qdt = jnp.int8 if qcfg.method == "int8" else FP8_DTYPE
         return QuantizedWeight(jax.ShapeDtypeStruct(tuple(qs), qdt),
                                jax.ShapeDtypeStruct(tuple(ss), jnp.float32), qcfg.method, 0,
-                               axis)
+                               axis, dot_dtype=_float_name(s.dtype))
 
     return jax.tree_util.tree_map_with_path(one, shapes)
 

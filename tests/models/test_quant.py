@@ -224,6 +224,47 @@ def test_qmatmul_of_bfloat16_weights_under_float32_activations() -> None:
     assert np.abs(np.asarray(got) - np.asarray(x @ w.astype(jnp.float32))).max() > 0
 
 
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
+def test_qmatmul_of_quantised_bfloat16_weights_by_row_count(method: str) -> None:
+    # quantised from bfloat16 weights (the CPU's mixed mode): from NARROW_DOT_MIN_ROWS rows
+    # the dot takes bfloat16 operands as a plain bfloat16 weight does; below, float32 ones
+    w = _rand((128, 40), seed=11).astype(jnp.bfloat16)
+    qw = quant.quantize(w, method, 32)
+    assert qw.dot_dtype == "bfloat16" and quant.quantize(w.astype(jnp.float32), method,
+                                                         32).dot_dtype == "float32"
+
+    def operand(narrow: bool) -> np.ndarray:  # the weight the dot sees, scale included
+        if method == "int4":  # dequantised to the operand dtype
+            return np.asarray(quant.dequantize(qw, jnp.bfloat16 if narrow else jnp.float32),
+                              np.float64)
+        # int8 / fp8 values are exact in bfloat16; the scale applies to the dot's result
+        return np.asarray(qw.q.astype(jnp.float32), np.float64) * np.asarray(qw.scale,
+                                                                              np.float64)
+
+    n = quant.NARROW_DOT_MIN_ROWS[method]
+    for rows, narrow in ((n - 1, False), (n, True)):
+        x = _rand((rows, 128), seed=12, outliers=False)
+        xs = np.asarray(x.astype(jnp.bfloat16) if narrow else x, np.float64)
+        got = quant.qmatmul(x, qw)
+        assert got.dtype == jnp.float32 and got.shape == (rows, 40)
+        np.testing.assert_allclose(np.asarray(got), xs @ operand(narrow), rtol=1e-5, atol=1e-5)
+        # the other rounding of x is measurably different: the check above can tell them apart
+        other = np.asarray(x if narrow else x.astype(jnp.bfloat16), np.float64)
+        assert np.abs(np.asarray(got) - other @ operand(not narrow)).max() > 1e-4
+    # the dtype is recorded wherever quantised leaves are made, and survives sharding specs
+    shapes = {"layers": {"wq": jax.ShapeDtypeStruct((2, 128, 64), jnp.bfloat16)}}
+    qs = quant.quantized_shapes(shapes, DECODER_QUANT_TARGETS, QuantConfig(method))
+    qp = quant.quantize_params(jax.tree_util.tree_map(
+        lambda s: jnp.ones(s.shape, s.dtype), shapes), DECODER_QUANT_TARGETS,
+        QuantConfig(method))
+    assert qs["layers"]["wq"].dot_dtype == qp["layers"]["wq"].dot_dtype == "bfloat16"
+    assert jax.tree_util.tree_structure(qs) == jax.tree_util.tree_structure(qp)
+    from jaxserve.sharding import param_partition_specs
+
+    specs = param_partition_specs(qp, SMOLLM2)
+    assert specs["layers"]["wq"].dot_dtype == "bfloat16"
+
+
 def test_settings_are_validated_naming_the_field() -> None:
     with pytest.raises(ValueError, match="quantization='int3'"):
         EngineConfig(quantization="int3")
