@@ -3,11 +3,12 @@
 A step's ragged batch (``num_tokens`` tokens from ``num_seqs`` sequences) is padded to a bucket
 ``(T, S)``: ``T`` the smallest token bucket >= num_tokens (powers of two from 8 up to
 ``max_num_batched_tokens``, which is always the last bucket, after any ``small`` buckets below
-8), and ``S = min(T, max_num_seqs)``.
+8, with the ``mid`` buckets between them from 24 up to ``mid_up_to``), and
+``S = min(T, max_num_seqs)``.
 Every sequence contributes at least one token, so ``num_seqs <= num_tokens <= T`` and
 ``num_seqs <= max_num_seqs``: one ``S`` per ``T`` always fits. That gives one program per token
-bucket (8 for the default 1024 tokens, 10 with the CPU's small buckets) instead of the full
-(T, S) grid.
+bucket (8 for the default 1024 tokens; 12 on the CPU, with its small buckets and the mid ones up
+to the default 64 sequences) instead of the full (T, S) grid.
 
 On the CPU the engine adds ``CPU_SMALL_BUCKETS``, 1 and 4 tokens, for one to four requests
 decoding. XLA:CPU runs a 1-row weight matmul as a matrix-vector product, and a step's
@@ -16,6 +17,18 @@ context 300 (``jaxserve bench step``): one decode 24 ms in the 1-token bucket ag
 the 8-token one; four decodes 30-32 ms in the 4-token bucket against 36 ms. Each costs one
 model and one sampler program more to compile; a 2-token bucket was no faster for two
 decodes.
+
+On the CPU the engine also compiles the mid buckets ``3 * 2**k`` from ``MIN_MID_BUCKET`` (24,
+48, 96, ...) up to ``max_num_seqs``. A decode step's cost there grows with its padded rows and slots (every weight
+matmul row, every slot's page gathers), so a step of 33 decodes padded to 64 cost what 64 do.
+Measured in one process, decode steps interleaved (SmolLM2-135M, bfloat16, context 300;
+experiments/2026-12-02-decode-buckets): 48 live sequences 100.3 ms a step with the powers of
+two against 86.9 ms with the 48 bucket, 33 live 127.4 against 95.7, 24 live 90.0 against 77.2,
+12 live 51.4 against 40.6 (a 12 bucket); 64 live the same. Decode steps with fewer sequences
+than the largest bucket are common: a batch's sequences finish at different lengths. Each
+bucket costs a model and a sampler program, about 2 s each of a cold start's compile here: few
+steps run 9-12 decodes, so a 12 bucket would not repay it. A GPU pads for less (its decode step
+reads the weights once whatever the rows), so it keeps the powers of two.
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ from dataclasses import dataclass
 
 MIN_TOKEN_BUCKET = 8
 CPU_SMALL_BUCKETS = (1, 4)  # token buckets below 8 that the engine compiles on the CPU
+MIN_MID_BUCKET = 24  # the smallest of the buckets 3 * 2**k (``token_buckets``'s mid_up_to)
 
 
 @dataclass(frozen=True)
@@ -35,28 +49,35 @@ class Bucket:
     num_seqs: int
 
 
-def token_buckets(max_num_batched_tokens: int, small: tuple[int, ...] = ()) -> list[int]:
+def token_buckets(max_num_batched_tokens: int, small: tuple[int, ...] = (),
+                  mid_up_to: int = 0) -> list[int]:
     """``small`` (ascending, each below 8), then powers of two from 8 below
-    ``max_num_batched_tokens``, then that maximum itself.
+    ``max_num_batched_tokens``, each ``2**k`` from 16 followed by ``3 * 2**(k - 1)`` while that
+    is at most ``mid_up_to`` (so 8, 16, 24, 32, 48, 64, 96, ...), then the maximum itself.
 
     Raises:
-      ValueError: a ``small`` bucket not in ``[1, 8)`` or not ascending.
+      ValueError: a ``small`` bucket not in ``[1, 8)`` or not ascending; ``mid_up_to < 0``.
     """
     if any(not 1 <= t < MIN_TOKEN_BUCKET for t in small) or list(small) != sorted(set(small)):
         raise ValueError(f"small buckets {small} must ascend within [1, {MIN_TOKEN_BUCKET})")
+    if mid_up_to < 0:
+        raise ValueError(f"mid_up_to={mid_up_to} must be >= 0")
     out, t = list(small), MIN_TOKEN_BUCKET
     while t < max_num_batched_tokens:
         out.append(t)
+        mid = t * 3 // 2
+        if MIN_MID_BUCKET <= mid <= mid_up_to and mid < max_num_batched_tokens:
+            out.append(mid)
         t *= 2
     out.append(max_num_batched_tokens)
     return out
 
 
 def make_buckets(max_num_batched_tokens: int, max_num_seqs: int,
-                 small: tuple[int, ...] = ()) -> list[Bucket]:
+                 small: tuple[int, ...] = (), mid_up_to: int = 0) -> list[Bucket]:
     """The bucket table, one entry per token bucket (``token_buckets``), ascending."""
     return [Bucket(t, min(t, max_num_seqs))
-            for t in token_buckets(max_num_batched_tokens, small)]
+            for t in token_buckets(max_num_batched_tokens, small, mid_up_to)]
 
 
 def pick_bucket(buckets: list[Bucket], num_tokens: int, num_seqs: int) -> Bucket:

@@ -177,6 +177,9 @@ class ModelRunner:
       max_num_batched_tokens, max_num_seqs: bucket limits.
       small_buckets: token buckets below 8 to compile as well (``jaxserve.device.buckets``;
         the engine asks for ``CPU_SMALL_BUCKETS`` on the CPU).
+      mid_buckets_up_to: compile the buckets ``3 * 2**k`` (24, 48, ...) up to this many tokens
+        too (``buckets.token_buckets``; the engine asks for them up to ``max_num_seqs`` on the
+        CPU); 0: none.
       max_blocks_per_seq: block-table width (``cdiv(max_model_len, block_size)``).
       vocab_limit: ids at or above it are never sampled (tokenizer smaller than the embedding).
       num_penalty_slots: rows of the penalty state (default ``max_num_seqs``: every running
@@ -197,7 +200,8 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, params, kv_cache: KVCache, *,
                  max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
-                 small_buckets: tuple[int, ...] = (), vocab_limit: int | None = None,
+                 small_buckets: tuple[int, ...] = (), mid_buckets_up_to: int = 0,
+                 vocab_limit: int | None = None,
                  num_penalty_slots: int | None = None,
                  mesh: jax.sharding.Mesh | None = None,
                  executable_cache: ExecutableCache | None = None,
@@ -209,7 +213,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.max_blocks = max_blocks_per_seq
-        self.buckets = make_buckets(max_num_batched_tokens, max_num_seqs, small_buckets)
+        self.buckets = make_buckets(max_num_batched_tokens, max_num_seqs, small_buckets,
+                                    mid_buckets_up_to)
         self.layouts = {b: _Layout(b, max_blocks_per_seq) for b in self.buckets}
         # two buffers per bucket, used in turn: a dispatched step may still read its buffer
         # (on the CPU the program can alias the numpy memory) while the next one is packed

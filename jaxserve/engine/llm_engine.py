@@ -194,6 +194,7 @@ class LLMEngine:
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_num_seqs=config.max_num_seqs,
                                   small_buckets=CPU_SMALL_BUCKETS if on_cpu else (),
+                                  mid_buckets_up_to=config.max_num_seqs if on_cpu else 0,
                                   max_blocks_per_seq=max_blocks, vocab_limit=vocab_limit,
                                   mesh=self.mesh, executable_cache=exe_cache,
                                   program_description=repr((

@@ -37,3 +37,20 @@ def test_pick_bucket_takes_the_smallest_that_holds_the_step() -> None:
     assert pick_bucket(make_buckets(64, 16), 1, 1) == Bucket(8, 8)
     with pytest.raises(ValueError, match="no bucket holds 65 tokens"):
         pick_bucket(buckets, 65, 3)
+
+
+def test_mid_buckets_sit_between_the_powers_of_two_from_24_up_to_their_limit() -> None:
+    assert token_buckets(1024, small=CPU_SMALL_BUCKETS, mid_up_to=64) == [
+        1, 4, 8, 16, 24, 32, 48, 64, 128, 256, 512, 1024]
+    assert token_buckets(1024, mid_up_to=47) == [8, 16, 24, 32, 64, 128, 256, 512, 1024]
+    assert token_buckets(1024, mid_up_to=23) == token_buckets(1024)
+    # never at or past the budget, which is the last bucket whatever it is
+    assert token_buckets(100, mid_up_to=1000) == [8, 16, 24, 32, 48, 64, 96, 100]
+    assert token_buckets(96, mid_up_to=1000) == [8, 16, 24, 32, 48, 64, 96]
+    assert token_buckets(16, mid_up_to=64) == [8, 16]
+    assert make_buckets(64, 16, mid_up_to=64)[:5] == [
+        Bucket(8, 8), Bucket(16, 16), Bucket(24, 16), Bucket(32, 16), Bucket(48, 16)]
+    with pytest.raises(ValueError, match="mid_up_to"):
+        token_buckets(64, mid_up_to=-1)
+    # a step of 33 decodes pads to 48, not 64
+    assert pick_bucket(make_buckets(1024, 64, CPU_SMALL_BUCKETS, 64), 33, 33) == Bucket(48, 48)
