@@ -47,7 +47,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from jaxserve.device.buckets import MIN_TOKEN_BUCKET, Bucket, make_buckets, pick_bucket
+from jaxserve.device.buckets import Bucket, make_buckets, pick_bucket
 from jaxserve.device.executable_cache import ExecutableCache
 from jaxserve.device.sampler import (
     Logprobs,
@@ -65,6 +65,8 @@ from jaxserve.sampling_params import MAX_LOGPROBS, MAX_MIN_TOKENS_STOP_IDS
 from models.interface import AttentionMetadata, CausalLM
 from pallas_kernels import KVCache
 from pallas_kernels.kv_cache import PADDING_SLOT
+
+LM_HEAD_MIN_ROWS = 2  # rows the LM head is padded to (_lm_head)
 
 
 @dataclass(frozen=True)
@@ -648,14 +650,16 @@ class ModelRunner:
 
 
 def _lm_head(model: CausalLM, params, hidden: jax.Array) -> jax.Array:
-    """``model.compute_logits`` of ``hidden [L, hidden]``, with fewer than
-    ``MIN_TOKEN_BUCKET`` rows padded up to it and cut back: XLA:CPU runs a 1-row dot against
-    the transposed embedding as a slow reduction (SmolLM2-135M's 1-token step took 65 ms with
-    it, 24 ms padded to 8 rows); up to 8 rows cost what 1 does on YNNPACK."""
+    """``model.compute_logits`` of ``hidden [L, hidden]``, one row padded to
+    ``LM_HEAD_MIN_ROWS`` and cut back: XLA:CPU runs a 1-row dot against the transposed
+    embedding as a slow reduction (SmolLM2-135M's 1-token step took 65 ms with it, 24 ms padded
+    to 8 rows); from 2 rows it goes to YNNPACK. 2 rows against the 8 used before, one decode
+    alone (experiments/2026-12-02-lm-head-rows, four interleaved runs): int4 weights 21.3 /
+    18.4 ms a step against 22.8 / 18.7, bfloat16 19.8 / 21.8 against 19.9 / 22.7."""
     rows = hidden.shape[0]
-    if rows >= MIN_TOKEN_BUCKET:
+    if rows >= LM_HEAD_MIN_ROWS:
         return model.compute_logits(params, hidden)
-    padded = jnp.pad(hidden, ((0, MIN_TOKEN_BUCKET - rows), (0, 0)))
+    padded = jnp.pad(hidden, ((0, LM_HEAD_MIN_ROWS - rows), (0, 0)))
     return model.compute_logits(params, padded)[:rows]
 
 
