@@ -19,18 +19,27 @@ ENV PIP_NO_CACHE_DIR=1 \
 
 WORKDIR /opt/jaxserve
 COPY . .
+# The CPU image keeps g++: the native CPU decode-attention kernel (--attention-backend auto/native)
+# is compiled on first use for the CPU the container runs on, into the cache volume below.
+# (g++ 12, the version of bookworm, the base image's Debian release.)
+RUN if [ -z "${JAXSERVE_EXTRAS}" ]; then \
+        apt-get update && apt-get install -y --no-install-recommends "g++=4:12.2.0-3" \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
 RUN JAXSERVE_EXTRAS="${JAXSERVE_EXTRAS}" bash scripts/setup.sh \
     && groupadd --gid 10001 jaxserve \
     && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin jaxserve \
-    && mkdir -p /models /var/cache/jaxserve/xla \
+    && mkdir -p /models /var/cache/jaxserve/xla /var/cache/jaxserve/native \
     && chown -R 10001:10001 /models /var/cache/jaxserve
 
 ENV PATH=/opt/jaxserve/.venv/bin:${PATH} \
-    HOME=/home/jaxserve
+    HOME=/home/jaxserve \
+    JAXSERVE_NATIVE_CACHE=/var/cache/jaxserve/native
 USER 10001:10001
 
 # /models: the weights to serve (a GGUF file, an HF safetensors directory, an orbax checkpoint);
-# /var/cache/jaxserve: the persistent compilation cache, which turns a restart's compile into a read.
+# /var/cache/jaxserve: the persistent compilation cache, which turns a restart's compile into a read,
+# and the native CPU kernel built on first use.
 VOLUME ["/models", "/var/cache/jaxserve"]
 EXPOSE 8000
 # /health answers from process start (before the model loads), so the start period only covers

@@ -3,7 +3,9 @@
 ``ragged_paged_attention`` / ``write_kv`` have one signature (``pallas_kernels/
 ragged_paged_attention.py``) and, per backend, one implementation: the pure-jnp one
 (``ragged_paged_attention``) runs everywhere; the Pallas Triton kernel
-(``ragged_paged_attention_pallas``) runs on NVIDIA GPUs and, in interpret mode, on the CPU.
+(``ragged_paged_attention_pallas``) runs on NVIDIA GPUs and, in interpret mode, on the CPU; on
+CPUs the jnp op's decode rows can run as a native C++ kernel (``cpu_attention``, an XLA FFI
+custom call compiled on first use).
 ``attention_fn_for_backend`` maps the engine's ``attention_backend`` setting onto one of them
 (docs/architecture.md#attention-op).
 """
@@ -15,6 +17,7 @@ from collections.abc import Callable
 
 import jax
 
+from pallas_kernels import cpu_attention
 from pallas_kernels.kv_cache import KVCache, allocate_kv_cache, kv_cache_bytes_per_block
 from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
@@ -24,24 +27,35 @@ from pallas_kernels.ragged_paged_attention import (
 from pallas_kernels.ragged_paged_attention_triton import ragged_paged_attention_pallas
 
 # "pallas-interpret" runs the Pallas kernel in the interpreter: for CPU tests only (slow).
-ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas-interpret")
+ATTENTION_BACKENDS = ("auto", "reference", "native", "pallas", "pallas-interpret")
 
 
 def attention_fn_for_backend(backend: str, platform: str | None = None) -> Callable[..., jax.Array]:
     """The attention op for an ``attention_backend`` setting.
 
-    "auto": the Pallas kernel on GPUs, the pure-jnp op elsewhere; "reference": the pure-jnp op;
-    "pallas": the Pallas Triton kernel; "pallas-interpret": that kernel in interpret mode.
-    ``platform`` defaults to ``jax.default_backend()``.
+    "auto": the Pallas kernel on GPUs; on CPUs "native" where its kernel builds, else
+    "reference"; "reference": the pure-jnp op; "native": the jnp op with its decode rows in the
+    native CPU kernel (XLA:CPU only); "pallas": the Pallas Triton kernel; "pallas-interpret":
+    that kernel in interpret mode. ``platform`` defaults to ``jax.default_backend()``.
 
     Raises:
       ValueError: for an unknown backend name.
+      RuntimeError: "native" asked for where its kernel cannot be built (no C++ compiler).
     """
     if backend == "auto":
         platform = platform or jax.default_backend()
-        backend = "pallas" if platform in ("gpu", "cuda", "rocm") else "reference"
+        if platform in ("gpu", "cuda", "rocm"):
+            backend = "pallas"
+        else:
+            backend = "native" if platform == "cpu" and cpu_attention.available() else "reference"
     if backend == "reference":
         return ragged_paged_attention
+    if backend == "native":
+        if not cpu_attention.available():
+            raise RuntimeError("attention_backend='native' needs the CPU attention kernel, "
+                               "which could not be built (see the log; set CXX to a C++17 "
+                               "compiler)")
+        return functools.partial(ragged_paged_attention, native_decode=True)
     if backend == "pallas":
         return ragged_paged_attention_pallas
     if backend == "pallas-interpret":

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.cpu_attention import cpu_decode_attention
 from pallas_kernels.kv_cache import is_quantized_dtype, kv_to_float, kv_to_numpy, quantize_kv
 
 _MASK_VALUE = -1e30
@@ -126,7 +127,7 @@ def decode_chunk_for(num_slots: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "logit_soft_cap", "q_tile", "kv_chunk",
-                                             "decode_kv_chunk"))
+                                             "decode_kv_chunk", "native_decode"))
 def ragged_paged_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -145,6 +146,7 @@ def ragged_paged_attention(
     q_tile: int = 128,
     kv_chunk: int = 128,
     decode_kv_chunk: int | None = None,
+    native_decode: bool = False,
 ) -> jax.Array:
     """Attention of a ragged token batch over the paged KV cache (pure jnp).
 
@@ -170,6 +172,8 @@ def ragged_paged_attention(
       decode_kv_chunk: the decode path's step in keys (rounded to whole pages); its gathers
         are ``S x chunk`` pages. None: ``decode_chunk_for(S)``, by the number of sequence
         slots ``S``.
+      native_decode: run the decode rows with the native CPU kernel
+        (``cpu_attention.cpu_decode_attention``, XLA:CPU only) instead of the jnp decode path.
     Returns:
       ``[T, num_q_heads, head_dim]`` in q's dtype; padding rows are 0.
 
@@ -219,65 +223,71 @@ def ragged_paged_attention(
                 jnp.zeros(lead + (num_kv_heads, group, head_dim), jnp.float32))
 
     # -- decode path: the last (only) row of each one-row sequence ---------------------------
-    last = jnp.clip(query_start_loc[1:] - 1, 0, num_tokens - 1)
-    dec = live & (q_lens == 1)
-    ctx_d = jnp.where(dec, seq_lens, 0)
-    qd = qf[last]  # [S, kv, g, d]
-    qpos_d = ctx_d - 1
+    if native_decode:  # zeros on every other row; the V scale is applied to all rows below
+        out = cpu_decode_attention(
+            qf.reshape(num_tokens, num_q_heads, head_dim), k_cache, v_cache, layer,
+            block_tables, seq_lens, query_start_loc, num_seqs, sliding_window=sliding_window,
+            logit_soft_cap=logit_soft_cap).reshape(num_tokens, num_kv_heads, group, head_dim)
+    else:
+        last = jnp.clip(query_start_loc[1:] - 1, 0, num_tokens - 1)
+        dec = live & (q_lens == 1)
+        ctx_d = jnp.where(dec, seq_lens, 0)
+        qd = qf[last]  # [S, kv, g, d]
+        qpos_d = ctx_d - 1
 
-    # Scores against the gathered pages in their own [S, C, kv * d] layout (no transpose of the
-    # big operand): q becomes block-diagonal [S, kv * d, kv * g], so one batched matmul gives
-    # [S, C, kv * g]; the kv-fold extra flops are cheap next to moving the keys (3-6x faster on
-    # XLA's CPU backend than a dot with kv as a batch dimension).
-    eye = jnp.eye(num_kv_heads, dtype=jnp.float32)
-    width = num_kv_heads * group
-    q_blk = jnp.einsum("skgd,kj->skdjg", qd, eye).reshape(num_slots, num_kv_heads * head_dim,
-                                                          width)
-    # a bfloat16 cache: the score dot takes bfloat16 operands (the queries rounded to
-    # bfloat16, accumulation in float32), as the model's bfloat16 matmuls do
-    bf16_scores = jnp.dtype(k_cache.dtype) == jnp.bfloat16
-    q_blk_dot = q_blk.astype(jnp.bfloat16) if bf16_scores else q_blk
+        # Scores against the gathered pages in their own [S, C, kv * d] layout (no transpose of the
+        # big operand): q becomes block-diagonal [S, kv * d, kv * g], so one batched matmul gives
+        # [S, C, kv * g]; the kv-fold extra flops are cheap next to moving the keys (3-6x faster on
+        # XLA's CPU backend than a dot with kv as a batch dimension).
+        eye = jnp.eye(num_kv_heads, dtype=jnp.float32)
+        width = num_kv_heads * group
+        q_blk = jnp.einsum("skgd,kj->skdjg", qd, eye).reshape(num_slots, num_kv_heads * head_dim,
+                                                              width)
+        # a bfloat16 cache: the score dot takes bfloat16 operands (the queries rounded to
+        # bfloat16, accumulation in float32), as the model's bfloat16 matmuls do
+        bf16_scores = jnp.dtype(k_cache.dtype) == jnp.bfloat16
+        q_blk_dot = q_blk.astype(jnp.bfloat16) if bf16_scores else q_blk
 
-    def dec_body(c, carry):
-        m, l, acc = carry  # [S, kv * g], [S, kv * g], [S, kv, g, d]
-        pages = jax.lax.dynamic_slice_in_dim(tables, c * ppc_d, ppc_d, axis=1)
-        flat = (num_slots, chunk_d, num_kv_heads * head_dim)
-        v = kv_to_float(v_cache[layer, pages].reshape(flat))
-        kpos = c * chunk_d + kpos0_d
-        mask = kpos[None, :] <= qpos_d[:, None]  # [S, C]
-        if sliding_window is not None:
-            mask &= kpos[None, :] > qpos_d[:, None] - sliding_window
-        mask3 = mask[:, :, None]
-        k = k_cache[layer, pages].reshape(flat)  # bf16: to the dot as stored, no f32 copy
-        qk = jnp.einsum("scx,sxy->scy", k if bf16_scores else kv_to_float(k), q_blk_dot,
-                        preferred_element_type=jnp.float32)
-        s = jnp.where(mask3, scores(qk), _MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        p = jnp.where(mask3, jnp.exp(s - m_new[:, None, :]), 0.0)
-        alpha = jnp.exp(m - m_new)
-        # p . v as a broadcast multiply summed over the chunk, not a second block-diagonal
-        # matmul: XLA fuses the masking (and an 8-bit or bf16 cache's conversion) into the
-        # reduction, so the gathered values are read once and never copied to float32, and no
-        # kv-fold wasted products are made (~10% of the decode attention on XLA CPU).
-        vm = jnp.where(mask3, v, 0.0).reshape(num_slots, chunk_d, num_kv_heads, 1, head_dim)
-        o = jnp.sum(p.reshape(num_slots, chunk_d, num_kv_heads, group, 1) * vm, axis=1)
-        acc = acc * alpha.reshape(num_slots, num_kv_heads, group)[..., None] + o
-        return m_new, l * alpha + p.sum(axis=1), acc
+        def dec_body(c, carry):
+            m, l, acc = carry  # [S, kv * g], [S, kv * g], [S, kv, g, d]
+            pages = jax.lax.dynamic_slice_in_dim(tables, c * ppc_d, ppc_d, axis=1)
+            flat = (num_slots, chunk_d, num_kv_heads * head_dim)
+            v = kv_to_float(v_cache[layer, pages].reshape(flat))
+            kpos = c * chunk_d + kpos0_d
+            mask = kpos[None, :] <= qpos_d[:, None]  # [S, C]
+            if sliding_window is not None:
+                mask &= kpos[None, :] > qpos_d[:, None] - sliding_window
+            mask3 = mask[:, :, None]
+            k = k_cache[layer, pages].reshape(flat)  # bf16: to the dot as stored, no f32 copy
+            qk = jnp.einsum("scx,sxy->scy", k if bf16_scores else kv_to_float(k), q_blk_dot,
+                            preferred_element_type=jnp.float32)
+            s = jnp.where(mask3, scores(qk), _MASK_VALUE)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            p = jnp.where(mask3, jnp.exp(s - m_new[:, None, :]), 0.0)
+            alpha = jnp.exp(m - m_new)
+            # p . v as a broadcast multiply summed over the chunk, not a second block-diagonal
+            # matmul: XLA fuses the masking (and an 8-bit or bf16 cache's conversion) into the
+            # reduction, so the gathered values are read once and never copied to float32, and no
+            # kv-fold wasted products are made (~10% of the decode attention on XLA CPU).
+            vm = jnp.where(mask3, v, 0.0).reshape(num_slots, chunk_d, num_kv_heads, 1, head_dim)
+            o = jnp.sum(p.reshape(num_slots, chunk_d, num_kv_heads, group, 1) * vm, axis=1)
+            acc = acc * alpha.reshape(num_slots, num_kv_heads, group)[..., None] + o
+            return m_new, l * alpha + p.sum(axis=1), acc
 
-    n_dec_chunks = (jnp.max(ctx_d) + chunk_d - 1) // chunk_d
-    first_dec_chunk = 0
-    if sliding_window is not None:  # chunks wholly before every decode row's window are skipped
-        first_key = jnp.where(dec, jnp.maximum(qpos_d + 1 - sliding_window, 0),
-                              jnp.iinfo(jnp.int32).max)
-        first_dec_chunk = jnp.min(first_key) // chunk_d
-        first_dec_chunk = jnp.minimum(first_dec_chunk, n_dec_chunks)
-    init = (jnp.full((num_slots, width), _MASK_VALUE, jnp.float32),
-            jnp.zeros((num_slots, width), jnp.float32),
-            jnp.zeros((num_slots, num_kv_heads, group, head_dim), jnp.float32))
-    _, l_d, acc_d = jax.lax.fori_loop(first_dec_chunk, n_dec_chunks, dec_body, init)
-    l_d = l_d.reshape(num_slots, num_kv_heads, group)
-    out = jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32)
-    out = out.at[jnp.where(dec, last, num_tokens)].set(_finish(l_d, acc_d), mode="drop")
+        n_dec_chunks = (jnp.max(ctx_d) + chunk_d - 1) // chunk_d
+        first_dec_chunk = 0
+        if sliding_window is not None:  # chunks wholly before every decode row's window are skipped
+            first_key = jnp.where(dec, jnp.maximum(qpos_d + 1 - sliding_window, 0),
+                                  jnp.iinfo(jnp.int32).max)
+            first_dec_chunk = jnp.min(first_key) // chunk_d
+            first_dec_chunk = jnp.minimum(first_dec_chunk, n_dec_chunks)
+        init = (jnp.full((num_slots, width), _MASK_VALUE, jnp.float32),
+                jnp.zeros((num_slots, width), jnp.float32),
+                jnp.zeros((num_slots, num_kv_heads, group, head_dim), jnp.float32))
+        _, l_d, acc_d = jax.lax.fori_loop(first_dec_chunk, n_dec_chunks, dec_body, init)
+        l_d = l_d.reshape(num_slots, num_kv_heads, group)
+        out = jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32)
+        out = out.at[jnp.where(dec, last, num_tokens)].set(_finish(l_d, acc_d), mode="drop")
 
     # -- prefill path: tiles of rows of each multi-row sequence --------------------------------
     # only the multi-row sequences, compacted to the front, so a decode step runs no iteration

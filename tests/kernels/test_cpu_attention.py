@@ -1,0 +1,164 @@
+"""The native CPU decode kernel (``pallas_kernels.cpu_attention``) against the numpy reference,
+alone and inside the jnp op (``native_decode=True``) beside its prefill path."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import (
+    attention_fn_for_backend,
+    cpu_attention,
+    ragged_paged_attention,
+    ref_ragged_paged_attention,
+)
+from pallas_kernels.kv_cache import KV_QUANT_DTYPES, kv_to_numpy, quantize_kv
+from pallas_kernels.testing import make_case
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(),
+                                reason="no C++ compiler for the native CPU kernel")
+
+
+def _op(q, k, v, layer, bt, sl, qsl, ns, **kw):
+    return np.asarray(ragged_paged_attention(
+        jnp.asarray(q, jnp.float32), k, v, jnp.int32(layer), jnp.asarray(bt), jnp.asarray(sl),
+        jnp.asarray(qsl), jnp.asarray(ns), native_decode=True, **kw))
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("window,cap", [(None, None), (5, None), (None, 20.0), (40, 30.0)])
+def test_mixed_batch_matches_reference(head_dim: int, block_size: int, window: int | None,
+                                       cap: float | None) -> None:
+    """Decode rows (the kernel) beside a fresh prefill and continued chunks (the jnp path), with
+    NaN in every page and slot no sequence owns, padding sequences and padding tokens."""
+    rng = np.random.default_rng()
+    q_lens = [1, 1, 13, 5, 1, 3, 1]
+    ctx_lens = [1, 37, 13, 23, 65, 133, 300]
+    q, k, v, bt, sl, qsl, ns = make_case(rng, q_lens, ctx_lens, block_size=block_size,
+                                         num_seqs_pad=8, tokens_pad=32, head_dim=head_dim)
+    scale = head_dim ** -0.5
+    for layer in (0, 1):
+        got = _op(q, jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32), layer, bt, sl,
+                  qsl, ns, sm_scale=scale, sliding_window=window, logit_soft_cap=cap)
+        want = ref_ragged_paged_attention(q, k, v, layer, bt, sl, qsl, ns, sm_scale=scale,
+                                          sliding_window=window, logit_soft_cap=cap)
+        total = qsl[-1]
+        assert np.all(np.isfinite(got))
+        np.testing.assert_allclose(got[:total], want[:total], rtol=2e-5, atol=2e-5)
+        assert np.all(got[total:] == 0.0), "padding rows must be zero"
+
+
+def test_kernel_alone_writes_only_decode_rows() -> None:
+    """``cpu_decode_attention`` fills each one-row sequence's row (the queries pre-scaled) and
+    leaves the prefill and padding rows 0; a traced window gives what a static one does."""
+    rng = np.random.default_rng()
+    q_lens = [1, 4, 1, 1]
+    ctx_lens = [90, 20, 1, 513]
+    q, k, v, bt, sl, qsl, ns = make_case(rng, q_lens, ctx_lens, block_size=16, num_seqs_pad=6,
+                                         tokens_pad=12)
+    args = [jnp.asarray(x, jnp.float32) for x in (q * 0.25, k, v)] + [
+        jnp.int32(1), jnp.asarray(bt), jnp.asarray(sl), jnp.asarray(qsl), jnp.asarray(ns)]
+    got = np.asarray(cpu_attention.cpu_decode_attention(*args))
+    traced = jax.jit(lambda w, *a: cpu_attention.cpu_decode_attention(*a, sliding_window=w))
+    windowed = np.asarray(traced(jnp.int32(50), *args))
+    want = ref_ragged_paged_attention(q, k, v, 1, bt, sl, qsl, ns, sm_scale=0.25)
+    want_w = ref_ragged_paged_attention(q, k, v, 1, bt, sl, qsl, ns, sm_scale=0.25,
+                                        sliding_window=50)
+    decode_rows = [qsl[i] for i, n in enumerate(q_lens) if n == 1]
+    np.testing.assert_allclose(got[decode_rows], want[decode_rows], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(windowed[decode_rows], want_w[decode_rows], rtol=2e-5, atol=2e-5)
+    others = np.setdiff1d(np.arange(q.shape[0]), decode_rows)
+    assert np.all(got[others] == 0.0)
+    assert np.abs(windowed[decode_rows[-1]] - got[decode_rows[-1]]).max() > 1e-3
+
+
+def test_bfloat16_cache_reads_stored_values() -> None:
+    rng = np.random.default_rng()
+    q_lens = [1, 1, 9, 1]
+    ctx_lens = [70, 129, 40, 17]
+    q, k, v, bt, sl, qsl, ns = make_case(rng, q_lens, ctx_lens, block_size=16, num_seqs_pad=8,
+                                         tokens_pad=16)
+    kb, vb = jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
+    got = _op(q, kb, vb, 1, bt, sl, qsl, ns, sm_scale=0.25)
+    want = ref_ragged_paged_attention(q, np.asarray(kb), np.asarray(vb), 1, bt, sl, qsl, ns,
+                                      sm_scale=0.25)
+    total = qsl[-1]
+    np.testing.assert_allclose(got[:total], want[:total], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", sorted(KV_QUANT_DTYPES))
+def test_8bit_cache_with_scales(kv_dtype: str) -> None:
+    """An fp8 (e4m3 bits in uint8) or int8 cache with per-(layer, head) scales equals the
+    reference on the dequantised stored values."""
+    rng = np.random.default_rng()
+    q_lens = [1, 1, 6, 1]
+    ctx_lens = [33, 200, 6, 64]
+    q, k, v, bt, sl, qsl, ns = make_case(rng, q_lens, ctx_lens, block_size=16, num_seqs_pad=4,
+                                         tokens_pad=12)
+    dt = KV_QUANT_DTYPES[kv_dtype]
+    ks = (rng.uniform(0.5, 2.0, (2, k.shape[3])) / 100).astype(np.float32)
+    vs = (rng.uniform(0.5, 2.0, (2, k.shape[3])) / 100).astype(np.float32)
+    quant = jax.vmap(lambda x, s: quantize_kv(x, s, dt))
+    kq = quant(jnp.asarray(np.nan_to_num(k), jnp.float32), jnp.asarray(ks))
+    vq = quant(jnp.asarray(np.nan_to_num(v), jnp.float32), jnp.asarray(vs))
+    got = _op(q, kq, vq, 1, bt, sl, qsl, ns, sm_scale=0.25, k_scale=jnp.asarray(ks),
+              v_scale=jnp.asarray(vs))
+    k_deq = kv_to_numpy(kq) * ks[:, None, None, :, None]
+    v_deq = kv_to_numpy(vq) * vs[:, None, None, :, None]
+    want = ref_ragged_paged_attention(q, k_deq, v_deq, 1, bt, sl, qsl, ns, sm_scale=0.25)
+    total = qsl[-1]
+    np.testing.assert_allclose(got[:total], want[:total], rtol=1e-4, atol=1e-4)
+
+
+def test_unsupported_cache_dtype_is_refused() -> None:
+    kv = jnp.zeros((1, 2, 4, 1, 8), jnp.float16)
+    with pytest.raises(ValueError, match="k_cache.dtype=float16"):
+        cpu_attention.cpu_decode_attention(
+            jnp.zeros((2, 2, 8)), kv, kv, jnp.int32(0), jnp.zeros((1, 2), jnp.int32),
+            jnp.ones((1,), jnp.int32), jnp.array([0, 1], jnp.int32), jnp.ones((1,), jnp.int32))
+
+
+def test_build_is_cached(tmp_path, monkeypatch) -> None:
+    """The library is compiled once per source and compiler, then found in the cache."""
+    monkeypatch.setenv("JAXSERVE_NATIVE_CACHE", str(tmp_path))
+    lib = cpu_attention.build()
+    assert lib.is_file() and lib.parent.parent == tmp_path
+    mtime = lib.stat().st_mtime_ns
+    assert cpu_attention.build() == lib and lib.stat().st_mtime_ns == mtime
+
+
+def test_backend_selection_on_cpu() -> None:
+    f = attention_fn_for_backend("native")
+    assert f.func is ragged_paged_attention and f.keywords == {"native_decode": True}
+    auto = attention_fn_for_backend("auto", platform="cpu")
+    assert auto.func is ragged_paged_attention and auto.keywords == {"native_decode": True}
+
+
+def test_build_without_a_compiler_says_so(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("JAXSERVE_NATIVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        cpu_attention.build()
+
+
+def test_a_failing_compiler_leaves_nothing_behind(tmp_path, monkeypatch) -> None:
+    cxx = tmp_path / "bin" / "broken-c++"
+    cxx.parent.mkdir()
+    cxx.write_text("#!/bin/sh\necho 'broken-c++: error: nothing works' >&2\nexit 1\n")
+    cxx.chmod(0o755)
+    monkeypatch.setenv("JAXSERVE_NATIVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(cxx))
+    with pytest.raises(RuntimeError, match="nothing works"):
+        cpu_attention.build()
+    assert not list((tmp_path / "cache").rglob("*.so"))
+
+
+def test_auto_falls_back_to_reference_without_the_kernel(monkeypatch) -> None:
+    monkeypatch.setattr(cpu_attention, "available", lambda: False)
+    assert attention_fn_for_backend("auto", platform="cpu") is ragged_paged_attention
+    with pytest.raises(RuntimeError, match="attention_backend='native'"):
+        attention_fn_for_backend("native")
