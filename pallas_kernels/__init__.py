@@ -39,7 +39,7 @@ def attention_fn_for_backend(backend: str, platform: str | None = None) -> Calla
     that kernel in interpret mode. ``platform`` defaults to ``jax.default_backend()``.
 
     Raises:
-      ValueError: for an unknown backend name.
+      ValueError: for an unknown backend name, or "native" on a platform other than the CPU.
       RuntimeError: "native" asked for where its kernel cannot be built (no C++ compiler).
     """
     if backend == "auto":
@@ -51,6 +51,9 @@ def attention_fn_for_backend(backend: str, platform: str | None = None) -> Calla
     if backend == "reference":
         return ragged_paged_attention
     if backend == "native":
+        platform = platform or jax.default_backend()
+        if platform != "cpu":
+            raise ValueError(f"attention_backend='native' runs on CPUs only, not on {platform!r}")
         if not cpu_attention.available():
             raise RuntimeError("attention_backend='native' needs the CPU attention kernel, "
                                "which could not be built (see the log; set CXX to a C++17 "

@@ -17,8 +17,9 @@ from pallas_kernels import (
 from pallas_kernels.kv_cache import KV_QUANT_DTYPES, kv_to_numpy, quantize_kv
 from pallas_kernels.testing import make_case
 
-pytestmark = pytest.mark.skipif(not cpu_attention.available(),
-                                reason="no C++ compiler for the native CPU kernel")
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "cpu" or not cpu_attention.available(),
+    reason="the native kernel runs on XLA:CPU and needs a C++ compiler")
 
 
 def _op(q, k, v, layer, bt, sl, qsl, ns, **kw):
@@ -162,3 +163,9 @@ def test_auto_falls_back_to_reference_without_the_kernel(monkeypatch) -> None:
     assert attention_fn_for_backend("auto", platform="cpu") is ragged_paged_attention
     with pytest.raises(RuntimeError, match="attention_backend='native'"):
         attention_fn_for_backend("native")
+
+
+def test_native_is_refused_off_the_cpu() -> None:
+    with pytest.raises(ValueError, match="runs on CPUs only"):
+        attention_fn_for_backend("native", platform="gpu")
+
