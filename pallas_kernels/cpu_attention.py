@@ -31,8 +31,11 @@ import numpy as np
 _log = logging.getLogger(__name__)
 _TARGET = "jaxserve_cpu_decode_attention"
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_decode_attention.cc"
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17",
-          "-shared", "-fPIC")
+# Reassociation lets the reductions vectorise. Not -ffast-math (or -funsafe-math-optimizations):
+# GCC before 13 then links crtfastmath.o even into a shared library, whose constructor turns on
+# flush-to-zero and denormals-are-zero for the whole process on load.
+_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-freciprocal-math",
+          "-fno-signed-zeros", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC")
 SUPPORTED_CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
                           jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8))
 

@@ -3,6 +3,9 @@ alone and inside the jnp op (``native_decode=True``) beside its prefill path."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -169,3 +172,18 @@ def test_native_is_refused_off_the_cpu() -> None:
     with pytest.raises(ValueError, match="runs on CPUs only"):
         attention_fn_for_backend("native", platform="gpu")
 
+
+def test_loading_the_library_keeps_subnormals(tmp_path, monkeypatch) -> None:
+    """Loading the kernel must not switch on flush-to-zero for the whole process.
+
+    GCC's -ffast-math links crtfastmath.o even into a shared library; its constructor sets
+    FTZ/DAZ, which silently changes every float computation in the server (and broke
+    hypothesis). Checked in a fresh process, since the state is process-wide.
+    """
+    monkeypatch.setenv("JAXSERVE_NATIVE_CACHE", str(tmp_path))
+    lib = cpu_attention.build()
+    code = ("import ctypes, sys; tiny = sys.float_info.min; assert tiny / 2 > 0; "
+            f"ctypes.CDLL({str(lib)!r}); print(tiny / 2 > 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "True"
