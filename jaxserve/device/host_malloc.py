@@ -10,6 +10,13 @@ took 181 -> 168 ms (-7%) in an in-process A/B, and the 64-row top-p sampler alon
 5.2 ms (experiments/2026-12-01-host-allocator). The settings are glibc's ``mallopt(3)``
 ``M_MMAP_THRESHOLD`` and ``M_TRIM_THRESHOLD``. The cost is that up to ``THRESHOLD_BYTES`` of
 freed memory per malloc arena stays in the process instead of going back to the system.
+
+The thresholds hold only in glibc's main arena: a thread with an arena of its own grows it in
+heaps of at most 64 MiB, and a block that leaves such a heap empty goes back when freed. The
+64-row top-p sampler's 48 MiB of temporaries were mapped afresh on every call in two of five
+engine processes (12,304 faults, 19 ms a call against ~7 ms; experiments/2026-12-03-zen3), so
+importing ``jaxserve`` (before jax starts its threads) makes every thread created later share
+the main arena (``jaxserve._single_malloc_arena``).
 """
 
 from __future__ import annotations
@@ -29,6 +36,18 @@ most 64 MiB (a 1024-token SmolLM2-135M prefill has 388 MiB of temporaries, fault
 about 2% of its step time)."""
 
 
+def _mallopt():
+    """glibc's ``mallopt``, or None where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 (glibc only)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return None
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return mallopt
+
+
 def keep_freed_blocks() -> bool:
     """Raise glibc's mmap and trim thresholds to ``THRESHOLD_BYTES`` for this process.
 
@@ -38,13 +57,9 @@ def keep_freed_blocks() -> bool:
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     if "malloc.mmap_threshold" in tunables or "malloc.trim_threshold" in tunables:
         return False
-    try:
-        libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # noqa: B018 (glibc only)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _mallopt()
+    if mallopt is None:
         return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     ok = mallopt(M_MMAP_THRESHOLD, THRESHOLD_BYTES) == 1 and \
         mallopt(M_TRIM_THRESHOLD, THRESHOLD_BYTES) == 1
     log.debug("glibc mmap/trim thresholds %s to %d bytes", "raised" if ok else "not raised",
