@@ -42,8 +42,8 @@ def attention_fn_for_backend(backend: str, platform: str | None = None) -> Calla
       ValueError: for an unknown backend name, or "native" on a platform other than the CPU.
       RuntimeError: "native" asked for where its kernel cannot be built (no C++ compiler).
     """
+    platform = platform or jax.default_backend()
     if backend == "auto":
-        platform = platform or jax.default_backend()
         if platform in ("gpu", "cuda", "rocm"):
             backend = "pallas"
         else:
@@ -51,7 +51,6 @@ def attention_fn_for_backend(backend: str, platform: str | None = None) -> Calla
     if backend == "reference":
         return ragged_paged_attention
     if backend == "native":
-        platform = platform or jax.default_backend()
         if platform != "cpu":
             raise ValueError(f"attention_backend='native' runs on CPUs only, not on {platform!r}")
         if not cpu_attention.available():
