@@ -4,111 +4,26 @@ XLA:CPU runs the pure-jnp decode path as page gathers that copy every key and va
 before the score and value reductions read them again; on a 2-core CPU that path took 60% of a
 64-sequence decode step of SmolLM2-135M. ``csrc/cpu_decode_attention.cc`` reads the pages in
 place through the block table, one (sequence, kv head) item per task on XLA's intra-op thread
-pool. It is compiled on first use with the machine's C++ compiler (``CXX``, else ``c++``/``g++``)
-for the machine it runs on (``-march=native``), and cached under ``JAXSERVE_NATIVE_CACHE``
-(default ``~/.cache/jaxserve/native``) by a hash of the source, the flags, the compiler, the
-CPU's model and flags, and jaxlib's version. Without a compiler ``available()`` is False and the
-engine keeps the jnp path.
+pool. It is compiled on first use with the other native kernels (``pallas_kernels.native``);
+without a compiler ``available()`` is False and the engine keeps the jnp path.
 """
 
 from __future__ import annotations
-
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-_log = logging.getLogger(__name__)
+from pallas_kernels.native import register
+
 _TARGET = "jaxserve_cpu_decode_attention"
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_decode_attention.cc"
-# Reassociation lets the reductions vectorise. Not -ffast-math (or -funsafe-math-optimizations):
-# GCC before 13 then links crtfastmath.o even into a shared library, whose constructor turns on
-# flush-to-zero and denormals-are-zero for the whole process on load.
-_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-freciprocal-math",
-          "-fno-signed-zeros", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC")
 SUPPORTED_CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
                           jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8))
 
 
-def _compiler() -> str | None:
-    for c in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if c and shutil.which(c):
-            return shutil.which(c)
-    return None
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("JAXSERVE_NATIVE_CACHE",
-                               Path.home() / ".cache" / "jaxserve" / "native")).expanduser()
-
-
-def _cpu_identity() -> str:
-    """The CPU's model and feature flags: ``-march=native`` output is only valid on the same."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() + platform.machine()
-    keep = [ln for ln in lines if ln.split(":")[0].strip() in ("model name", "flags", "Features")]
-    return "\n".join(dict.fromkeys(keep))
-
-
-def build(force: bool = False) -> Path:
-    """Compile the kernel (once per source, flags, compiler and jaxlib) and return the library.
-
-    Raises:
-      RuntimeError: no C++ compiler was found, or it failed (its output is in the message).
-    """
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler (set CXX, or install g++) for the CPU attention "
-                           "kernel")
-    version = subprocess.run([cxx, "--version"], check=False, capture_output=True,
-                             text=True).stdout
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), " ".join(_FLAGS), version,
-                                    _cpu_identity(),
-                                    jax.lib.__version__ if hasattr(jax.lib, "__version__")
-                                    else jax.__version__]).encode()).hexdigest()[:16]
-    lib = _cache_dir() / key / "libjaxserve_cpu_attention.so"
-    if lib.exists() and not force:
-        return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=lib.parent, suffix=".so", delete=False) as tmp:
-        tmp_path = Path(tmp.name)
-    cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(tmp_path)]
-    res = subprocess.run(cmd, check=False, capture_output=True, text=True)
-    if res.returncode != 0:
-        tmp_path.unlink(missing_ok=True)
-        raise RuntimeError(f"building the CPU attention kernel failed ({' '.join(cmd)}):\n"
-                           f"{res.stderr[-4000:]}")
-    os.replace(tmp_path, lib)  # atomic: concurrent builders each write their own file
-    return lib
-
-
-@functools.cache
-def _register() -> bool:
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(build()))
-    except (RuntimeError, OSError) as e:
-        _log.warning("the native CPU attention kernel is unavailable, using the jnp path: %s", e)
-        return False
-    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxserveCpuDecodeAttention),
-                                platform="cpu")
-    return True
-
-
 def available() -> bool:
     """Whether the kernel built (or was cached) and is registered with XLA:CPU."""
-    return _register()
+    return register("JaxserveCpuDecodeAttention", _TARGET)
 
 
 def cpu_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
