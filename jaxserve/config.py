@@ -17,6 +17,7 @@ KV_8BIT_DTYPES = ("fp8", "int8")  # the ones stored with calibrated scales
 KV_SCALE_MODES = ("calibrated", "unit")
 ATTENTION_BACKENDS = ("auto", "reference", "native", "pallas", "pallas-interpret")
 QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8")
+INT4_MATMUL_BACKENDS = ("auto", "xla", "native")
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,11 @@ class EngineConfig:
     quantization_group_size: int = field(default=32, metadata={
         "help": "input rows per int4 scale and zero point; must divide the quantised weights' "
                 "input dims (576 and 1536 for SmolLM2)"})
+    int4_matmul_backend: str = field(default="auto", metadata={
+        "help": "int4 weights' matmuls of one row (decode steps of one sequence): "
+                "native (a C++ CPU kernel compiled on first use, reading the packed weight "
+                "once), xla (dequantise, then the dot), or auto (native on CPUs where it "
+                "builds, without tensor parallelism; else xla)", "choices": INT4_MATMUL_BACKENDS})
     quantize_embeddings: bool = field(default=False, metadata={
         "help": "also quantise the embedding table and the LM head (needs --quantization)"})
     step_trace_file: str | None = field(default=None, metadata={
@@ -140,6 +146,9 @@ class EngineConfig:
             raise ValueError(f"{self.tensor_parallel_size=} must be >= 1")
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"{self.quantization=} must be one of {QUANTIZATION_METHODS}")
+        if self.int4_matmul_backend not in INT4_MATMUL_BACKENDS:
+            raise ValueError(f"{self.int4_matmul_backend=} must be one of "
+                             f"{INT4_MATMUL_BACKENDS}")
         gs = self.quantization_group_size
         if gs < 2 or gs % 2:
             raise ValueError(f"{self.quantization_group_size=} must be an even integer >= 2 "

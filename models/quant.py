@@ -37,6 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.cpu_int4_matmul import available as native_int4_available
+from pallas_kernels.cpu_int4_matmul import cpu_int4_matmul
+
 METHODS = ("none", "int8", "int4", "fp8")
 INT8_MAX = 127
 INT4_LEVELS = 15  # q in [0, 15]
@@ -55,6 +58,13 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # 36.4 at 32 and 40.9 against 54.8 at 64, but 24.9 against 21.2 at 16 (its nibble unpacking
 # costs more in the bfloat16 dot's smaller tiles).
 NARROW_DOT_MIN_ROWS = {"int8": 2, "fp8": 2, "int4": 32}
+# Rows up to which an int4 weight's matmul runs in the native CPU kernel (``use_native_int4``)
+# rather than as XLA:CPU's dequantise-then-dot. Measured on a 2-core Zen 3 (AVX2;
+# experiments/2026-12-04-int4-kernel): SmolLM2-135M's 30 layers of 7 int4 matmuls in a jitted
+# scan, native against XLA, 9.8 / 20.8 ms at 1 row, 14.6 / 24.3 at 2, 22.5 / 27.3 at 4 and
+# 39.5 / 33.1 at 8; but whole decode steps (``jaxserve bench step``) gained only in the 1-token
+# bucket (20.0 against 28.4-28.8 ms) and not in the 4-token one (32.8-37.4 against 33.2-35.8).
+NATIVE_INT4_MAX_ROWS = 1
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,9 @@ class QuantizedWeight:
     zero: jax.Array | None = None  # int4: u8 of scale's shape, sixteenths of a step; else None
     # the dtype of the float weight this replaced (``qmatmul``'s narrow operands); not stored
     dot_dtype: str = field(default="float32", metadata={"static": True})
+    # int4 on XLA:CPU: up to this many rows ``qmatmul`` runs the native kernel (0: never);
+    # set by ``use_native_int4``, not stored
+    native_max_rows: int = field(default=0, metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -272,6 +285,9 @@ def qmatmul(x: jax.Array, w: jax.Array | QuantizedWeight, *, transpose: bool = F
     op = narrow if (narrow.itemsize < jnp.dtype(x.dtype).itemsize
                     and rows >= NARROW_DOT_MIN_ROWS[w.method]) else jnp.dtype(x.dtype)
     dims = (((x.ndim - 1,), (1 if transpose else 0,)), ((), ()))
+    if w.method == "int4" and not transpose and w.q.ndim == 2 and rows <= w.native_max_rows:
+        y = cpu_int4_matmul(x.reshape(rows, x.shape[-1]), w.q, w.scale, w.zero)
+        return y.reshape(*x.shape[:-1], y.shape[-1]).astype(x.dtype)
     if w.method == "int4":
         y = jax.lax.dot_general(x.astype(op), dequantize(w, op), dims,
                                 preferred_element_type=jnp.float32)
@@ -279,6 +295,27 @@ def qmatmul(x: jax.Array, w: jax.Array | QuantizedWeight, *, transpose: bool = F
     y = jax.lax.dot_general(x.astype(op), w.q.astype(op), dims,
                             preferred_element_type=jnp.float32)
     return (y * w.scale.reshape(-1)).astype(x.dtype)
+
+
+def use_native_int4(params, max_rows: int = NATIVE_INT4_MAX_ROWS):
+    """``params`` with every int4 weight contracted along its rows (``[..., in, out]``) set to
+    run its matmuls of up to ``max_rows`` rows in the native CPU kernel
+    (``pallas_kernels.cpu_int4_matmul``); 0 turns that off. For unsharded params on XLA:CPU
+    only: the kernel is a custom call that XLA cannot partition.
+
+    Raises:
+      RuntimeError: ``max_rows > 0`` where the kernel is not available (no C++ compiler).
+    """
+    if max_rows > 0 and not native_int4_available():
+        raise RuntimeError("the native CPU int4 matmul kernel could not be built (see the "
+                           "log; set CXX to a C++17 compiler)")
+
+    def one(leaf):
+        if _is_qw(leaf) and leaf.method == "int4" and leaf.axis == -2:
+            return dataclasses.replace(leaf, native_max_rows=max_rows)
+        return leaf
+
+    return jax.tree_util.tree_map(one, params, is_leaf=_is_qw)
 
 
 def embed_lookup(w: jax.Array | QuantizedWeight, ids: jax.Array, dtype: jnp.dtype

@@ -64,9 +64,14 @@ from jaxserve.engine.validation import (
 from jaxserve.loading.load import compute_dtype, load_model, resolve_dtype, setup_compilation_cache
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from models.quant import QuantConfig
+from models.quant import NATIVE_INT4_MAX_ROWS, QuantConfig, use_native_int4
 from models.registry import get_architecture
-from pallas_kernels import allocate_kv_cache, attention_fn_for_backend, kv_cache_bytes_per_block
+from pallas_kernels import (
+    allocate_kv_cache,
+    attention_fn_for_backend,
+    cpu_int4_matmul,
+    kv_cache_bytes_per_block,
+)
 
 log = logging.getLogger(__name__)
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads choice seeds (SplitMix64)
@@ -79,6 +84,28 @@ def _step_overhead_tokens(backend: str) -> int:
     experiments/2026-12-01-bucket-fit). A GPU reads all weights in every step and computes a
     prompt token in far less, so padding is cheaper there than another step."""
     return 32 if backend == "cpu" else 256
+
+
+def int4_native_rows(backend: str, platform: str, tp: int) -> int:
+    """Rows up to which int4 matmuls run in the native CPU kernel under ``int4_matmul_backend``
+    (``models.quant.use_native_int4``; 0: never). "auto": on the CPU without tensor
+    parallelism where the kernel builds.
+
+    Raises:
+      ValueError: "native" off the CPU or with ``tp > 1`` (a custom call XLA cannot split), or
+        an unknown backend.
+    """
+    if backend == "xla":
+        return 0
+    if backend == "native":
+        if platform != "cpu" or tp > 1:
+            raise ValueError(f"int4_matmul_backend='native' runs on one CPU device only, not on "
+                             f"{platform!r} with tensor_parallel_size={tp}")
+        return NATIVE_INT4_MAX_ROWS
+    if backend == "auto":
+        native = platform == "cpu" and tp == 1 and cpu_int4_matmul.available()
+        return NATIVE_INT4_MAX_ROWS if native else 0
+    raise ValueError(f"int4_matmul_backend={backend!r} must be auto, xla or native")
 
 
 @dataclass
@@ -140,6 +167,9 @@ class LLMEngine:
             config.quantization, config.quantization_group_size, config.quantize_embeddings))
         t_load = time.perf_counter()
         params, self.tokenizer, self.load_report = loaded.params, loaded.tokenizer, loaded.report
+        if config.quantization == "int4":
+            params = use_native_int4(params, int4_native_rows(config.int4_matmul_backend,
+                                                              jax.default_backend(), tp))
         self.model_name = load.served_model_name or loaded.name
         if metrics is not None and metrics.model_name != self.model_name:
             raise ValueError(f"metrics are labelled model_name={metrics.model_name!r}; the "
