@@ -60,11 +60,11 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 NARROW_DOT_MIN_ROWS = {"int8": 2, "fp8": 2, "int4": 32}
 # Rows up to which an int4 weight's matmul runs in the native CPU kernel (``use_native_int4``)
 # rather than as XLA:CPU's dequantise-then-dot. Measured on a 2-core Zen 3 (AVX2;
-# experiments/2026-12-04-int4-kernel): SmolLM2-135M's 30 layers of 7 int4 matmuls in a jitted
-# scan, native against XLA, 9.8 / 20.8 ms at 1 row, 14.6 / 24.3 at 2, 22.5 / 27.3 at 4 and
-# 39.5 / 33.1 at 8; but whole decode steps (``jaxserve bench step``) gained only in the 1-token
-# bucket (20.0 against 28.4-28.8 ms) and not in the 4-token one (32.8-37.4 against 33.2-35.8).
-NATIVE_INT4_MAX_ROWS = 1
+# experiments/2026-12-04-int4-kernel): SmolLM2-135M's 210 int4 matmuls in a jitted scan, native
+# against XLA, 7.8 / 19.7 ms at 1 row, 13.4 / 30.2 at 4, 24.0 / 36.8 at 8; whole decode steps
+# (two engines interleaved in one process) 18.5 / 28.5 ms at 1 sequence, 27.2 / 36.2 at 4, but
+# at 8 once 54.7 / 89.8 and once 59.5 / 59.9, so 8 rows stay on XLA's path until measured again.
+NATIVE_INT4_MAX_ROWS = 4
 
 
 @dataclass(frozen=True)
@@ -285,7 +285,7 @@ def qmatmul(x: jax.Array, w: jax.Array | QuantizedWeight, *, transpose: bool = F
     op = narrow if (narrow.itemsize < jnp.dtype(x.dtype).itemsize
                     and rows >= NARROW_DOT_MIN_ROWS[w.method]) else jnp.dtype(x.dtype)
     dims = (((x.ndim - 1,), (1 if transpose else 0,)), ((), ()))
-    if w.method == "int4" and not transpose and w.q.ndim == 2 and rows <= w.native_max_rows:
+    if w.method == "int4" and not transpose and w.q.ndim == 2 and 0 < rows <= w.native_max_rows:
         y = cpu_int4_matmul(x.reshape(rows, x.shape[-1]), w.q, w.scale, w.zero)
         return y.reshape(*x.shape[:-1], y.shape[-1]).astype(x.dtype)
     if w.method == "int4":

@@ -211,6 +211,7 @@ struct Job {
 // every thread streams its own part of the weight (a split by columns reads each row's few
 // bytes at a stride of N, and ran at ~1.4 GB/s from memory).
 constexpr int64_t kItemBytes = 16 * 1024;
+constexpr int64_t kItemsPerThread = 4;
 
 ffi::Error Int4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
                           ffi::AnyBuffer scale, ffi::Buffer<ffi::U8> zero,
@@ -235,6 +236,10 @@ ffi::Error Int4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const uint8_t* zp = zero.typed_data();
   float* op = out->typed_data();
   if (sh.rows == 0 || sh.n == 0) return ffi::Error::Success();
+  if (sh.k == 0) {  // an empty contraction
+    std::memset(op, 0, sizeof(float) * sh.rows * sh.n);
+    return ffi::Error::Success();
+  }
   // per (row, group) sums of x, shared by every column
   std::vector<float> xsum(static_cast<size_t>(sh.rows * sh.groups));
   for (int64_t t = 0; t < sh.rows; ++t) {
@@ -245,10 +250,13 @@ ffi::Error Int4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
       xsum[t * sh.groups + g] = s;
     }
   }
-  // items of whole groups; at least as many as threads where there are enough groups
+  // items of whole groups: about kItemBytes each, at least one per thread where there are
+  // enough groups, and at most kItemsPerThread per thread (each item has its own partial sums)
   const int64_t group_bytes = sh.group_size / 2 * sh.n;
-  const int64_t threads = pool.num_threads() + 1;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   int64_t per_item = std::max<int64_t>(1, kItemBytes / group_bytes);
+  per_item = std::max(per_item, (sh.groups + kItemsPerThread * threads - 1) /
+                                    (kItemsPerThread * threads));
   per_item = std::min(per_item, std::max<int64_t>(1, sh.groups / threads));
   auto job = std::make_shared<Job>();
   job->total = (sh.groups + per_item - 1) / per_item;
@@ -264,7 +272,7 @@ ffi::Error Int4MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
       job->done.fetch_add(1, std::memory_order_acq_rel);
     }
   };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->total - 1);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->total) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work]() { work(); });
   work();
   while (job->done.load(std::memory_order_acquire) < job->total) std::this_thread::yield();

@@ -60,16 +60,37 @@ def test_matches_the_dequantised_weight(k: int, n: int, group: int, rows: int) -
 def test_every_float16_scale_class() -> None:
     """Scales the quantiser never writes (it clips to [2**-14, 65504]) still decode exactly in
     the vector and the scalar column paths: subnormal, zero, the largest, negative."""
-    k, n = 32, 40  # 32 columns in a vector block, 8 in the scalar tail
+    k, n = 32, 44  # 40 columns in vector blocks (32 and 8), 4 in the scalar tail
     q = jnp.asarray(np.random.default_rng(1).integers(0, 256, (k // 2, n)), jnp.uint8)
     scale_vals = np.array([2.0 ** -24, 0.0, 65504.0, -0.5, 2.0 ** -14, 1.0, 3e-6, 0.125],
                           np.float16)
-    scale = jnp.asarray(np.tile(scale_vals, n // 8)[None, :], jnp.float16)
+    scale = jnp.asarray(np.concatenate([np.tile(scale_vals, 5), scale_vals[:4]])[None, :],
+                        jnp.float16)
     zero = jnp.asarray(np.random.default_rng(2).integers(0, 256, (1, n)), jnp.uint8)
     qw = QuantizedWeight(q, scale, "int4", k, -2, zero)
     x = np.random.default_rng(3).normal(0, 1, (3, k)).astype(np.float32)
     got = np.asarray(cpu_int4_matmul.cpu_int4_matmul(jnp.asarray(x), q, scale, zero))
     _assert_close(got, x, qw)
+
+
+def test_empty_shapes() -> None:
+    """No rows, no columns, or an empty contraction (zeros, as a dot of nothing)."""
+    qw = _weight(64, 32, 32)
+    none = cpu_int4_matmul.cpu_int4_matmul(jnp.ones((0, 64)), qw.q, qw.scale, qw.zero)
+    assert none.shape == (0, 32)
+    empty = cpu_int4_matmul.cpu_int4_matmul(
+        jnp.ones((2, 0)), jnp.zeros((0, 8), jnp.uint8), jnp.ones((1, 8), jnp.float16),
+        jnp.zeros((1, 8), jnp.uint8))
+    np.testing.assert_array_equal(np.asarray(empty), np.zeros((2, 8), np.float32))
+
+
+def test_no_rows_never_reach_the_kernel() -> None:
+    """``native_max_rows`` 0 means never, also for an empty batch."""
+    qw = _weight(64, 32, 32)
+    hlo = jax.jit(quant.qmatmul).lower(jnp.ones((0, 64)), qw).as_text()
+    assert "jaxserve_cpu_int4_matmul" not in hlo
+    hlo = jax.jit(quant.qmatmul).lower(jnp.ones((1, 64)), quant.use_native_int4(qw, 1)).as_text()
+    assert "jaxserve_cpu_int4_matmul" in hlo
 
 
 def test_bad_shapes_and_dtypes_name_the_arguments() -> None:
