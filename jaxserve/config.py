@@ -96,7 +96,9 @@ class EngineConfig:
         "help": "int4 weights' matmuls of up to 4 rows (decode steps of 1-4 sequences): "
                 "native (a C++ CPU kernel compiled on first use, reading the packed weight "
                 "once), xla (dequantise, then the dot), or auto (native on CPUs where it "
-                "builds, without tensor parallelism; else xla)", "choices": INT4_MATMUL_BACKENDS})
+                "builds, without tensor parallelism; else xla). Needs --quantization int4; "
+                "native is an error off the CPU or with --tensor-parallel-size > 1",
+        "choices": INT4_MATMUL_BACKENDS})
     quantize_embeddings: bool = field(default=False, metadata={
         "help": "also quantise the embedding table and the LM head (needs --quantization)"})
     step_trace_file: str | None = field(default=None, metadata={
@@ -149,6 +151,13 @@ class EngineConfig:
         if self.int4_matmul_backend not in INT4_MATMUL_BACKENDS:
             raise ValueError(f"{self.int4_matmul_backend=} must be one of "
                              f"{INT4_MATMUL_BACKENDS}")
+        if self.int4_matmul_backend == "native" and self.quantization != "int4":
+            raise ValueError(f"{self.int4_matmul_backend=} needs quantization='int4' (got "
+                             f"{self.quantization=})")
+        if self.int4_matmul_backend == "native" and self.tensor_parallel_size > 1:
+            raise ValueError(f"{self.int4_matmul_backend=} runs on one CPU device: it needs "
+                             f"tensor_parallel_size=1 (got {self.tensor_parallel_size}); use "
+                             f"'auto' or 'xla'")
         gs = self.quantization_group_size
         if gs < 2 or gs % 2:
             raise ValueError(f"{self.quantization_group_size=} must be an even integer >= 2 "

@@ -25,7 +25,7 @@ from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.device import kv_calibration as cal
 from jaxserve.tokenizer import Tokenizer
 from models.interface import CausalLM
-from models.quant import param_bytes
+from models.quant import QuantizedWeight, param_bytes
 from pallas_kernels import kv_cache_bytes_per_block
 from pallas_kernels.kv_cache import KV_FORMAT_NAMES, KV_QUANT_DTYPES
 
@@ -139,7 +139,8 @@ def weights_summary(params, config: EngineConfig, dtype: jnp.dtype,
                     compute_dtype: jnp.dtype | None = None) -> str:
     """One line for start-up logs: the weights' format and size, e.g. ``"float32 weights,
     513 MiB"``, ``"bfloat16 weights, float32 activations, 257 MiB"`` or ``"int8 weights
-    (+embeddings) computing in float32, 129 MiB"``.
+    (+embeddings) computing in float32, 129 MiB"``; int4 matmuls marked for the native CPU
+    kernel add ``" (up to 4 rows in the native CPU kernel)"`` before the size.
 
     Args:
       params: the served params pytree.
@@ -155,4 +156,9 @@ def weights_summary(params, config: EngineConfig, dtype: jnp.dtype,
         return f"{dtype} weights{acts}, {size:.0f} MiB"
     group = f" group {c.quantization_group_size}" if c.quantization == "int4" else ""
     emb = " (+embeddings)" if c.quantize_embeddings else ""
-    return f"{c.quantization}{group} weights{emb} computing in {compute}, {size:.0f} MiB"
+    rows = max((leaf.native_max_rows for leaf in jax.tree_util.tree_leaves(
+        params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+        if isinstance(leaf, QuantizedWeight)), default=0)
+    native = f" (up to {rows} rows in the native CPU kernel)" if rows else ""
+    return (f"{c.quantization}{group} weights{emb} computing in {compute}{native}, "
+            f"{size:.0f} MiB")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jaxserve.config import EngineConfig
+from jaxserve.engine.kv_budget import weights_summary
 from jaxserve.engine.llm_engine import int4_native_rows
 from models import quant
 from models.quant import NATIVE_INT4_MAX_ROWS, QuantizedWeight
@@ -131,6 +132,16 @@ def test_qmatmul_uses_it_up_to_its_rows_inside_a_jitted_scan() -> None:
             assert "jaxserve_cpu_int4_matmul" in hlo
 
 
+def test_the_start_up_line_names_the_kernel() -> None:
+    w = quant.quantize(jnp.asarray(np.random.default_rng(0).normal(0, 0.05, (64, 32)),
+                                   jnp.float32), "int4", 32)
+    cfg = EngineConfig(quantization="int4")
+    assert "native" not in weights_summary({"w": w}, cfg, jnp.dtype("float32"))
+    line = weights_summary({"w": quant.use_native_int4(w, 4)}, cfg, jnp.dtype("float32"))
+    assert line.startswith("int4 group 32 weights computing in float32 (up to 4 rows in the "
+                           "native CPU kernel), ")
+
+
 def test_use_native_int4_marks_int4_linears_only() -> None:
     w = jnp.asarray(np.random.default_rng(0).normal(0, 0.05, (64, 32)), jnp.float32)
     params = {"lin": quant.quantize(w, "int4", 32), "emb": quant.quantize(w, "int4", 32, axis=-1),
@@ -155,6 +166,15 @@ def test_backend_choice() -> None:
         int4_native_rows("native", "cpu", 2)
     with pytest.raises(ValueError, match="int4_matmul_backend"):
         EngineConfig(int4_matmul_backend="fast")
+    # refused when the settings are read, before any weight loads
+    with pytest.raises(ValueError, match="needs quantization='int4'"):
+        EngineConfig(int4_matmul_backend="native")
+    with pytest.raises(ValueError, match="needs quantization='int4'"):
+        EngineConfig(int4_matmul_backend="native", quantization="int8")
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        EngineConfig(int4_matmul_backend="native", quantization="int4", tensor_parallel_size=2)
+    EngineConfig(int4_matmul_backend="native", quantization="int4")
+    EngineConfig(int4_matmul_backend="auto", tensor_parallel_size=2)
 
 
 def test_a_model_step_of_one_row_agrees_with_the_xla_path() -> None:
