@@ -93,7 +93,7 @@ class EngineConfig:
         "help": "input rows per int4 scale and zero point; must divide the quantised weights' "
                 "input dims (576 and 1536 for SmolLM2)"})
     int4_matmul_backend: str = field(default="auto", metadata={
-        "help": "int4 weights' matmuls of up to 4 rows (decode steps of 1-4 sequences): "
+        "help": "int4 weights' matmuls of up to 8 rows (decode steps of 1-8 sequences): "
                 "native (a C++ CPU kernel compiled on first use, reading the packed weight "
                 "once), xla (dequantise, then the dot), or auto (native on CPUs where it "
                 "builds, without tensor parallelism; else xla). Needs --quantization int4; "

@@ -62,9 +62,10 @@ NARROW_DOT_MIN_ROWS = {"int8": 2, "fp8": 2, "int4": 32}
 # rather than as XLA:CPU's dequantise-then-dot. Measured on a 2-core Zen 3 (AVX2;
 # experiments/2026-12-04-int4-kernel): SmolLM2-135M's 210 int4 matmuls in a jitted scan, native
 # against XLA, 7.8 / 19.7 ms at 1 row, 13.4 / 30.2 at 4, 24.0 / 36.8 at 8; whole decode steps
-# (two engines interleaved in one process) 18.5 / 28.5 ms at 1 sequence, 27.2 / 36.2 at 4, but
-# at 8 once 54.7 / 89.8 and once 59.5 / 59.9, so 8 rows stay on XLA's path until measured again.
-NATIVE_INT4_MAX_ROWS = 4
+# (two engines interleaved in one process) 18.5 / 28.5 ms at 1 sequence, 27.2 / 36.2 at 4, and
+# at 8 in four runs 54.7 / 89.8, 59.5 / 59.9, 47.5 / 53.5 and 44.6 / 50.9. At 16 rows the
+# matmuls alone were 54.9 / 57.4 (the kernel unpacks the nibbles again for every 4-row tile).
+NATIVE_INT4_MAX_ROWS = 8
 
 
 @dataclass(frozen=True)

@@ -140,7 +140,7 @@ def weights_summary(params, config: EngineConfig, dtype: jnp.dtype,
     """One line for start-up logs: the weights' format and size, e.g. ``"float32 weights,
     513 MiB"``, ``"bfloat16 weights, float32 activations, 257 MiB"`` or ``"int8 weights
     (+embeddings) computing in float32, 129 MiB"``; int4 matmuls marked for the native CPU
-    kernel add ``" (up to 4 rows in the native CPU kernel)"`` before the size.
+    kernel add ``" (up to 8 rows in the native CPU kernel)"`` before the size.
 
     Args:
       params: the served params pytree.
