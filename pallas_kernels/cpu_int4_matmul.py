@@ -4,7 +4,7 @@ For one to a few rows (decode steps of one to a few sequences) XLA:CPU runs an i
 matmul as a dequantisation of the whole weight to float32 followed by the dot, so it writes
 and reads back 8x the bytes it loaded. ``csrc/cpu_int4_matmul.cc`` sums the nibbles against the
 activations group by group and applies each group's scale and zero point once, reading the
-packed weight once; column blocks run on XLA's intra-op thread pool. Built with the other
+packed weight once; runs of whole groups run on XLA's intra-op thread pool. Built with the other
 native kernels (``pallas_kernels.native``); without a compiler ``available()`` is False.
 """
 

@@ -12,8 +12,9 @@
 // and zero point are applied once: sum_k x q s - (s z / 16) sum_k x, where sum_k x per (row,
 // group) is computed once per call. XLA:CPU instead dequantises the whole weight to float32
 // and then runs the dot, writing and reading 8x the bytes it loaded; at one to a few rows that
-// dominated an int4 decode step. Column blocks are shared between the calling thread and tasks
-// on XLA's intra-op thread pool through an atomic counter (as cpu_decode_attention.cc does).
+// dominated an int4 decode step. Work items are runs of whole groups (contiguous bytes of q),
+// shared between the calling thread and tasks on XLA's intra-op thread pool through an atomic
+// counter (as cpu_decode_attention.cc does); each writes its own partial sums, added at the end.
 
 #include <algorithm>
 #include <atomic>
