@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Side by side in one run with ../shared/peer-bench's scripts as they are: any of jaxserve
-# (float32, the default on a CPU without a bfloat16 dot), jaxserve from another tree
-# (BEFORE_TREE / BEFORE_NAME), jaxserve --quantization int4, vLLM CPU float32 (the recipe) and
-# llama.cpp's llama-server on its Q4_1 file; workload A (sampled) at CONC, B (greedy) at CONC_B.
+# Side by side in one run with ../shared/peer-bench's scripts as they are: any of jaxserve (its
+# default dtype: bfloat16 weights on AVX2 since 2026-12-04, float32 before), jaxserve from
+# another tree (BEFORE_TREE / BEFORE_NAME / BEFORE_ARGS), jaxserve --quantization int4, vLLM CPU
+# in float32 (vllm, the recipe) or bfloat16 (vllm-bf16), and llama.cpp's llama-server on its
+# Q4_1 file; workload A (sampled) at CONC, B (greedy) at CONC_B.
 #   OUT=dir ENGINES="jaxserve vllm llama" bash experiments/2026-12-03-zen3/peer.sh
 set -uo pipefail
 PB=${PB:-/work/shared/peer-bench}
@@ -29,11 +30,16 @@ for e in $ENGINES; do
       "$JAXSERVE" serve --port $port --host 127.0.0.1 --max-num-seqs 64 --max-model-len 1024 \
       --no-enable-prefix-caching ${BEFORE_ARGS:-} | tail -1) ;;
   vllm) S=$(PY=python3 bash $PB/servers.sh vllm | tail -1); port=8210 ;;
+  vllm-bf16) port=8211  # servers.sh's vllm line with --dtype bfloat16
+    S=$(VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
+      python3 $PB/start_server.py "$e" $port "$e.log" -- "$VLLM" serve "$HF_DIR" --port $port \
+      --host 127.0.0.1 --dtype bfloat16 --max-num-seqs 64 --max-model-len 1024 \
+      --no-enable-prefix-caching --served-model-name SmolLM2-135M-Instruct --seed 0 | tail -1) ;;
   llama) S=$(PY=python3 bash $PB/servers.sh llama-server | tail -1); port=8220; e=llama-server ;;
   *) echo "unknown engine $e"; exit 2 ;;
   esac
   echo "$S"; p=$(pid "$S"); PIDS="$PIDS $p"; E="$E --engine $e,$port,$p"; REF=${REF:-$e}
-  if [[ $port != 8210 && $port != 8220 ]]; then  # warm the jaxserve servers once
+  if [[ $port != 821? && $port != 8220 ]]; then  # warm the jaxserve servers once
     "$JAXSERVE" bench serve --base-url http://127.0.0.1:$port --num-prompts 64 \
       --random-input-len 256 --random-output-len 8 --max-concurrency 64 --ignore-eos \
       --disable-tqdm > warm_$port.log 2>&1
