@@ -52,8 +52,8 @@ class EngineConfig:
         "help": "GiB of pinned host memory for a second KV tier: evicted cached blocks go there "
                 "and are found again; preempted requests swap there (default: no host tier)"})
     dtype: str = field(default="auto", metadata={
-        "help": "weights and activations: auto (bfloat16 on accelerators and on x86 CPUs with "
-                "AVX2 or a bfloat16 dot, float32 on other CPUs), float32, bfloat16, "
+        "help": "weights and activations: auto (bfloat16 on accelerators and on CPUs with a "
+                "bfloat16 dot, e.g. AVX512-BF16, float32 on other CPUs), float32, bfloat16, "
                 "float16; on the CPU, bfloat16 weights run with float32 activations"})
     # fp8 is stored as its bit patterns in uint8 arrays; 1 byte per element either way
     kv_cache_dtype: str = field(default="auto", metadata={

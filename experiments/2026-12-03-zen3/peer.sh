@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Side by side in one run with ../shared/peer-bench's scripts as they are: any of jaxserve (its
-# default dtype: bfloat16 weights on AVX2 since 2026-12-04, float32 before), jaxserve from
+# default dtype: bfloat16 weights on CPUs with a bfloat16 dot, else float32), jaxserve from
 # another tree (BEFORE_TREE / BEFORE_NAME / BEFORE_ARGS), jaxserve --quantization int4, vLLM CPU
 # in float32 (vllm, the recipe) or bfloat16 (vllm-bf16), and llama.cpp's llama-server on its
 # Q4_1 file; workload A (sampled) at CONC, B (greedy) at CONC_B.

@@ -93,42 +93,34 @@ def setup_compilation_cache(cache_dir: str) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-CPU_BF16_WEIGHT_FLAGS = ("avx2", "avx512_bf16", "amx_bf16")
-"""/proc/cpuinfo flags of the x86 CPUs where bfloat16 weights (float32 activations) measured
-faster than float32 ones: those with a native bfloat16 dot (AVX512-BF16, AMX) and, without one,
-AVX2 CPUs. SmolLM2-135M on a 2-core Zen 3 (AVX2 only), engines interleaved in one process
-(experiments/2026-12-04-cpu-dtype): decode 21.3 against 29.5 ms a step at batch 1, 75.9 against
-114.7 at 64, a 256-token prefill 233 against 384 ms. That the compute-bound prefill gains too
-(not only the weight reads of decode) is measured, not explained. Other CPUs (other
-architectures, x86 before AVX2) were not measured and keep float32."""
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+"""/proc/cpuinfo flags of x86 CPUs with a native bfloat16 dot (XLA:CPU's YNNPACK dots use
+it); without one a bfloat16 dot is converted to float32 and gains nothing."""
 
 
-def cpu_prefers_bf16_weights(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether this CPU runs bfloat16 weights faster than float32 (``CPU_BF16_WEIGHT_FLAGS``);
-    False where ``cpuinfo`` cannot be read (not Linux)."""
+def cpu_has_bf16_dot(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has a native bfloat16 dot (``CPU_BF16_FLAGS``); False where
+    ``cpuinfo`` cannot be read (not Linux)."""
     try:
         with open(cpuinfo, encoding="utf-8", errors="replace") as fh:
             for line in fh:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[-1].split())
-                    return bool(flags & set(CPU_BF16_WEIGHT_FLAGS))
+                    return bool(set(line.split(":", 1)[-1].split()) & set(CPU_BF16_FLAGS))
     except OSError:
         pass
     return False
 
 
 def resolve_dtype(name: str) -> jnp.dtype:
-    """"auto" -> bfloat16 on accelerators and on the CPUs of ``cpu_prefers_bf16_weights``
-    (there with float32 activations, ``compute_dtype``), float32 on other CPUs; other names as
-    they are.
+    """"auto" -> bfloat16 on accelerators and on CPUs with a native bfloat16 dot (there with
+    float32 activations, ``compute_dtype``), float32 on other CPUs; other names as they are.
 
-    bfloat16 weights are as good as float32 on the eval set (perplexity -0.03%, top-1 agreement
-    0.99) and the CPU step is 20-40% (AVX512-BF16) to 30-45% (AVX2) faster:
+    On this project's CPU (AVX512-BF16) bfloat16 weights are as good as float32 on the eval
+    set (perplexity -0.03%, top-1 agreement 0.99) and the step is 20-40% faster:
     docs/configuration.md#dtype."""
     if name == "auto":
         cpu = jax.default_backend() == "cpu"
-        return jnp.dtype(jnp.bfloat16 if not cpu or cpu_prefers_bf16_weights()
-                         else jnp.float32)
+        return jnp.dtype(jnp.bfloat16 if not cpu or cpu_has_bf16_dot() else jnp.float32)
     return jnp.dtype(name)
 
 

@@ -100,7 +100,7 @@ def test_describe_and_baseline_follow_the_config_fields() -> None:
 
 def test_rows_that_change_the_float_dtype_are_named_by_it(monkeypatch) -> None:
     from jaxserve.loading import load
-    monkeypatch.setattr(load, "cpu_prefers_bf16_weights", lambda: True)  # auto -> bfloat16 here
+    monkeypatch.setattr(load, "cpu_has_bf16_dot", lambda: True)  # auto -> bfloat16 here
     auto = EngineConfig()
     assert [n for n, _ in ev.row_names(auto, eval_inputs.parse_compare("float32,bfloat16+int8"))
             ] == ["float32", "int8"]

@@ -1,5 +1,5 @@
-"""``--dtype auto``: bfloat16 weights on CPUs with a bfloat16 dot or AVX2 (float32 activations
-there), float32 on other CPUs (jaxserve.loading.load)."""
+"""``--dtype auto``: bfloat16 weights on CPUs with a bfloat16 dot (float32 activations there),
+float32 on other CPUs (jaxserve.loading.load)."""
 
 from __future__ import annotations
 
@@ -17,22 +17,19 @@ def _cpuinfo(tmp_path, flags: str) -> str:
     return str(path)
 
 
-def test_cpu_bf16_weights_are_read_from_the_cpu_flags(tmp_path) -> None:
-    prefers = load.cpu_prefers_bf16_weights
-    assert prefers(_cpuinfo(tmp_path, "fpu sse2 avx512f avx512_vnni avx512_bf16"))
-    assert prefers(_cpuinfo(tmp_path, "fpu avx512f amx_bf16 amx_tile"))
-    assert prefers(_cpuinfo(tmp_path, "fpu sse2 avx avx2 fma f16c"))  # AVX2 without a bf16 dot
-    assert not prefers(_cpuinfo(tmp_path, "fpu sse2 sse4_2 avx"))  # x86 before AVX2
-    # a listed flag as a prefix of another flag does not count
-    assert not prefers(_cpuinfo(tmp_path, "avx512_bf16x avx2x"))
-    assert not prefers(_cpuinfo(tmp_path, "fp asimd bf16"))  # an unmeasured architecture
-    assert not prefers(str(tmp_path / "absent"))
+def test_cpu_bf16_dot_is_read_from_the_cpu_flags(tmp_path) -> None:
+    assert load.cpu_has_bf16_dot(_cpuinfo(tmp_path, "fpu sse2 avx512f avx512_vnni avx512_bf16"))
+    assert load.cpu_has_bf16_dot(_cpuinfo(tmp_path, "fpu avx512f amx_bf16 amx_tile"))
+    # avx512_bf16 as a prefix of another flag does not count
+    assert not load.cpu_has_bf16_dot(_cpuinfo(tmp_path, "fpu sse2 avx512f avx512_vnni"))
+    assert not load.cpu_has_bf16_dot(_cpuinfo(tmp_path, "avx512_bf16x"))
+    assert not load.cpu_has_bf16_dot(str(tmp_path / "absent"))
 
 
-@pytest.mark.parametrize("bf16, want", [(True, jnp.bfloat16), (False, jnp.float32)])
-def test_auto_follows_the_cpu(monkeypatch, bf16: bool, want) -> None:
+@pytest.mark.parametrize("bf16_dot, want", [(True, jnp.bfloat16), (False, jnp.float32)])
+def test_auto_follows_the_cpu(monkeypatch, bf16_dot: bool, want) -> None:
     assert jax.default_backend() == "cpu"
-    monkeypatch.setattr(load, "cpu_prefers_bf16_weights", lambda: bf16)
+    monkeypatch.setattr(load, "cpu_has_bf16_dot", lambda: bf16_dot)
     assert load.resolve_dtype("auto") == jnp.dtype(want)
     assert load.resolve_dtype("float32") == jnp.float32
     assert load.resolve_dtype("bfloat16") == jnp.bfloat16

@@ -225,10 +225,10 @@ def test_chunked_prefill_matches_one_shot(
 
 
 # bfloat16 weights under float32 activations with a bfloat16 KV cache: what ``--dtype auto``
-# serves on CPUs with AVX2 or a bfloat16 dot (jaxserve.loading.load.resolve_dtype). Measured
-# against the float32 goldens: max |first-step logit diff| 0.12-0.20 per prompt (logit scale
-# ~20-30); the teacher-forced argmax equal to the golden at all 6 x 48 positions. The tolerance
-# is 2x; argmax flips are allowed only at golden top-2 margins below 0.2.
+# serves on a CPU with a bfloat16 dot (jaxserve.loading.load.resolve_dtype). Measured against
+# the float32 goldens: max |first-step logit diff| 0.12-0.20 per prompt (logit scale ~20-30);
+# the teacher-forced argmax equal to the golden at all 6 x 48 positions. The tolerance is 2x;
+# argmax flips are allowed only at golden top-2 margins below 0.2.
 BF16_FIRST_STEP_ATOL = 0.4
 BF16_DECISIVE_MARGIN = 0.2
 
