@@ -15,7 +15,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "int8")
 KV_8BIT_DTYPES = ("fp8", "int8")  # the ones stored with calibrated scales
 KV_SCALE_MODES = ("calibrated", "unit")
-ATTENTION_BACKENDS = ("auto", "reference", "native", "pallas", "pallas-interpret")
+ATTENTION_BACKENDS = ("auto", "reference", "native", "native-decode", "pallas", "pallas-interpret")
 QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8")
 INT4_MATMUL_BACKENDS = ("auto", "xla", "native")
 
@@ -74,9 +74,10 @@ class EngineConfig:
         "help": "seed for dummy weights and for requests without one"})
     attention_backend: str = field(default="auto", metadata={
         "help": "auto (Pallas kernel on GPUs; on CPUs native where it builds, else "
-                "reference), reference (pure jnp), native (decode rows in a C++ CPU kernel "
-                "compiled on first use), pallas, or pallas-interpret (the kernel in the Pallas "
-                "interpreter; CPU tests)"})
+                "reference), reference (pure jnp), native (decode and prefill rows in a C++ CPU "
+                "kernel compiled on first use), native-decode (that kernel for decode rows "
+                "only, jnp for prefill rows), pallas, or pallas-interpret (the kernel in the "
+                "Pallas interpreter; CPU tests)"})
     compilation_cache_dir: str = field(default="~/.cache/jaxserve/xla", metadata={
         "help": "persistent XLA compilation cache directory ('' disables it)"})
     # the split: jaxserve/sharding.py

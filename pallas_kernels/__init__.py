@@ -4,8 +4,8 @@
 ragged_paged_attention.py``) and, per backend, one implementation: the pure-jnp one
 (``ragged_paged_attention``) runs everywhere; the Pallas Triton kernel
 (``ragged_paged_attention_pallas``) runs on NVIDIA GPUs and, in interpret mode, on the CPU; on
-CPUs the jnp op's decode rows can run as a native C++ kernel (``cpu_attention``, an XLA FFI
-custom call compiled on first use).
+CPUs the jnp op's decode rows, and its prefill rows, can run in a native C++ kernel
+(``cpu_attention``, an XLA FFI custom call compiled on first use).
 ``attention_fn_for_backend`` maps the engine's ``attention_backend`` setting onto one of them
 (docs/architecture.md#attention-op).
 """
@@ -27,20 +27,24 @@ from pallas_kernels.ragged_paged_attention import (
 from pallas_kernels.ragged_paged_attention_triton import ragged_paged_attention_pallas
 
 # "pallas-interpret" runs the Pallas kernel in the interpreter: for CPU tests only (slow).
-ATTENTION_BACKENDS = ("auto", "reference", "native", "pallas", "pallas-interpret")
+ATTENTION_BACKENDS = ("auto", "reference", "native", "native-decode", "pallas",
+                      "pallas-interpret")
 
 
 def attention_fn_for_backend(backend: str, platform: str | None = None) -> Callable[..., jax.Array]:
     """The attention op for an ``attention_backend`` setting.
 
     "auto": the Pallas kernel on GPUs; on CPUs "native" where its kernel builds, else
-    "reference"; "reference": the pure-jnp op; "native": the jnp op with its decode rows in the
-    native CPU kernel (XLA:CPU only); "pallas": the Pallas Triton kernel; "pallas-interpret":
-    that kernel in interpret mode. ``platform`` defaults to ``jax.default_backend()``.
+    "reference"; "reference": the pure-jnp op; "native": the jnp op with its decode and prefill
+    rows in the native CPU kernel (XLA:CPU only); "native-decode": the kernel for the decode
+    rows only, the jnp path for prefill rows; "pallas": the Pallas Triton kernel;
+    "pallas-interpret": that kernel in interpret mode. ``platform`` defaults to ``jax.default_backend()``.
 
     Raises:
-      ValueError: for an unknown backend name, or "native" on a platform other than the CPU.
-      RuntimeError: "native" asked for where its kernel cannot be built (no C++ compiler).
+      ValueError: for an unknown backend name, or "native"/"native-decode" on a platform
+        other than the CPU.
+      RuntimeError: "native"/"native-decode" asked for where its kernel cannot be built (no
+        C++ compiler).
     """
     platform = platform or jax.default_backend()
     if backend == "auto":
@@ -50,14 +54,16 @@ def attention_fn_for_backend(backend: str, platform: str | None = None) -> Calla
             backend = "native" if platform == "cpu" and cpu_attention.available() else "reference"
     if backend == "reference":
         return ragged_paged_attention
-    if backend == "native":
+    if backend in ("native", "native-decode"):
         if platform != "cpu":
-            raise ValueError(f"attention_backend='native' runs on CPUs only, not on {platform!r}")
+            raise ValueError(f"attention_backend={backend!r} runs on CPUs only, not on "
+                             f"{platform!r}")
         if not cpu_attention.available():
-            raise RuntimeError("attention_backend='native' needs the CPU attention kernel, "
+            raise RuntimeError(f"attention_backend={backend!r} needs the CPU attention kernel, "
                                "which could not be built (see the log; set CXX to a C++17 "
                                "compiler)")
-        return functools.partial(ragged_paged_attention, native_decode=True)
+        return functools.partial(ragged_paged_attention, native_decode=True,
+                                 native_prefill=backend == "native")
     if backend == "pallas":
         return ragged_paged_attention_pallas
     if backend == "pallas-interpret":

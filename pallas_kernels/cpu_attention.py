@@ -1,11 +1,14 @@
-"""The decode rows of ragged paged attention as a native CPU kernel (an XLA FFI custom call).
+"""Ragged paged attention as a native CPU kernel (an XLA FFI custom call): the decode rows, and
+optionally the prefill rows too.
 
 XLA:CPU runs the pure-jnp decode path as page gathers that copy every key and value of a chunk
 before the score and value reductions read them again; on a 2-core CPU that path took 60% of a
-64-sequence decode step of SmolLM2-135M. ``csrc/cpu_decode_attention.cc`` reads the pages in
-place through the block table, one (sequence, kv head) item per task on XLA's intra-op thread
-pool. It is compiled on first use with the other native kernels (``pallas_kernels.native``);
-without a compiler ``available()`` is False and the engine keeps the jnp path.
+64-sequence decode step of SmolLM2-135M. Its prefill path (tiles of rows, an online softmax
+over gathered chunks) took ~20% of a 1024-token prefill step. ``csrc/cpu_decode_attention.cc``
+reads the pages in place through the block table, one (sequence, kv head) item per decode row
+and one (sequence, kv head, 16-row tile) item per prefill tile, on XLA's intra-op thread pool.
+It is compiled on first use with the other native kernels (``pallas_kernels.native``); without
+a compiler ``available()`` is False and the engine keeps the jnp paths.
 """
 
 from __future__ import annotations
@@ -31,8 +34,11 @@ def cpu_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, l
                          query_start_loc: jax.Array, num_seqs: jax.Array, *,
                          v_scale: jax.Array | None = None,
                          sliding_window: int | jax.Array | None = None,
-                         logit_soft_cap: float | None = None) -> jax.Array:
-    """Attention of each one-row (decode) sequence's row over its paged context.
+                         logit_soft_cap: float | None = None,
+                         prefill: bool = False) -> jax.Array:
+    """Attention of each one-row (decode) sequence's row over its paged context, and with
+    ``prefill`` of every row of the multi-row sequences too (causal: row ``i`` of a sequence
+    with ``q_len`` rows and ``seq_lens`` context sits at position ``seq_lens - q_len + i``).
 
     Args:
       q: ``f32[T, num_q_heads, head_dim]``, already multiplied by the softmax scale (and by
@@ -43,8 +49,10 @@ def cpu_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, l
       v_scale: ``f32[num_kv_heads]``, the layer's V scale (8-bit caches); None: 1.
       sliding_window: attend to the last ``sliding_window`` positions only (traced or int).
       logit_soft_cap: ``cap * tanh(s / cap)`` on the scores, if set.
+      prefill: also the rows of sequences with more than one query row.
     Returns:
-      ``f32[T, num_q_heads, head_dim]``: the decode rows' outputs, every other row 0.
+      ``f32[T, num_q_heads, head_dim]``: the decode rows' outputs (and with ``prefill`` the
+      multi-row sequences'), every other row (padding) 0.
     Raises:
       RuntimeError: the kernel is not available (``available()``).
       ValueError: a cache dtype the kernel does not read.
@@ -63,4 +71,4 @@ def cpu_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, l
                 jnp.asarray(layer, jnp.int32).reshape(()), block_tables.astype(jnp.int32),
                 seq_lens.astype(jnp.int32), query_start_loc.astype(jnp.int32),
                 num_seqs.astype(jnp.int32).reshape(1), v_scale.astype(jnp.float32), window,
-                soft_cap=np.float32(logit_soft_cap or 0.0))
+                soft_cap=np.float32(logit_soft_cap or 0.0), prefill=np.int32(bool(prefill)))

@@ -127,7 +127,8 @@ def decode_chunk_for(num_slots: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "logit_soft_cap", "q_tile", "kv_chunk",
-                                             "decode_kv_chunk", "native_decode"))
+                                             "decode_kv_chunk", "native_decode",
+                                             "native_prefill"))
 def ragged_paged_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -147,6 +148,7 @@ def ragged_paged_attention(
     kv_chunk: int = 128,
     decode_kv_chunk: int | None = None,
     native_decode: bool = False,
+    native_prefill: bool = False,
 ) -> jax.Array:
     """Attention of a ragged token batch over the paged KV cache (pure jnp).
 
@@ -174,6 +176,8 @@ def ragged_paged_attention(
         slots ``S``.
       native_decode: run the decode rows with the native CPU kernel
         (``cpu_attention.cpu_decode_attention``, XLA:CPU only) instead of the jnp decode path.
+      native_prefill: with ``native_decode``, the prefill rows too (the kernel's tiles)
+        instead of the jnp prefill path.
     Returns:
       ``[T, num_q_heads, head_dim]`` in q's dtype; padding rows are 0.
 
@@ -185,7 +189,14 @@ def ragged_paged_attention(
         stops at the tile's last position (causal) — reads are ``context / q_tile`` per row.
     Loop trip counts follow the live data, not ``max_blocks_per_seq``. Every key read is
     masked, so NaN or garbage in pages a sequence does not own never reaches the output.
+
+    Raises:
+      ValueError: ``native_prefill`` without ``native_decode``; scales missing for an 8-bit
+        cache or given for a float one.
     """
+    if native_prefill and not native_decode:
+        raise ValueError("native_prefill=True needs native_decode=True (one kernel call "
+                         "does both)")
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = k_cache.shape
     num_slots, max_blocks = block_tables.shape
@@ -227,7 +238,8 @@ def ragged_paged_attention(
         out = cpu_decode_attention(
             qf.reshape(num_tokens, num_q_heads, head_dim), k_cache, v_cache, layer,
             block_tables, seq_lens, query_start_loc, num_seqs, sliding_window=sliding_window,
-            logit_soft_cap=logit_soft_cap).reshape(num_tokens, num_kv_heads, group, head_dim)
+            logit_soft_cap=logit_soft_cap, prefill=native_prefill,
+        ).reshape(num_tokens, num_kv_heads, group, head_dim)
     else:
         last = jnp.clip(query_start_loc[1:] - 1, 0, num_tokens - 1)
         dec = live & (q_lens == 1)
@@ -351,7 +363,8 @@ def ragged_paged_attention(
 
         return jax.lax.fori_loop(0, n_tiles, tile_body, out)
 
-    out = jax.lax.fori_loop(0, jnp.sum(is_pf), seq_body, out)
+    if not native_prefill:
+        out = jax.lax.fori_loop(0, jnp.sum(is_pf), seq_body, out)
     if quantized:  # the output is linear in the values
         out = out * v_scale[layer].astype(jnp.float32)[None, :, None, None]
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)

@@ -9,14 +9,19 @@
 //   tables   s32[S, max_blocks]   seq_lens s32[S]   query_start_loc s32[S + 1]   num_seqs s32[1]
 //   v_scale  f32[num_kv_heads]                     multiplies the output (1 for a float cache)
 //   window   s32[]                                 last `window` positions only; 0: none
-//   attrs    soft_cap (f32, 0: none)
-//   out      f32[T, num_q_heads, head_dim]: the row of each sequence whose query length is 1;
-//            every other row is 0 (the caller's prefill path fills multi-row sequences).
+//   attrs    soft_cap (f32, 0: none), prefill (s32: 1 = multi-row sequences' rows too)
+//   out      f32[T, num_q_heads, head_dim]: the row of each sequence whose query length is 1,
+//            and with `prefill` every row of the multi-row sequences (row i of a sequence of
+//            q_len rows and context ctx sits at position ctx - q_len + i and attends causally);
+//            every other row is 0 (without `prefill` the caller's jnp path fills those).
 //
-// Work item = (sequence, kv head): the group's query heads share each key and value read.
-// Exact softmax in three passes over the item's keys (scores into a per-thread buffer, the
-// maximum and exp-sum, then the values), the standard definition (Vaswani et al., 2017) read
-// through a block table as in vLLM's PagedAttention (Kwon et al., 2023, arXiv:2309.06180).
+// Decode work item = (sequence, kv head): the group's query heads share each key and value
+// read. Prefill work item = (sequence, kv head, tile of kTileRows rows): the tile's rows times
+// the group's heads share each key block, which is converted to float32 once and transposed so
+// the scores are vertical FMAs (no horizontal sums). Both compute the exact softmax in three
+// passes over the item's keys (scores into a per-thread buffer, the maximum and exp-sum, then
+// the values), the standard definition (Vaswani et al., 2017) read through a block table as in
+// vLLM's PagedAttention (Kwon et al., 2023, arXiv:2309.06180).
 // Items are shared between the calling thread and tasks on XLA's intra-op thread pool through
 // an atomic counter; the caller waits only for items some thread has claimed, so a pool with
 // no free thread cannot deadlock it.
@@ -183,6 +188,206 @@ void attend_item_dispatch(const Shapes& sh, int64_t layer, const float* q, const
   }
 }
 
+constexpr int64_t kTileRows = 16;  // prefill rows per work item
+constexpr int64_t kKeyBlock = 16;  // keys per converted (and transposed) block
+
+// Rows [i0, i1) of multi-row sequence s (query rows row0 + i, positions p0 + i), kv head h.
+template <typename T, int D>
+void attend_tile(const Shapes& sh, int64_t layer, const float* q, const T* kc, const T* vc,
+                 const int32_t* tables, int64_t s, int64_t h, int64_t row0, int64_t p0,
+                 int64_t i0, int64_t i1, int64_t window, float soft_cap, const float* v_scale,
+                 float* out, std::vector<float>& buf) {
+  constexpr int64_t KB = kKeyBlock;
+  const int64_t d_len = D > 0 ? D : sh.head_dim;
+  const int64_t g_len = sh.group, bs = sh.block_size, hkv = sh.num_kv_heads;
+  const int64_t nq = sh.num_q_heads;
+  const int64_t last = p0 + i1 - 1;  // the tile's last position
+  const int64_t first = window > 0 ? std::max<int64_t>(0, p0 + i0 - window + 1) : 0;
+  const int64_t n = last + 1 - first;  // keys first .. last
+  const int64_t n_pad = (n + KB - 1) / KB * KB;
+  const int64_t m_len = (i1 - i0) * g_len;  // query vectors: m = r * g + j
+  const int64_t m_pad = (m_len + 3) / 4 * 4;  // in groups of 4 (the rest: zero probabilities)
+  buf.resize(static_cast<size_t>(m_pad * n_pad + m_pad * d_len + 2 * KB * d_len));
+  float* sc = buf.data();               // [m_pad, n_pad] scores, then probabilities
+  float* acc = sc + m_pad * n_pad;      // [m_pad, d]
+  float* kt = acc + m_pad * d_len;      // [d, KB] a key block, transposed
+  float* vb = kt + KB * d_len;          // [KB, d] a value block
+  const int32_t* table = tables + s * sh.max_blocks;
+  const int64_t layer_off = layer * sh.num_blocks * bs;
+  auto row_of = [&](const T* cache, int64_t t) {
+    return cache + ((layer_off + static_cast<int64_t>(table[t / bs]) * bs + t % bs) * hkv + h) *
+                       d_len;
+  };
+  // keys a vector m may read, as [lo, hi) offsets from `first`
+  auto lo_of = [&](int64_t m) {
+    const int64_t pos = p0 + i0 + m / g_len;
+    return window > 0 ? std::max<int64_t>(0, pos - window + 1) - first : 0;
+  };
+  auto hi_of = [&](int64_t m) { return p0 + i0 + m / g_len + 1 - first; };
+
+  for (int64_t t0 = 0; t0 < n; t0 += KB) {
+    const int64_t nb = std::min(KB, n - t0);
+    for (int64_t c = 0; c < KB; ++c) {
+      if (c < nb) {
+        const T* k = row_of(kc, first + t0 + c);
+        for (int64_t d = 0; d < d_len; ++d) kt[d * KB + c] = Load<T>::at(k, d);
+      } else {
+        for (int64_t d = 0; d < d_len; ++d) kt[d * KB + c] = 0.0f;
+      }
+    }
+    // four query vectors at a time share each load of the transposed block
+    for (int64_t m0 = 0; m0 < m_len; m0 += 4) {
+      const int64_t mn = std::min<int64_t>(4, m_len - m0);
+      bool any = false;
+      const float* qm[4];
+      for (int64_t u = 0; u < 4; ++u) {
+        const int64_t m = m0 + std::min(u, mn - 1);
+        any |= u < mn && t0 < hi_of(m) && t0 + KB > lo_of(m);
+        qm[u] = q + ((row0 + i0 + m / g_len) * nq + h * g_len + m % g_len) * d_len;
+      }
+      if (!any) continue;  // every key of the block masked for these vectors
+      float s0[KB] = {}, s1[KB] = {}, s2[KB] = {}, s3[KB] = {};
+      for (int64_t d = 0; d < d_len; ++d) {
+        const float* __restrict__ kd = kt + d * KB;
+        const float q0 = qm[0][d], q1 = qm[1][d], q2 = qm[2][d], q3 = qm[3][d];
+        for (int64_t c = 0; c < KB; ++c) {
+          const float kv = kd[c];
+          s0[c] += q0 * kv;
+          s1[c] += q1 * kv;
+          s2[c] += q2 * kv;
+          s3[c] += q3 * kv;
+        }
+      }
+      const float* rows[4] = {s0, s1, s2, s3};
+      for (int64_t u = 0; u < 4; ++u) {
+        std::memcpy(sc + (m0 + u) * n_pad + t0, rows[u], sizeof(float) * KB);
+      }
+    }
+  }
+  // probabilities, 0 outside each vector's keys (and for the padding vectors)
+  for (int64_t m = 0; m < m_pad; ++m) {
+    float* sm = sc + m * n_pad;
+    std::fill(acc + m * d_len, acc + (m + 1) * d_len, 0.0f);
+    if (m >= m_len) {
+      std::fill(sm, sm + n_pad, 0.0f);
+      continue;
+    }
+    const int64_t lo = lo_of(m), hi = hi_of(m);
+    std::fill(sm, sm + lo, 0.0f);
+    std::fill(sm + hi, sm + n_pad, 0.0f);
+    if (soft_cap > 0.0f) {
+      for (int64_t i = lo; i < hi; ++i) sm[i] = soft_cap * std::tanh(sm[i] / soft_cap);
+    }
+    float mx = sm[lo];
+    for (int64_t i = lo + 1; i < hi; ++i) mx = std::max(mx, sm[i]);
+    float l = 0.0f;
+    for (int64_t i = lo; i < hi; ++i) {
+      const float p = exp_nonpos(sm[i] - mx);
+      sm[i] = p;
+      l += p;
+    }
+    const float inv = 1.0f / l;
+    for (int64_t i = lo; i < hi; ++i) sm[i] *= inv;
+  }
+  // values: four vectors at a time, 16 of the head's dimensions at a time in registers
+  constexpr int64_t DC = 16;
+  for (int64_t t0 = 0; t0 < n; t0 += KB) {
+    const int64_t nb = std::min(KB, n - t0);
+    for (int64_t c = 0; c < KB; ++c) {
+      float* vr = vb + c * d_len;
+      if (c < nb) {
+        const T* v = row_of(vc, first + t0 + c);
+        for (int64_t d = 0; d < d_len; ++d) vr[d] = Load<T>::at(v, d);
+      } else {
+        std::fill(vr, vr + d_len, 0.0f);  // its probabilities are 0; no NaN * 0
+      }
+    }
+    for (int64_t m0 = 0; m0 < m_pad; m0 += 4) {
+      const int64_t ml = std::min(m0 + 3, m_len - 1);  // hi grows and lo grows with m
+      if (m0 >= m_len || t0 >= hi_of(ml) || t0 + KB <= lo_of(m0)) continue;
+      const float* __restrict__ p0r = sc + m0 * n_pad + t0;
+      const float* __restrict__ p1r = p0r + n_pad;
+      const float* __restrict__ p2r = p1r + n_pad;
+      const float* __restrict__ p3r = p2r + n_pad;
+      for (int64_t dc = 0; dc < d_len; dc += DC) {
+        const int64_t de = std::min(DC, d_len - dc);
+        float* __restrict__ a0 = acc + m0 * d_len + dc;
+        float* __restrict__ a1 = a0 + d_len;
+        float* __restrict__ a2 = a1 + d_len;
+        float* __restrict__ a3 = a2 + d_len;
+        float r0[DC], r1[DC], r2[DC], r3[DC];
+        if (de == DC) {
+          for (int64_t e = 0; e < DC; ++e) {
+            r0[e] = a0[e];
+            r1[e] = a1[e];
+            r2[e] = a2[e];
+            r3[e] = a3[e];
+          }
+          for (int64_t c = 0; c < KB; ++c) {
+            const float* __restrict__ vr = vb + c * d_len + dc;
+            const float q0 = p0r[c], q1 = p1r[c], q2 = p2r[c], q3 = p3r[c];
+            for (int64_t e = 0; e < DC; ++e) {
+              r0[e] += q0 * vr[e];
+              r1[e] += q1 * vr[e];
+              r2[e] += q2 * vr[e];
+              r3[e] += q3 * vr[e];
+            }
+          }
+          for (int64_t e = 0; e < DC; ++e) {
+            a0[e] = r0[e];
+            a1[e] = r1[e];
+            a2[e] = r2[e];
+            a3[e] = r3[e];
+          }
+        } else {  // a head size that is not a multiple of 16
+          for (int64_t c = 0; c < KB; ++c) {
+            const float* vr = vb + c * d_len + dc;
+            for (int64_t e = 0; e < de; ++e) {
+              a0[e] += p0r[c] * vr[e];
+              a1[e] += p1r[c] * vr[e];
+              a2[e] += p2r[c] * vr[e];
+              a3[e] += p3r[c] * vr[e];
+            }
+          }
+        }
+      }
+    }
+  }
+  const float vs = v_scale[h];
+  for (int64_t m = 0; m < m_len; ++m) {
+    float* o = out + ((row0 + i0 + m / g_len) * nq + h * g_len + m % g_len) * d_len;
+    const float* am = acc + m * d_len;
+    for (int64_t d = 0; d < d_len; ++d) o[d] = am[d] * vs;
+  }
+}
+
+template <typename T>
+void attend_tile_dispatch(const Shapes& sh, int64_t layer, const float* q, const T* kc,
+                          const T* vc, const int32_t* tables, int64_t s, int64_t h,
+                          int64_t row0, int64_t p0, int64_t i0, int64_t i1, int64_t window,
+                          float soft_cap, const float* v_scale, float* out,
+                          std::vector<float>& buf) {
+  switch (sh.head_dim) {
+    case 64:
+      return attend_tile<T, 64>(sh, layer, q, kc, vc, tables, s, h, row0, p0, i0, i1, window,
+                                soft_cap, v_scale, out, buf);
+    case 128:
+      return attend_tile<T, 128>(sh, layer, q, kc, vc, tables, s, h, row0, p0, i0, i1, window,
+                                 soft_cap, v_scale, out, buf);
+    case 256:
+      return attend_tile<T, 256>(sh, layer, q, kc, vc, tables, s, h, row0, p0, i0, i1, window,
+                                 soft_cap, v_scale, out, buf);
+    default:
+      return attend_tile<T, 0>(sh, layer, q, kc, vc, tables, s, h, row0, p0, i0, i1, window,
+                               soft_cap, v_scale, out, buf);
+  }
+}
+
+// A work item: decode (i1 == 0: sequence s's one row) or a prefill tile (rows [i0, i1)).
+struct Item {
+  int64_t s, i0, i1;
+};
+
 struct Job {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -193,34 +398,51 @@ template <typename T>
 void run(ffi::ThreadPool& pool, const Shapes& sh, int64_t layer, const float* q,
          const void* k_raw, const void* v_raw, const int32_t* tables, const int32_t* seq_lens,
          const int32_t* qsl, int64_t num_seqs, int64_t window, float soft_cap,
-         const float* v_scale, float* out) {
+         const float* v_scale, bool prefill, float* out) {
   const T* kc = static_cast<const T*>(k_raw);
   const T* vc = static_cast<const T*>(v_raw);
   std::memset(out, 0, sizeof(float) * sh.num_tokens * sh.num_q_heads * sh.head_dim);
-  // the decode sequences' items, by sequence then kv head
-  std::vector<int64_t> seqs;
-  seqs.reserve(static_cast<size_t>(num_seqs));
+  // prefill tiles first, the longest contexts first (they cost most), then the decode rows
+  std::vector<Item> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    if (qsl[s + 1] - qsl[s] == 1 && seq_lens[s] > 0) seqs.push_back(s);
+    const int64_t q_len = qsl[s + 1] - qsl[s];
+    if (!prefill || q_len <= 1 || seq_lens[s] < q_len) continue;
+    for (int64_t i0 = 0; i0 < q_len; i0 += kTileRows) {
+      items.push_back({s, i0, std::min(q_len, i0 + kTileRows)});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
+    return seq_lens[a.s] - (qsl[a.s + 1] - qsl[a.s]) + a.i1 >
+           seq_lens[b.s] - (qsl[b.s + 1] - qsl[b.s]) + b.i1;
+  });
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    if (qsl[s + 1] - qsl[s] == 1 && seq_lens[s] > 0) items.push_back({s, 0, 0});
   }
   auto job = std::make_shared<Job>();
-  job->total = static_cast<int64_t>(seqs.size()) * sh.num_kv_heads;
+  job->total = static_cast<int64_t>(items.size()) * sh.num_kv_heads;
   if (job->total == 0) return;
-  auto seqs_p = std::make_shared<std::vector<int64_t>>(std::move(seqs));
+  auto items_p = std::make_shared<std::vector<Item>>(std::move(items));
   auto work = [=, &sh]() {
     thread_local std::vector<float> buf;
     for (;;) {
       const int64_t i = job->next.fetch_add(1, std::memory_order_relaxed);
       if (i >= job->total) return;
-      const int64_t s = (*seqs_p)[i / sh.num_kv_heads], h = i % sh.num_kv_heads;
-      attend_item_dispatch<T>(sh, layer, q, kc, vc, tables, s, h, qsl[s], seq_lens[s], window,
-                              soft_cap, v_scale, out, buf);
+      const Item& it = (*items_p)[i / sh.num_kv_heads];
+      const int64_t s = it.s, h = i % sh.num_kv_heads;
+      if (it.i1 == 0) {
+        attend_item_dispatch<T>(sh, layer, q, kc, vc, tables, s, h, qsl[s], seq_lens[s],
+                                window, soft_cap, v_scale, out, buf);
+      } else {
+        const int64_t p0 = seq_lens[s] - (qsl[s + 1] - qsl[s]);
+        attend_tile_dispatch<T>(sh, layer, q, kc, vc, tables, s, h, qsl[s], p0, it.i0, it.i1,
+                                window, soft_cap, v_scale, out, buf);
+      }
       job->done.fetch_add(1, std::memory_order_acq_rel);
     }
   };
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->total) - 1;
   for (int64_t i = 0; i < helpers; ++i) {
-    // a task that starts after the caller took every item returns at once; `job` and `seqs_p`
+    // a task that starts after the caller took every item returns at once; `job` and `items_p`
     // are shared so they outlive this call, while `sh` and the buffers are only touched for
     // claimed items, which the caller waits for below
     pool.Schedule([work]() { work(); });
@@ -235,7 +457,7 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> qsl,
                                ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::F32> v_scale,
                                ffi::Buffer<ffi::S32> window, float soft_cap,
-                               ffi::ResultBuffer<ffi::F32> out) {
+                               int32_t prefill, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();
   const auto kd = k_cache.dimensions();
   const auto td = tables.dimensions();
@@ -257,7 +479,7 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     using T = decltype(tag);
     run<T>(pool, sh, l, q.typed_data(), k_cache.untyped_data(), v_cache.untyped_data(),
            tables.typed_data(), seq_lens.typed_data(), qsl.typed_data(), n, w, soft_cap,
-           v_scale.typed_data(), out->typed_data());
+           v_scale.typed_data(), prefill != 0, out->typed_data());
   };
   switch (k_cache.element_type()) {
     case ffi::DataType::F32: go(float{}); break;
@@ -287,4 +509,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuDecodeAttention, DecodeAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v_scale
                                   .Arg<ffi::Buffer<ffi::S32>>()  // window
                                   .Attr<float>("soft_cap")
+                                  .Attr<int32_t>("prefill")
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,5 +1,6 @@
-"""The native CPU decode kernel (``pallas_kernels.cpu_attention``) against the numpy reference,
-alone and inside the jnp op (``native_decode=True``) beside its prefill path."""
+"""The native CPU attention kernel (``pallas_kernels.cpu_attention``) against the numpy
+reference, alone and inside the jnp op: decode rows only (``native_decode=True``, beside the jnp
+prefill path) and prefill rows too (``native_prefill=True``)."""
 
 from __future__ import annotations
 
@@ -22,19 +23,22 @@ pytestmark = pytest.mark.skipif(
     reason="the native kernel runs on XLA:CPU and needs a C++ compiler")
 
 
-def _op(q, k, v, layer, bt, sl, qsl, ns, **kw):
+def _op(q, k, v, layer, bt, sl, qsl, ns, native_prefill=True, **kw):
     return np.asarray(ragged_paged_attention(
         jnp.asarray(q, jnp.float32), k, v, jnp.int32(layer), jnp.asarray(bt), jnp.asarray(sl),
-        jnp.asarray(qsl), jnp.asarray(ns), native_decode=True, **kw))
+        jnp.asarray(qsl), jnp.asarray(ns), native_decode=True, native_prefill=native_prefill,
+        **kw))
 
 
+@pytest.mark.parametrize("native_prefill", [False, True])
 @pytest.mark.parametrize("head_dim", [16, 64])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("window,cap", [(None, None), (5, None), (None, 20.0), (40, 30.0)])
 def test_mixed_batch_matches_reference(head_dim: int, block_size: int, window: int | None,
-                                       cap: float | None) -> None:
-    """Decode rows (the kernel) beside a fresh prefill and continued chunks (the jnp path), with
-    NaN in every page and slot no sequence owns, padding sequences and padding tokens."""
+                                       cap: float | None, native_prefill: bool) -> None:
+    """Decode rows (the kernel) beside a fresh prefill and continued chunks (the kernel's tiles,
+    or the jnp path), with NaN in every page and slot no sequence owns, padding sequences and
+    padding tokens."""
     rng = np.random.default_rng()
     q_lens = [1, 1, 13, 5, 1, 3, 1]
     ctx_lens = [1, 37, 13, 23, 65, 133, 300]
@@ -43,7 +47,8 @@ def test_mixed_batch_matches_reference(head_dim: int, block_size: int, window: i
     scale = head_dim ** -0.5
     for layer in (0, 1):
         got = _op(q, jnp.asarray(k, jnp.float32), jnp.asarray(v, jnp.float32), layer, bt, sl,
-                  qsl, ns, sm_scale=scale, sliding_window=window, logit_soft_cap=cap)
+                  qsl, ns, native_prefill, sm_scale=scale, sliding_window=window,
+                  logit_soft_cap=cap)
         want = ref_ragged_paged_attention(q, k, v, layer, bt, sl, qsl, ns, sm_scale=scale,
                                           sliding_window=window, logit_soft_cap=cap)
         total = qsl[-1]
@@ -76,22 +81,24 @@ def test_kernel_alone_writes_only_decode_rows() -> None:
     assert np.abs(windowed[decode_rows[-1]] - got[decode_rows[-1]]).max() > 1e-3
 
 
-def test_bfloat16_cache_reads_stored_values() -> None:
+@pytest.mark.parametrize("native_prefill", [False, True])
+def test_bfloat16_cache_reads_stored_values(native_prefill: bool) -> None:
     rng = np.random.default_rng()
     q_lens = [1, 1, 9, 1]
     ctx_lens = [70, 129, 40, 17]
     q, k, v, bt, sl, qsl, ns = make_case(rng, q_lens, ctx_lens, block_size=16, num_seqs_pad=8,
                                          tokens_pad=16)
     kb, vb = jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
-    got = _op(q, kb, vb, 1, bt, sl, qsl, ns, sm_scale=0.25)
+    got = _op(q, kb, vb, 1, bt, sl, qsl, ns, native_prefill, sm_scale=0.25)
     want = ref_ragged_paged_attention(q, np.asarray(kb), np.asarray(vb), 1, bt, sl, qsl, ns,
                                       sm_scale=0.25)
     total = qsl[-1]
     np.testing.assert_allclose(got[:total], want[:total], rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("native_prefill", [False, True])
 @pytest.mark.parametrize("kv_dtype", sorted(KV_QUANT_DTYPES))
-def test_8bit_cache_with_scales(kv_dtype: str) -> None:
+def test_8bit_cache_with_scales(kv_dtype: str, native_prefill: bool) -> None:
     """An fp8 (e4m3 bits in uint8) or int8 cache with per-(layer, head) scales equals the
     reference on the dequantised stored values."""
     rng = np.random.default_rng()
@@ -105,13 +112,44 @@ def test_8bit_cache_with_scales(kv_dtype: str) -> None:
     quant = jax.vmap(lambda x, s: quantize_kv(x, s, dt))
     kq = quant(jnp.asarray(np.nan_to_num(k), jnp.float32), jnp.asarray(ks))
     vq = quant(jnp.asarray(np.nan_to_num(v), jnp.float32), jnp.asarray(vs))
-    got = _op(q, kq, vq, 1, bt, sl, qsl, ns, sm_scale=0.25, k_scale=jnp.asarray(ks),
-              v_scale=jnp.asarray(vs))
+    got = _op(q, kq, vq, 1, bt, sl, qsl, ns, native_prefill, sm_scale=0.25,
+              k_scale=jnp.asarray(ks), v_scale=jnp.asarray(vs))
     k_deq = kv_to_numpy(kq) * ks[:, None, None, :, None]
     v_deq = kv_to_numpy(vq) * vs[:, None, None, :, None]
     want = ref_ragged_paged_attention(q, k_deq, v_deq, 1, bt, sl, qsl, ns, sm_scale=0.25)
     total = qsl[-1]
     np.testing.assert_allclose(got[:total], want[:total], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("head_dim", [8, 24, 128])
+def test_kernel_alone_fills_prefill_rows(head_dim: int) -> None:
+    """With ``prefill=True`` every real row is the reference's: chunks longer than a 16-row
+    tile (and not a multiple of it), a chunk continuing a cached context, a window that ends
+    inside a tile, head sizes that are not a multiple of 16; padding rows stay 0."""
+    rng = np.random.default_rng()
+    q_lens = [37, 1, 16, 20, 2]
+    ctx_lens = [37, 60, 100, 250, 2]
+    q, k, v, bt, sl, qsl, ns = make_case(rng, q_lens, ctx_lens, block_size=8, num_seqs_pad=7,
+                                         tokens_pad=90, head_dim=head_dim)
+    args = [jnp.asarray(x, jnp.float32) for x in (q * 0.3, k, v)] + [
+        jnp.int32(0), jnp.asarray(bt), jnp.asarray(sl), jnp.asarray(qsl), jnp.asarray(ns)]
+    total = qsl[-1]
+    for window in (None, 9, 70):
+        got = np.asarray(cpu_attention.cpu_decode_attention(*args, sliding_window=window,
+                                                            prefill=True))
+        want = ref_ragged_paged_attention(q, k, v, 0, bt, sl, qsl, ns, sm_scale=0.3,
+                                          sliding_window=window)
+        np.testing.assert_allclose(got[:total], want[:total], rtol=2e-5, atol=2e-5)
+        assert np.all(got[total:] == 0.0)
+
+
+def test_native_prefill_needs_native_decode() -> None:
+    kv = jnp.zeros((1, 2, 4, 1, 8), jnp.float32)
+    with pytest.raises(ValueError, match="native_prefill=True needs native_decode=True"):
+        ragged_paged_attention(jnp.zeros((2, 1, 8)), kv, kv, jnp.int32(0),
+                               jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32),
+                               jnp.array([0, 1], jnp.int32), jnp.ones((1,), jnp.int32),
+                               sm_scale=1.0, native_prefill=True)
 
 
 def test_unsupported_cache_dtype_is_refused() -> None:
@@ -123,10 +161,14 @@ def test_unsupported_cache_dtype_is_refused() -> None:
 
 
 def test_backend_selection_on_cpu() -> None:
+    both = {"native_decode": True, "native_prefill": True}
     f = attention_fn_for_backend("native")
-    assert f.func is ragged_paged_attention and f.keywords == {"native_decode": True}
+    assert f.func is ragged_paged_attention and f.keywords == both
     auto = attention_fn_for_backend("auto", platform="cpu")
-    assert auto.func is ragged_paged_attention and auto.keywords == {"native_decode": True}
+    assert auto.func is ragged_paged_attention and auto.keywords == both
+    dec = attention_fn_for_backend("native-decode")
+    assert dec.func is ragged_paged_attention and dec.keywords == {
+        "native_decode": True, "native_prefill": False}
 
 
 def test_auto_falls_back_to_reference_without_the_kernel(monkeypatch) -> None:
@@ -137,7 +179,8 @@ def test_auto_falls_back_to_reference_without_the_kernel(monkeypatch) -> None:
 
 
 def test_native_is_refused_off_the_cpu() -> None:
-    with pytest.raises(ValueError, match="runs on CPUs only"):
-        attention_fn_for_backend("native", platform="gpu")
+    for backend in ("native", "native-decode"):
+        with pytest.raises(ValueError, match="runs on CPUs only"):
+            attention_fn_for_backend(backend, platform="gpu")
 
 

@@ -188,7 +188,8 @@ def test_backend_selection() -> None:
     assert attention_fn_for_backend("pallas") is ragged_paged_attention_pallas
     assert attention_fn_for_backend("auto", platform="gpu") is ragged_paged_attention_pallas
     auto_cpu = attention_fn_for_backend("auto", platform="cpu")  # native where it builds
-    assert auto_cpu is ragged_paged_attention or auto_cpu.keywords == {"native_decode": True}
+    assert auto_cpu is ragged_paged_attention or auto_cpu.keywords == {
+        "native_decode": True, "native_prefill": True}
     f = attention_fn_for_backend("pallas-interpret")
     assert f.func is ragged_paged_attention_pallas and f.keywords == {"interpret": True}
     with pytest.raises(ValueError, match="'triton'"):
