@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import typing
 
 import yaml
@@ -77,7 +78,19 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
         v = getattr(ns, f.name, None)
         if v is not None:
             values[f.name] = v
-    return EngineConfig(**values)  # type: ignore[arg-type]
+    try:
+        return EngineConfig(**values)  # type: ignore[arg-type]
+    except ValueError as e:  # name the flag the user typed, not the dataclass field
+        raise ValueError(_flag_names(str(e))) from None
+
+
+def _flag_names(message: str) -> str:
+    """``self.max_num_seqs=0 must ...`` -> ``--max-num-seqs=0 must ...`` for EngineConfig
+    fields."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    return re.sub(r"self\.([a-z0-9_]+)=",
+                  lambda m: (f"--{m.group(1).replace('_', '-')}=" if m.group(1) in names
+                             else m.group(0)), message)
 
 
 def _add_fields(p: argparse.ArgumentParser, title: str, cls: type) -> None:

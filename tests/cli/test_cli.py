@@ -45,7 +45,7 @@ def test_prefix_caching_and_host_tier_flags(tmp_path) -> None:
 
 @pytest.mark.parametrize("text,match", [
     ("enable_prefix_caching: 1\n", "enable_prefix_caching must be bool"),
-    ("kv_offloading_size: 0\n", "kv_offloading_size=0 must be > 0"),
+    ("kv_offloading_size: 0\n", "--kv-offloading-size=0 must be > 0"),
     ("block_size: [1,2\n", "not valid YAML"),
     ("- 1\n- 2\n", "mapping"),
     ("port: 80\n", "unknown key 'port'"),
@@ -56,6 +56,15 @@ def test_prefix_caching_and_host_tier_flags(tmp_path) -> None:
 def test_bad_config_files_name_the_problem(tmp_path, text: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         _cfg(tmp_path, text)
+
+
+def test_bad_flag_values_name_the_flag(capsys) -> None:
+    """A refused value names the flag as typed (``--attention-backend``), not the field."""
+    assert main(["serve", "--port", "0", "--attention-backend", "bogus"]) == 2
+    err = capsys.readouterr().err
+    assert "--attention-backend='bogus' must be one of" in err and "self." not in err
+    with pytest.raises(ValueError, match=r"^--max-num-seqs=0 must be"):
+        engine_config_from_args(build_parser().parse_args(["serve", "--max-num-seqs", "0"]))
 
 
 def test_errors_exit_2_with_one_line(tmp_path, capsys) -> None:
