@@ -18,6 +18,7 @@ KV_SCALE_MODES = ("calibrated", "unit")
 ATTENTION_BACKENDS = ("auto", "reference", "native", "native-decode", "pallas", "pallas-interpret")
 QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8")
 INT4_MATMUL_BACKENDS = ("auto", "xla", "native")
+BF16_MATMUL_BACKENDS = ("auto", "xla", "native")
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,14 @@ class EngineConfig:
                 "builds, without tensor parallelism; else xla). Needs --quantization int4; "
                 "native is an error off the CPU or with --tensor-parallel-size > 1",
         "choices": INT4_MATMUL_BACKENDS})
+    bf16_matmul_backend: str = field(default="auto", metadata={
+        "help": "bfloat16 weights' matmuls of up to 128 rows (decode steps, small chunks): "
+                "native (a C++ CPU kernel compiled on first use, over weights repacked at load "
+                "for AVX512-BF16, reading each layer's weight where it lies), xla (XLA's dot), "
+                "or auto (native on CPUs with AVX512-BF16 where it builds, without tensor "
+                "parallelism or quantization; else xla). native is an error off the CPU, with "
+                "--tensor-parallel-size > 1, or without bfloat16 weights",
+        "choices": BF16_MATMUL_BACKENDS})
     quantize_embeddings: bool = field(default=False, metadata={
         "help": "also quantise the embedding table and the LM head (needs --quantization)"})
     step_trace_file: str | None = field(default=None, metadata={
@@ -149,6 +158,15 @@ class EngineConfig:
             raise ValueError(f"{self.tensor_parallel_size=} must be >= 1")
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"{self.quantization=} must be one of {QUANTIZATION_METHODS}")
+        if self.bf16_matmul_backend not in BF16_MATMUL_BACKENDS:
+            raise ValueError(f"{self.bf16_matmul_backend=} must be one of "
+                             f"{BF16_MATMUL_BACKENDS}")
+        if self.bf16_matmul_backend == "native" and self.tensor_parallel_size > 1:
+            raise ValueError(f"{self.bf16_matmul_backend=} runs on one CPU device: it needs "
+                             f"tensor_parallel_size=1, got {self.tensor_parallel_size}")
+        if self.bf16_matmul_backend == "native" and self.quantization != "none":
+            raise ValueError(f"{self.bf16_matmul_backend=} is for bfloat16 weights, not "
+                             f"quantization={self.quantization!r}")
         if self.int4_matmul_backend not in INT4_MATMUL_BACKENDS:
             raise ValueError(f"{self.int4_matmul_backend=} must be one of "
                              f"{INT4_MATMUL_BACKENDS}")

@@ -42,7 +42,7 @@ from models.llama import (
     kv_scale_kwargs,
 )
 from models.loader import gguf_tensor_getter, stack_layers
-from models.quant import embed_lookup, qmatmul, weight
+from models.quant import embed_lookup, qmatmul, split_packed, weight
 from pallas_kernels import KVCache, ragged_paged_attention, write_kv
 
 GLOBAL_WINDOW = 1 << 30
@@ -84,7 +84,8 @@ class Gemma3DecoderLayer(nn.Module):
         eps = cfg.rms_norm_eps
         t = x.shape[0]
 
-        w = lambda name, shape: weight(self, name, init, shape, dt)  # float or quantised
+        # float, quantised, or packed (bound to this layer)
+        w = lambda name, shape: weight(self, name, init, shape, dt, layer)
         y = RMSNorm(eps, dt, name="attn_norm")(x)
         q = qmatmul(y, w("wq", (h, nq * hd))).reshape(t, nq, hd)
         k = qmatmul(y, w("wk", (h, nkv * hd))).reshape(t, nkv, hd)
@@ -127,8 +128,8 @@ class Gemma3Model(nn.Module):
         self.embed = weight(self, "embed", nn.initializers.normal(0.02),
                             (cfg.vocab_size, cfg.hidden_size), self.dtype)
         scanned = nn.scan(Gemma3DecoderLayer, variable_axes={"params": 0},
-                          split_rngs={"params": True}, in_axes=(nn.broadcast, 0),
-                          length=cfg.num_layers)
+                          variable_broadcast="packed", split_rngs={"params": True},
+                          in_axes=(nn.broadcast, 0), length=cfg.num_layers)
         self.layers = scanned(cfg, self.dtype, self.attention_fn)
         self.final_norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
 
@@ -163,11 +164,11 @@ class Gemma3ForCausalLM:
     def forward(self, params, token_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
                 md: AttentionMetadata) -> tuple[jax.Array, KVCache]:
         """``(hidden [T, hidden], kv_cache)`` for one ragged step of ``T`` tokens."""
-        return self.module.apply({"params": params}, token_ids, positions, kv_cache, md)
+        return self.module.apply(split_packed(params), token_ids, positions, kv_cache, md)
 
     def compute_logits(self, params, hidden: jax.Array) -> jax.Array:
         """``f32[L, vocab]`` from ``hidden [L, hidden]``."""
-        return self.module.apply({"params": params}, hidden, method=Gemma3Model.logits)
+        return self.module.apply(split_packed(params), hidden, method=Gemma3Model.logits)
 
     def param_shapes(self):
         """The params pytree as ``jax.ShapeDtypeStruct`` leaves (nothing allocated)."""

@@ -9,7 +9,10 @@ rides in the scan *carry* with the layer index, so every layer reads and writes 
 place; passing it as scan xs/ys would slice and re-stack (copy) it. An 8-bit cache's scales
 (``f32[num_layers, num_kv_heads]`` each, static) ride with the step's constants and reach
 ``write_kv`` and the attention op as ``k_scale`` / ``v_scale`` (not passed for a float cache, so
-attention functions that know no scales keep working).
+attention functions that know no scales keep working). Weights packed for the native CPU
+bfloat16 kernel (``models.quant.use_packed_bf16``) are, for the same reason, not scanned over:
+``forward`` passes them as the ``packed`` collection, which the scan broadcasts, and ``weight``
+binds the layer index to them.
 
 Features: GQA, optional sliding-window attention (Mistral), RoPE (rotate-half layout of HF
 transformers; GGUF q/k rows are un-permuted at load time) with theta and Llama-3 frequency scaling,
@@ -27,7 +30,7 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.interface import AttentionFn, AttentionMetadata
-from models.quant import embed_lookup, qmatmul, weight
+from models.quant import embed_lookup, qmatmul, split_packed, weight
 from pallas_kernels import KVCache, ragged_paged_attention, write_kv
 
 
@@ -98,7 +101,8 @@ class DecoderLayer(nn.Module):
         h, nq, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         t = x.shape[0]
 
-        w = lambda name, shape: weight(self, name, init, shape, dt)  # float or quantised
+        # float, quantised, or packed (bound to this layer)
+        w = lambda name, shape: weight(self, name, init, shape, dt, layer)
         y = RMSNorm(cfg.rms_norm_eps, dt, name="attn_norm")(x)
         q = qmatmul(y, w("wq", (h, nq * hd)))
         k = qmatmul(y, w("wk", (h, nkv * hd)))
@@ -138,8 +142,8 @@ class LlamaModel(nn.Module):
         self.embed = weight(self, "embed", nn.initializers.normal(0.02),
                             (cfg.vocab_size, cfg.hidden_size), self.dtype)
         scanned = nn.scan(DecoderLayer, variable_axes={"params": 0},
-                          split_rngs={"params": True}, in_axes=nn.broadcast,
-                          length=cfg.num_layers)
+                          variable_broadcast="packed", split_rngs={"params": True},
+                          in_axes=nn.broadcast, length=cfg.num_layers)
         self.layers = scanned(cfg, self.dtype, self.attention_fn)
         self.final_norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         if not cfg.tie_word_embeddings:
@@ -178,10 +182,10 @@ class LlamaForCausalLM:
 
     def forward(self, params, token_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
                 md: AttentionMetadata) -> tuple[jax.Array, KVCache]:
-        return self.module.apply({"params": params}, token_ids, positions, kv_cache, md)
+        return self.module.apply(split_packed(params), token_ids, positions, kv_cache, md)
 
     def compute_logits(self, params, hidden: jax.Array) -> jax.Array:
-        return self.module.apply({"params": params}, hidden, method=LlamaModel.logits)
+        return self.module.apply(split_packed(params), hidden, method=LlamaModel.logits)
 
     def param_shapes(self):
         """The params pytree as ``jax.ShapeDtypeStruct`` leaves (nothing allocated)."""

@@ -25,7 +25,7 @@ from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.device import kv_calibration as cal
 from jaxserve.tokenizer import Tokenizer
 from models.interface import CausalLM
-from models.quant import QuantizedWeight, param_bytes
+from models.quant import PackedWeight, QuantizedWeight, param_bytes
 from pallas_kernels import kv_cache_bytes_per_block
 from pallas_kernels.kv_cache import KV_FORMAT_NAMES, KV_QUANT_DTYPES
 
@@ -140,7 +140,8 @@ def weights_summary(params, config: EngineConfig, dtype: jnp.dtype,
     """One line for start-up logs: the weights' format and size, e.g. ``"float32 weights,
     513 MiB"``, ``"bfloat16 weights, float32 activations, 257 MiB"`` or ``"int8 weights
     (+embeddings) computing in float32, 129 MiB"``; int4 matmuls marked for the native CPU
-    kernel add ``" (up to 8 rows in the native CPU kernel)"`` before the size.
+    kernel add ``" (up to 8 rows in the native CPU kernel)"`` before the size, bfloat16
+    weights packed for theirs ``" (layers' matmuls in the native CPU kernel)"``.
 
     Args:
       params: the served params pytree.
@@ -153,7 +154,10 @@ def weights_summary(params, config: EngineConfig, dtype: jnp.dtype,
     size = param_bytes(params)["total_bytes"] / 2 ** 20
     if c.quantization == "none":
         acts = "" if compute == dtype else f", {compute} activations"
-        return f"{dtype} weights{acts}, {size:.0f} MiB"
+        packed = any(isinstance(leaf, PackedWeight) for leaf in jax.tree_util.tree_leaves(
+            params, is_leaf=lambda x: isinstance(x, PackedWeight)))
+        kernel = " (layers' matmuls in the native CPU kernel)" if packed else ""
+        return f"{dtype} weights{acts}{kernel}, {size:.0f} MiB"
     group = f" group {c.quantization_group_size}" if c.quantization == "int4" else ""
     emb = " (+embeddings)" if c.quantize_embeddings else ""
     rows = max((leaf.native_max_rows for leaf in jax.tree_util.tree_leaves(

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import sharding
@@ -64,13 +65,15 @@ from jaxserve.engine.validation import (
 from jaxserve.loading.load import compute_dtype, load_model, resolve_dtype, setup_compilation_cache
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from models.quant import NATIVE_INT4_MAX_ROWS, QuantConfig, use_native_int4
+from models.quant import NATIVE_INT4_MAX_ROWS, QuantConfig, use_native_int4, use_packed_bf16
 from models.registry import get_architecture
 from pallas_kernels import (
     allocate_kv_cache,
     attention_fn_for_backend,
+    cpu_bf16_matmul,
     cpu_int4_matmul,
     kv_cache_bytes_per_block,
+    resolve_attention_backend,
 )
 
 log = logging.getLogger(__name__)
@@ -84,6 +87,32 @@ def _step_overhead_tokens(backend: str) -> int:
     experiments/2026-12-01-bucket-fit). A GPU reads all weights in every step and computes a
     prompt token in far less, so padding is cheaper there than another step."""
     return 32 if backend == "cpu" else 256
+
+
+def packs_bf16(backend: str, platform: str, tp: int, quantization: str, dtype: jnp.dtype
+               ) -> bool:
+    """Whether ``bf16_matmul_backend`` packs the bfloat16 weights for the native CPU kernel
+    (``models.quant.use_packed_bf16``). "auto": on a CPU with AVX512-BF16 where the kernel
+    builds, bfloat16 weights, no quantization, no tensor parallelism.
+
+    Raises:
+      ValueError: "native" off the CPU, with ``tp > 1``, quantised or without bfloat16
+        weights (naming ``bf16_matmul_backend``); an unknown backend.
+    """
+    fits = platform == "cpu" and tp == 1 and quantization == "none" and (
+        jnp.dtype(dtype) == jnp.bfloat16)
+    if backend == "xla":
+        return False
+    if backend == "native":
+        if not fits:
+            raise ValueError(f"bf16_matmul_backend='native' needs bfloat16 weights, unquantised, "
+                             f"on one CPU device; got dtype={jnp.dtype(dtype).name}, "
+                             f"quantization={quantization!r} on {platform!r} with "
+                             f"tensor_parallel_size={tp}")
+        return True
+    if backend == "auto":
+        return fits and cpu_bf16_matmul.vectorized()
+    raise ValueError(f"bf16_matmul_backend={backend!r} must be auto, xla or native")
 
 
 def int4_native_rows(backend: str, platform: str, tp: int) -> int:
@@ -144,7 +173,9 @@ class LLMEngine:
         allows, and ``load_report`` holds the per-device ``LoadReport``; otherwise it is None.
     The KV cache (``kv_layout``) may hold fewer tokens than ``max_model_len``; a request that
     can never fit in it is refused by ``validate``. ``load_s`` is the seconds this took and
-    ``startup_s`` its stages' seconds (load_weights, plan_kv, kv_cache, runner, engine).
+    ``startup_s`` its stages' seconds (load_weights, plan_kv, kv_cache, runner, engine);
+    ``attention_backend`` the attention backend in use (``config.attention_backend`` with
+    "auto" resolved).
 
     Raises:
       ValueError: invalid settings (max_model_len above the model's, a host tier smaller than
@@ -160,7 +191,8 @@ class LLMEngine:
         setup_compilation_cache(config.compilation_cache_dir)
         t0 = time.perf_counter()
         self.dtype = resolve_dtype(config.dtype)
-        attention_fn = attention_fn_for_backend(config.attention_backend)
+        self.attention_backend = resolve_attention_backend(config.attention_backend)
+        attention_fn = attention_fn_for_backend(self.attention_backend)
         tp = config.tensor_parallel_size
         self.mesh = sharding.make_mesh(tp, devices) if tp > 1 or devices is not None else None
         loaded = load_model(load, self.dtype, config.seed, self.mesh, quantization=QuantConfig(
@@ -189,6 +221,11 @@ class LLMEngine:
         self.compute_dtype = compute_dtype(self.dtype)
         self.model = get_architecture(mc.architecture).model(mc, self.compute_dtype,
                                                              attention_fn=attention_fn)
+        if packs_bf16(config.bf16_matmul_backend, jax.default_backend(), tp,
+                      config.quantization, self.dtype):
+            targets = get_architecture(mc.architecture).quant_targets
+            if targets is not None:
+                params = use_packed_bf16(params, targets)
         self.kv_layout: KVLayout = plan_kv_cache(config, load, self.model, params, self.dtype,
                                                  self.tokenizer, self.mesh, kv_sharding)
         self.num_blocks = self.kv_layout.num_blocks
