@@ -31,6 +31,7 @@ UNSUPPORTED = "unsupported_parameter"
 """The error ``code`` (OpenAI's) of a field refused because the feature is not built."""
 
 _AT_FIELD = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
+_MISSING_TOP_FIELD = re.compile(r"missing required field `([A-Za-z_][A-Za-z0-9_]*)`$")
 
 
 _NULL_DEFAULTS = {"ignore_eos": False, "include_stop_str_in_output": False,
@@ -54,7 +55,9 @@ def decode_body[T](decoder: msgspec.json.Decoder[T], body: bytes) -> T:
         raise RequestError("invalid JSON body: nested too deeply") from None
     except msgspec.DecodeError as exc:
         if isinstance(exc, msgspec.ValidationError):
-            m = _AT_FIELD.search(str(exc))
+            # A nested field's error ends "- at `$.messages[0]`"; a missing top-level field's
+            # names only the field.
+            m = _AT_FIELD.search(str(exc)) or _MISSING_TOP_FIELD.search(str(exc))
             raise RequestError(f"invalid request: {exc}", param=m.group(1) if m else None)
         raise RequestError(f"invalid JSON body: {exc}")
 

@@ -164,6 +164,14 @@ def test_prompt_too_long_names_messages_for_chat() -> None:
     assert_error(client.post(COMPL, json={"prompt": "x" * 40}), 400, "prompt")
 
 
+def test_missing_required_field_is_400_naming_it() -> None:
+    client, engine = make()
+    assert_error(client.post(COMPL, json={"model": MODEL}), 400, "prompt")
+    assert_error(client.post(CHAT, json={"model": MODEL}), 400, "messages")
+    assert_error(client.post(CHAT, json={"messages": [{"content": "hi"}]}), 400, "messages")
+    assert engine.num_tokenised == 0
+
+
 def test_detokenize_ids_out_of_range_name_tokens() -> None:
     client, _ = make()
     for tokens in ([-1], [BIG], [0x110000]):
