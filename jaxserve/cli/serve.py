@@ -29,6 +29,7 @@ from jaxserve.server.batch import read_lines, run_batch_file
 from jaxserve.server.gate import run_server
 from jaxserve.server.lifecycle import Lifecycle
 from jaxserve.server.logs import configure_logging
+from pallas_kernels import resolve_attention_backend
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -51,13 +52,24 @@ def start_engine(cfg: EngineConfig, load: LoadConfig, out: typing.TextIO) -> Asy
     print(f"loaded {engine.model_name} in {engine.load_s:.1f} s ({engine.weights_summary()}, "
           f"{engine.num_blocks} KV blocks of {cfg.block_size} tokens "
           f"({engine.kv_cache_summary()}), max_model_len "
-          f"{engine.max_model_len})", file=out, flush=True)
+          f"{engine.max_model_len}, {engine.attention_backend} attention)", file=out, flush=True)
     aeng = AsyncEngine(engine)
     aeng.start(warmup=True, progress=True)
     st = aeng.warmup_stats
     print(f"compiled {int(st['num_programs'])} programs in {st['compile_s']:.1f} s; ready in "
           f"{time.perf_counter() - t0:.1f} s", file=out, flush=True)
     return aeng
+
+
+def check_attention_backend(cfg: EngineConfig) -> None:
+    """Raise ValueError naming ``--attention-backend`` if it cannot run on this platform
+    (``resolve_attention_backend``'s checks: a GPU kernel on a CPU, no C++ compiler for the
+    native kernel)."""
+    try:
+        resolve_attention_backend(cfg.attention_backend)
+    except (ValueError, RuntimeError) as e:
+        raise ValueError(str(e).replace("attention_backend=", "--attention-backend=", 1)
+                         ) from None
 
 
 def startup_stages_line(engine: LLMEngine, warmup_stats: dict[str, float],
@@ -93,6 +105,7 @@ def serve(ns: argparse.Namespace) -> None:
         check_port_free(server_cfg.host, server_cfg.port)  # a clear error before anything runs
     configure_logging(server_cfg.log_level, server_cfg.log_format)
     cfg = engine_config_from_args(ns)
+    check_attention_backend(cfg)  # before the port is served and the weights are read
     load = LoadConfig(ns.model or ns.model_opt, ns.load_format, ns.served_model_name)
     name = served_name(load)
     if multi and ns.process_id != 0:  # a follower: same programs, steps from process 0
@@ -141,7 +154,8 @@ def _load(cfg: EngineConfig, load: LoadConfig, ns: argparse.Namespace, name: str
     print(f"loaded {engine.model_name} in {engine.load_s:.1f} s ({engine.weights_summary()}, "
           f"{engine.num_blocks} KV blocks of {cfg.block_size} tokens "
           f"({engine.kv_cache_summary()}), max_model_len "
-          f"{engine.max_model_len}, {ns.data_parallel_size} replica(s) x "
+          f"{engine.max_model_len}, {engine.attention_backend} attention, "
+          f"{ns.data_parallel_size} replica(s) x "
           f"{cfg.tensor_parallel_size} device(s))", flush=True)
     return aeng, engine
 
@@ -151,6 +165,7 @@ def run_batch(ns: argparse.Namespace) -> None:
     of progress output: load and compile lines, the bars and the summary go to stderr)."""
     limits = limits_from_args(ns)
     cfg = engine_config_from_args(ns)
+    check_attention_backend(cfg)
     if ns.max_in_flight is not None and ns.max_in_flight < 1:
         raise ValueError(f"--max-in-flight must be >= 1, got {ns.max_in_flight}")
     lines = read_lines(ns.input_file)  # fail before minutes of loading

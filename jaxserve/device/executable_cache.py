@@ -165,7 +165,8 @@ class ExecutableCache:
             self._store(path, compiled)
         else:
             self.not_stored += 1
-            log.info("executable cache: %s came from jax's persistent cache; not stored",
+            # one line per program at every start: DEBUG (it interleaved with the progress bar)
+            log.debug("executable cache: %s came from jax's persistent cache; not stored",
                      path.name)
         return compiled
 

@@ -67,6 +67,19 @@ def test_bad_flag_values_name_the_flag(capsys) -> None:
         engine_config_from_args(build_parser().parse_args(["serve", "--max-num-seqs", "0"]))
 
 
+def test_a_gpu_only_attention_backend_is_refused_before_loading(capsys, monkeypatch) -> None:
+    """On a CPU, ``--attention-backend pallas`` (the compiled Triton kernel) exits 2 naming the
+    flag before the port is served or any weights are read (it used to fail after loading)."""
+    import jaxserve.cli.serve as serve_mod
+
+    def no_load(*a: object, **k: object) -> None:
+        raise AssertionError("the engine was built")
+    monkeypatch.setattr(serve_mod, "LLMEngine", no_load)
+    assert main(["serve", "--port", "0", "--attention-backend", "pallas"]) == 2
+    err = capsys.readouterr().err
+    assert "--attention-backend='pallas'" in err and "runs on GPUs only, not on 'cpu'" in err
+
+
 def test_errors_exit_2_with_one_line(tmp_path, capsys) -> None:
     assert main(["serve", "--port", "0", "--config", str(tmp_path)]) == 2  # a directory
     err = capsys.readouterr().err

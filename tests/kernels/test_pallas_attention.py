@@ -185,7 +185,11 @@ def test_validation_names_the_value() -> None:
 
 def test_backend_selection() -> None:
     assert attention_fn_for_backend("reference") is ragged_paged_attention
-    assert attention_fn_for_backend("pallas") is ragged_paged_attention_pallas
+    assert attention_fn_for_backend("pallas", platform="gpu") is ragged_paged_attention_pallas
+    with pytest.raises(ValueError, match="runs on GPUs only, not on 'cpu'"):
+        attention_fn_for_backend("pallas", platform="cpu")
+    with pytest.raises(ValueError, match="must be one of"):
+        attention_fn_for_backend("flash")
     assert attention_fn_for_backend("auto", platform="gpu") is ragged_paged_attention_pallas
     auto_cpu = attention_fn_for_backend("auto", platform="cpu")  # native where it builds
     assert auto_cpu is ragged_paged_attention or auto_cpu.keywords == {
@@ -273,7 +277,9 @@ def _greedy_tokens(backend: str, prompts: list[list[int]]) -> list[list[int]]:
                      compilation_cache_dir=""),
         LoadConfig(model="tiny", load_format="dummy"))
     fn = engine.model.module.attention_fn
-    assert getattr(fn, "func", fn) is attention_fn_for_backend(backend.split("-")[0]), backend
+    want_fn = ragged_paged_attention_pallas if backend == "pallas-interpret" else (
+        attention_fn_for_backend(backend))
+    assert getattr(fn, "func", fn) is want_fn, backend
     engine.warmup(progress=False)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
