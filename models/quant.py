@@ -144,16 +144,19 @@ class PackedWeight:
     ``max_rows`` rows in the kernel, reading the layer's weight where it lies, and more rows as
     XLA's dot of the layer's weight unpacked."""
 
-    packed: jax.Array  # bf16[..., NB, KP, 32]
+    packed: jax.Array  # bf16[..., NB, KP, 32], ``pack`` of a [..., k, n] matrix
     k: int = field(metadata={"static": True})
     n: int = field(metadata={"static": True})
     max_rows: int = field(metadata={"static": True})
     layer: jax.Array | None = None  # i32[]: the layer of a stack, bound by ``weight``
+    # the logical weight is the [n, k] transpose of the packed matrix (a tied embedding table:
+    # ``qmatmul(..., transpose=True)`` is the LM head, ``embed_lookup`` gathers its rows)
+    transposed: bool = field(default=False, metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The logical shape of one layer's weight, ``(k, n)``."""
-        return (self.k, self.n)
+        """The logical shape of one layer's weight: ``(k, n)``, or ``(n, k)`` transposed."""
+        return (self.n, self.k) if self.transposed else (self.k, self.n)
 
     @property
     def dtype(self) -> jnp.dtype:
@@ -321,12 +324,13 @@ def qmatmul(x: jax.Array, w: jax.Array | QuantizedWeight, *, transpose: bool = F
         packed.
 
     Raises:
-      ValueError: a quantised ``w`` quantised along the other axis; a ``PackedWeight`` with
-        ``transpose`` or, stacked, without its layer bound.
+      ValueError: a quantised ``w`` quantised along the other axis; a ``PackedWeight``
+        contracted along the other axis or, stacked, without its layer bound.
     """
     if isinstance(w, PackedWeight):
-        if transpose:
-            raise ValueError("a PackedWeight is contracted along its rows only")
+        if transpose != w.transposed:
+            raise ValueError(f"a PackedWeight with transposed={w.transposed} is contracted "
+                             f"with transpose={w.transposed} only")
         return _packed_matmul(x, w)
     if not isinstance(w, QuantizedWeight):
         if w.dtype == x.dtype:
@@ -388,8 +392,9 @@ NATIVE_BF16_MAX_ROWS = 8192
 
 def use_packed_bf16(params, targets: QuantTargets, max_rows: int = NATIVE_BF16_MAX_ROWS):
     """``params`` with every plain bfloat16 weight at ``targets.linear`` (``[L, in, out]``
-    stacks) replaced by a ``PackedWeight`` that runs its matmuls of up to ``max_rows`` rows in
-    the native CPU kernel (``pallas_kernels.cpu_bf16_matmul``). For unsharded params on XLA:CPU
+    stacks), and the LM head (an untied ``lm_head``, else the tied ``embed`` table, packed
+    transposed), replaced by a ``PackedWeight`` that runs its matmuls of up to ``max_rows`` rows
+    in the native CPU kernel (``pallas_kernels.cpu_bf16_matmul``). For unsharded params on XLA:CPU
     only: the kernel is a custom call that XLA cannot partition. The models' ``forward`` passes
     the packed leaves as the ``packed`` collection (``split_packed``).
 
@@ -400,12 +405,23 @@ def use_packed_bf16(params, targets: QuantTargets, max_rows: int = NATIVE_BF16_M
         raise RuntimeError("the native CPU bfloat16 matmul kernel could not be built (see the "
                            "log; set CXX to a C++17 compiler)")
     flat = _flatten(params)
+    plain = lambda v: v is not None and not isinstance(v, (QuantizedWeight, PackedWeight)) and (
+        v.dtype == jnp.bfloat16)
     for path in targets.linear:
         v = flat.get(path)
-        if v is None or isinstance(v, (QuantizedWeight, PackedWeight)) or v.dtype != jnp.bfloat16:
-            continue
-        flat[path] = PackedWeight(bf16_kernel.pack(v), k=v.shape[-2], n=v.shape[-1],
-                                  max_rows=max_rows)
+        if plain(v):
+            flat[path] = PackedWeight(bf16_kernel.pack(v), k=v.shape[-2], n=v.shape[-1],
+                                      max_rows=max_rows)
+    # the LM head: an untied [hidden, vocab] one as stored; a tied embedding table [vocab,
+    # hidden] packed transposed (its rows are gathered from that layout, so no second copy)
+    head = {p: a for p, a in targets.embeddings}
+    lm_head, embed = flat.get("lm_head"), flat.get("embed")
+    if head.get("lm_head") == -2 and plain(lm_head) and lm_head.ndim == 2:
+        flat["lm_head"] = PackedWeight(bf16_kernel.pack(lm_head), k=lm_head.shape[0],
+                                       n=lm_head.shape[1], max_rows=max_rows)
+    elif head.get("embed") == -1 and "lm_head" not in flat and plain(embed) and embed.ndim == 2:
+        flat["embed"] = PackedWeight(bf16_kernel.pack(embed.T), k=embed.shape[1],
+                                     n=embed.shape[0], max_rows=max_rows, transposed=True)
     return _unflatten(flat)
 
 
@@ -444,10 +460,25 @@ def split_packed(params) -> dict:
     return {"params": _unflatten(rest), "packed": _unflatten(packed)}
 
 
-def embed_lookup(w: jax.Array | QuantizedWeight, ids: jax.Array, dtype: jnp.dtype
-                 ) -> jax.Array:
-    """Rows ``w[ids]`` of a ``[vocab, hidden]`` table (plain or ``axis=-1``): ``i32[T]`` ->
-    ``[T, hidden]`` in ``dtype``."""
+def embed_lookup(w: jax.Array | QuantizedWeight | PackedWeight, ids: jax.Array,
+                 dtype: jnp.dtype) -> jax.Array:
+    """Rows ``w[ids]`` of a ``[vocab, hidden]`` table (plain, quantised with ``axis=-1``, or
+    packed transposed): ``i32[T]`` -> ``[T, hidden]`` in ``dtype``.
+
+    Raises:
+      ValueError: a ``PackedWeight`` not packed transposed.
+    """
+    if isinstance(w, PackedWeight):
+        if not w.transposed:
+            raise ValueError("embed_lookup needs a PackedWeight packed transposed (an embedding "
+                             "table)")
+        # row v of the table is column v of the packed [hidden, vocab] matrix: block v // 16,
+        # lanes 2 (v % 16) + (0, 1) of each row pair
+        p = w.packed
+        lanes = 2 * (ids % bf16_kernel.BLOCK)[:, None] + jnp.arange(2)
+        rows = p[(ids // bf16_kernel.BLOCK)[:, None, None], jnp.arange(p.shape[1])[None, :, None],
+                 lanes[:, None, :]]
+        return rows.reshape(ids.shape[0], -1)[:, :w.k].astype(dtype)
     if not isinstance(w, QuantizedWeight):
         return w[ids].astype(dtype)
     zero = None if w.zero is None else w.zero[ids]

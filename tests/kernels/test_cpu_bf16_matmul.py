@@ -100,7 +100,7 @@ def test_qmatmul_of_a_packed_weight_in_a_scan_matches_the_plain_weight(rows: int
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="layer bound"):
         quant.qmatmul(x, PackedWeight(kernel.pack(w), 96, 48, 64))
-    with pytest.raises(ValueError, match="rows only"):
+    with pytest.raises(ValueError, match="with transpose=False only"):
         quant.qmatmul(x, PackedWeight(kernel.pack(w[0]), 96, 48, 64), transpose=True)
 
 
@@ -110,17 +110,42 @@ def test_use_packed_bf16_packs_only_bfloat16_targets_and_split_packed_separates_
     out = quant.use_packed_bf16(params, DECODER_QUANT_TARGETS)
     assert isinstance(out["layers"]["wq"], PackedWeight) and out["layers"]["wq"].shape == (8, 8)
     assert out["layers"]["wk"] is params["layers"]["wk"]  # float32: left alone
-    assert out["embed"] is params["embed"]  # not a linear target
+    assert out["embed"].transposed  # tied (no lm_head): the LM head's layout
     variables = quant.split_packed(out)
     assert set(variables) == {"params", "packed"}
-    assert set(variables["packed"]["layers"]) == {"wq"}
+    assert set(variables["packed"]["layers"]) == {"wq"} and "embed" in variables["packed"]
     assert "wq" not in variables["params"]["layers"]
     assert variables["params"]["layers"]["attn_norm"]["weight"] is params["layers"][
         "attn_norm"]["weight"]
     assert quant.split_packed(params) == {"params": params}
 
 
-def _greedy(backend: str, budget: int) -> tuple[list[list[int]], type]:
+def test_a_tied_embedding_packed_transposed_serves_lookup_and_lm_head() -> None:
+    """``use_packed_bf16`` packs a tied table as the LM head's ``[hidden, vocab]``; its rows are
+    gathered from that layout exactly, and an untied ``lm_head`` is packed as stored instead
+    (the table then stays plain: it only serves lookups)."""
+    emb = _w((100, 24))
+    tied = quant.use_packed_bf16({"embed": emb, "layers": {}}, DECODER_QUANT_TARGETS)["embed"]
+    assert isinstance(tied, PackedWeight) and tied.transposed and tied.shape == (100, 24)
+    ids = jnp.array([0, 5, 99, 16, 17, 31, 5])
+    assert (quant.embed_lookup(tied, ids, jnp.float32) == emb[ids].astype(jnp.float32)).all()
+    x = jnp.asarray(np.random.default_rng(3).normal(0, 1, (3, 24)), jnp.float32)
+    np.testing.assert_allclose(np.asarray(quant.qmatmul(x, tied, transpose=True)),
+                               np.asarray(quant.qmatmul(x, emb, transpose=True)), rtol=1e-5,
+                               atol=1e-5)
+    with pytest.raises(ValueError, match="with transpose=True only"):
+        quant.qmatmul(x, tied)
+    head = _w((24, 100))
+    untied = quant.use_packed_bf16({"embed": emb, "lm_head": head, "layers": {}},
+                                   DECODER_QUANT_TARGETS)
+    assert untied["embed"] is emb and not untied["lm_head"].transposed
+    np.testing.assert_allclose(np.asarray(quant.qmatmul(x, untied["lm_head"])),
+                               np.asarray(quant.qmatmul(x, head)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="packed transposed"):
+        quant.embed_lookup(untied["lm_head"], ids, jnp.float32)
+
+
+def _greedy(backend: str, budget: int) -> tuple[list[list[int]], dict]:
     engine = LLMEngine(EngineConfig(
         max_model_len=256, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=budget,
         dtype="bfloat16", compilation_cache_dir="", bf16_matmul_backend=backend),
@@ -136,15 +161,18 @@ def _greedy(backend: str, budget: int) -> tuple[list[list[int]], type]:
         for o in engine.step():
             if o.finished:
                 out[o.request_id] = list(o.outputs[0].token_ids)
-    return [out[str(i)] for i in range(len(prompts))], type(engine.runner.params["layers"]["wq"])
+    return [out[str(i)] for i in range(len(prompts))], engine.runner.params
 
 
 def test_engine_greedy_tokens_equal_with_packed_weights() -> None:
     """The tiny dummy model in bfloat16: chunked prefills beside decodes give the same greedy
     tokens through the packed kernel as through XLA's dot."""
-    got, kind = _greedy("native", 64)
+    got, packed = _greedy("native", 64)
     want, plain = _greedy("xla", 64)
-    assert kind is PackedWeight and plain is not PackedWeight
+    head = "lm_head" if "lm_head" in packed else "embed"
+    assert isinstance(packed["layers"]["wq"], PackedWeight) and isinstance(packed[head],
+                                                                           PackedWeight)
+    assert not isinstance(plain["layers"]["wq"], PackedWeight)
     assert got == want and all(len(t) == 6 for t in got)
 
 

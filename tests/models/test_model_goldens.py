@@ -21,8 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from models.architectures import DECODER_QUANT_TARGETS
 from models.interface import AttentionMetadata
-from pallas_kernels import KVCache, allocate_kv_cache
+from models.quant import PackedWeight, use_packed_bf16
+from pallas_kernels import KVCache, allocate_kv_cache, cpu_bf16_matmul
 
 _T = 640  # padded tokens per call: all six prompts + 48-token continuations (624) fit
 _S = 8  # padded sequences per call
@@ -241,6 +243,10 @@ def bf16_model(engine) -> _Model:
 
 def test_bfloat16_weights_under_float32_activations_stay_near_the_goldens(
         bf16_model: _Model, goldens: dict) -> None:
+    _assert_bf16_near_goldens(bf16_model, goldens)
+
+
+def _assert_bf16_near_goldens(bf16_model: _Model, goldens: dict) -> None:
     assert bf16_model.model.dtype == jnp.float32  # the activations
     prompts = goldens["prompts"]
     firsts = bf16_model.full([p["prompt_token_ids"] for p in prompts])
@@ -256,3 +262,19 @@ def test_bfloat16_weights_under_float32_activations_stay_near_the_goldens(
         bad = np.nonzero(decisive & (got != np.asarray(p["greedy_token_ids"])))[0]
         assert bad.size == 0, f"{p['name']}: argmax differs at decisive positions {bad.tolist()}"
     assert worst > 0  # the bfloat16 weights did change the computation
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu" or not cpu_bf16_matmul.available(),
+                    reason="the native bfloat16 matmul runs on XLA:CPU and needs a C++ compiler")
+def test_packed_bfloat16_weights_stay_near_the_goldens(engine, bf16_model: _Model,
+                                                       goldens: dict) -> None:
+    """The layer weights and the tied LM head packed for the native CPU kernel
+    (``--bf16-matmul-backend native``, the default on CPUs with AVX512-BF16) meet the plain
+    bfloat16 model's bounds. Each matmul equals XLA's bfloat16 dot bit for bit
+    (tests/kernels/test_cpu_bf16_matmul.py), but XLA fuses the code around a custom call
+    differently, and a last-bit change flips later roundings of activations to bfloat16, so
+    the two models' logits differ by as much as either differs from float32."""
+    packed = use_packed_bf16(bf16_model.params, DECODER_QUANT_TARGETS)
+    assert isinstance(packed["layers"]["wq"], PackedWeight)
+    assert isinstance(packed.get("lm_head", packed["embed"]), PackedWeight)
+    _assert_bf16_near_goldens(_Model(engine, packed, jnp.bfloat16), goldens)
