@@ -102,9 +102,9 @@ class EngineConfig:
                 "native is an error off the CPU or with --tensor-parallel-size > 1",
         "choices": INT4_MATMUL_BACKENDS})
     bf16_matmul_backend: str = field(default="auto", metadata={
-        "help": "bfloat16 weights' matmuls of up to 128 rows (decode steps, small chunks): "
-                "native (a C++ CPU kernel compiled on first use, over weights repacked at load "
-                "for AVX512-BF16, reading each layer's weight where it lies), xla (XLA's dot), "
+        "help": "the decoder layers' and LM head's matmuls over bfloat16 weights: native (a "
+                "C++ CPU kernel compiled on first use, over weights repacked at load for "
+                "AVX512-BF16, reading each layer's weight where it lies), xla (XLA's dot), "
                 "or auto (native on CPUs with AVX512-BF16 where it builds, without tensor "
                 "parallelism or quantization; else xla). native is an error off the CPU, with "
                 "--tensor-parallel-size > 1, or without bfloat16 weights",
