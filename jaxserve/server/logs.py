@@ -79,3 +79,6 @@ def configure_logging(level: str = "info", fmt: str = "text") -> None:
         root.removeHandler(h)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    # jax logs "Unable to initialize backend 'tpu'" at INFO on every start without a TPU: it
+    # read as an error to a new user; WARNING and above still show
+    logging.getLogger("jax._src.xla_bridge").setLevel(max(root.level, logging.WARNING))
