@@ -22,6 +22,9 @@
 // passes over the item's keys (scores into a per-thread buffer, the maximum and exp-sum, then
 // the values), the standard definition (Vaswani et al., 2017) read through a block table as in
 // vLLM's PagedAttention (Kwon et al., 2023, arXiv:2309.06180).
+// A decode item converts each key and value row to float32 once for the group's heads, and
+// prefetches the rows of its next page (pages are scattered, so the hardware prefetchers start
+// cold on each: 10-16% less time for 16-64 sequences, measured interleaved in one process).
 // Items are shared between the calling thread and tasks on XLA's intra-op thread pool through
 // an atomic counter; the caller waits only for items some thread has claimed, so a pool with
 // no free thread cannot deadlock it.
@@ -103,6 +106,23 @@ struct Shapes {
   int64_t num_slots, max_blocks;
 };
 
+// Prefetch head h's rows of the page holding position t (if t < ctx): pages are scattered, so
+// the hardware prefetchers start cold on each one.
+template <typename T>
+inline void prefetch_page(const T* cache, const int32_t* table, int64_t t, int64_t ctx,
+                          int64_t layer_off, int64_t bs, int64_t hkv, int64_t h, int64_t d_len) {
+  if (t >= ctx) return;
+  const int64_t page = table[t / bs];
+  const int64_t rows = std::min(bs, ctx - t);
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* p = reinterpret_cast<const char*>(
+        cache + ((layer_off + page * bs + r) * hkv + h) * d_len);
+    for (int64_t b = 0; b < static_cast<int64_t>(d_len * sizeof(T)); b += 64) {
+      __builtin_prefetch(p + b);
+    }
+  }
+}
+
 template <typename T, int D>
 void attend_item(const Shapes& sh, int64_t layer, const float* q, const T* kc, const T* vc,
                  const int32_t* tables, int64_t s, int64_t h, int64_t row, int64_t ctx,
@@ -113,9 +133,10 @@ void attend_item(const Shapes& sh, int64_t layer, const float* q, const T* kc, c
   const int64_t first = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
   const int64_t n = ctx - first;
   if (n <= 0) return;
-  buf.resize(static_cast<size_t>(g_len * n + g_len * d_len));
+  buf.resize(static_cast<size_t>(g_len * n + g_len * d_len + d_len));
   float* sc = buf.data();            // [g, n] scores, then probabilities
   float* acc = sc + g_len * n;       // [g, d]
+  float* __restrict__ kf = acc + g_len * d_len;  // [d] one key or value row in float32
   const float* qh = q + (row * sh.num_q_heads + h * g_len) * d_len;  // [g, d]
   const int32_t* table = tables + s * sh.max_blocks;
   const int64_t layer_off = layer * sh.num_blocks * bs;
@@ -123,12 +144,14 @@ void attend_item(const Shapes& sh, int64_t layer, const float* q, const T* kc, c
   for (int64_t t = first; t < ctx;) {
     const int64_t page = table[t / bs], off = t % bs;
     const int64_t stop = std::min(ctx, t - off + bs);
+    prefetch_page(kc, table, t - off + bs, ctx, layer_off, bs, hkv, h, d_len);
     for (; t < stop; ++t) {
       const T* k = kc + ((layer_off + page * bs + (t % bs)) * hkv + h) * d_len;
+      for (int64_t d = 0; d < d_len; ++d) kf[d] = Load<T>::at(k, d);  // converted once
       for (int64_t j = 0; j < g_len; ++j) {
-        const float* qj = qh + j * d_len;
+        const float* __restrict__ qj = qh + j * d_len;
         float dot = 0.0f;
-        for (int64_t d = 0; d < d_len; ++d) dot += qj[d] * Load<T>::at(k, d);
+        for (int64_t d = 0; d < d_len; ++d) dot += qj[d] * kf[d];
         sc[j * n + (t - first)] = dot;
       }
     }
@@ -153,12 +176,14 @@ void attend_item(const Shapes& sh, int64_t layer, const float* q, const T* kc, c
   for (int64_t t = first; t < ctx;) {
     const int64_t page = table[t / bs], off = t % bs;
     const int64_t stop = std::min(ctx, t - off + bs);
+    prefetch_page(vc, table, t - off + bs, ctx, layer_off, bs, hkv, h, d_len);
     for (; t < stop; ++t) {
       const T* v = vc + ((layer_off + page * bs + (t % bs)) * hkv + h) * d_len;
+      for (int64_t d = 0; d < d_len; ++d) kf[d] = Load<T>::at(v, d);  // converted once
       for (int64_t j = 0; j < g_len; ++j) {
         const float p = sc[j * n + (t - first)];
-        float* aj = acc + j * d_len;
-        for (int64_t d = 0; d < d_len; ++d) aj[d] += p * Load<T>::at(v, d);
+        float* __restrict__ aj = acc + j * d_len;
+        for (int64_t d = 0; d < d_len; ++d) aj[d] += p * kf[d];
       }
     }
   }
