@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import traverse_util
 
 from pallas_kernels import cpu_bf16_matmul as bf16_kernel
 from pallas_kernels.cpu_int4_matmul import available as native_int4_available
@@ -158,23 +158,13 @@ class PackedWeight:
         """The logical shape of one layer's weight: ``(k, n)``, or ``(n, k)`` transposed."""
         return (self.n, self.k) if self.transposed else (self.k, self.n)
 
-    @property
-    def dtype(self) -> jnp.dtype:
-        """bfloat16."""
-        return jnp.dtype(jnp.bfloat16)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the packed stack."""
-        return _nbytes(self.packed)
-
 
 def _packed_matmul(x: jax.Array, w: PackedWeight) -> jax.Array:
     rows = math.prod(x.shape[:-1])
     stacked = w.packed.ndim == 4
-    layer = jnp.int32(0) if w.layer is None else w.layer
     if stacked and w.layer is None:
         raise ValueError("a stacked PackedWeight needs its layer bound (models.quant.weight)")
+    layer = jnp.int32(0) if w.layer is None else w.layer
     if 0 < rows <= w.max_rows:
         y = bf16_kernel.cpu_bf16_matmul(x.reshape(rows, w.k), w.packed, layer, w.n)
         return y.reshape(*x.shape[:-1], w.n).astype(x.dtype)
@@ -425,27 +415,13 @@ def use_packed_bf16(params, targets: QuantTargets, max_rows: int = NATIVE_BF16_M
     return _unflatten(flat)
 
 
-def _flatten(tree, prefix: str = "") -> dict:
-    """A nested dict of params -> ``{"a/b": leaf}`` (any non-dict is a leaf)."""
-    out = {}
-    for key, v in tree.items():
-        path = f"{prefix}{key}"
-        if isinstance(v, Mapping):
-            out.update(_flatten(v, path + "/"))
-        else:
-            out[path] = v
-    return out
+def _flatten(params) -> dict:
+    """``{"a/b": leaf}`` of a nested dict of params (empty dicts kept for ``_unflatten``)."""
+    return traverse_util.flatten_dict(params, keep_empty_nodes=True, sep="/")
 
 
 def _unflatten(flat: dict) -> dict:
-    out: dict = {}
-    for path, v in flat.items():
-        *parents, last = path.split("/")
-        node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = v
-    return out
+    return traverse_util.unflatten_dict(flat, sep="/")
 
 
 def split_packed(params) -> dict:
@@ -492,7 +468,7 @@ def weight(module, name: str, init, shape: tuple[int, ...], dtype: jnp.dtype,
     ``layer`` (``i32[]``, the scan's layer index) bound.
 
     Raises:
-      ValueError: a stored quantised weight of another logical shape.
+      ValueError: a stored quantised or packed weight of another logical shape.
     """
     if module.has_variable("packed", name):
         v = module.get_variable("packed", name)
