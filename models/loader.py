@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import re
 import zlib
+from typing import TYPE_CHECKING
 
-import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig, RopeScaling
-from models.gguf_reader import GGUFFile
 from models.registry import Architecture, get_architecture
+
+if TYPE_CHECKING:  # reading files needs ``gguf``; dummy weights need jax alone (gpu_check.py)
+    from models.gguf_reader import GGUFFile
 
 
 def dummy_params(model, seed: int, shardings=None):
@@ -115,6 +117,8 @@ def gguf_tensor_getter(reader, path: str = "GGUF file"):
     Raises (from ``get``):
       ValueError: the file lacks that tensor.
     """
+    import gguf
+
     tensors = {t.name: t for t in reader.tensors}
 
     def get(name: str) -> np.ndarray:
@@ -179,7 +183,10 @@ def load_gguf_params(path: str, dtype: jnp.dtype, reader: object = None):
     Raises:
       ValueError: an unregistered architecture, one without a GGUF loader, or a missing tensor.
     """
-    reader = reader if reader is not None else GGUFFile(path)
+    if reader is None:
+        from models.gguf_reader import GGUFFile
+
+        reader = GGUFFile(path)
     arch = gguf_architecture(reader, path)
     cfg = arch.gguf_config(reader)
     return cfg, arch.gguf_params(reader, cfg, dtype)

@@ -45,7 +45,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from tqdm import tqdm
 
 from jaxserve.device.buckets import Bucket, make_buckets, pick_bucket
 from jaxserve.device.executable_cache import ExecutableCache
@@ -356,6 +355,9 @@ class ModelRunner:
                 todo.append(lambda b=b: self._compile_sampler(b))
         bar = None
         if progress:
+            # imported here: the runner stays importable with jax alone (scripts/gpu_check.py)
+            from tqdm import tqdm
+
             bar = tqdm(total=len(todo), desc="compiling step programs", unit="program")
         if on_compiled is not None:
             on_compiled(0, len(todo))
