@@ -25,6 +25,12 @@
 // A decode item converts each key and value row to float32 once for the group's heads, and
 // prefetches the rows of its next page (pages are scattered, so the hardware prefetchers start
 // cold on each: 10-16% less time for 16-64 sequences, measured interleaved in one process).
+// With AVX-512, for the common (head_dim, group) pairs, the item keeps the group's queries and
+// value sums in registers and sums each block of 16 keys' partial dot products in one
+// shuffle-and-add tree instead of a horizontal sum per key and head; the maximum is vectorised
+// and the 1 / denominator scales the output instead of every probability. 1.6-2.3x less time
+// than the generic item for 1-64 sequences of 300 tokens (SmolLM2's 64 x 3), measured
+// interleaved in one process (experiments/2026-12-04-decode-attention).
 // Items are shared between the calling thread and tasks on XLA's intra-op thread pool through
 // an atomic counter; the caller waits only for items some thread has claimed, so a pool with
 // no free thread cannot deadlock it.
@@ -37,6 +43,10 @@
 #include <memory>
 #include <thread>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -192,11 +202,170 @@ void attend_item(const Shapes& sh, int64_t layer, const float* q, const T* kc, c
   for (int64_t i = 0; i < g_len * d_len; ++i) o[i] = acc[i] * vs;
 }
 
+#if defined(__AVX512F__)
+// One row of D keys or values as D / 16 float32 vectors.
+template <int V>
+inline void load_row(const float* p, __m512* out) {
+  for (int v = 0; v < V; ++v) out[v] = _mm512_loadu_ps(p + 16 * v);
+}
+template <int V>
+inline void load_row(const uint16_t* p, __m512* out) {  // bfloat16: the high half of a float
+  for (int v = 0; v < V; ++v) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(p + 16 * v)));
+    out[v] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+}
+template <int V>
+inline void load_row(const int8_t* p, __m512* out) {
+  for (int v = 0; v < V; ++v) {
+    out[v] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * v))));
+  }
+}
+template <int V>
+inline void load_row(const uint8_t* p, __m512* out) {  // float8_e4m3fn bits, through the table
+  for (int v = 0; v < V; ++v) {
+    const __m512i idx = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * v)));
+    out[v] = _mm512_i32gather_ps(idx, kFp8.v, 4);
+  }
+}
+
+// r[i] = the sum of the 16 lanes of x[i], for 16 vectors: 15 shuffle-and-add steps instead of
+// 16 horizontal sums.
+inline __m512 sum_lanes16(const __m512* x) {
+  __m512 u[8], w[4], y[2];
+  for (int i = 0; i < 8; ++i) {  // 128-bit lanes (0, 1) hold x[i]'s halves summed, (2, 3) x[i+8]'s
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[i], x[i + 8], 0x44),
+                         _mm512_shuffle_f32x4(x[i], x[i + 8], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {  // lanes: x[i], x[i+8], x[i+4], x[i+12], 4 partial sums each
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[i], u[i + 4], 0x88),
+                         _mm512_shuffle_f32x4(u[i], u[i + 4], 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {  // each lane: 2 partial sums of x[a], then 2 of x[a+2]
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(w[i], w[i + 2], 0x44),
+                         _mm512_shuffle_ps(w[i], w[i + 2], 0xEE));
+  }
+  // lane 0: x0 x2 x1 x3, lane 1: x8 x10 x9 x11, lane 2: x4 x6 x5 x7, lane 3: x12 x14 x13 x15
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88),
+                                 _mm512_shuffle_ps(y[0], y[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+  return _mm512_permutexvar_ps(order, z);
+}
+
+// attend_item with AVX-512 intrinsics for head_dim D (a multiple of 16) and group G: the
+// group's queries and value sums stay in registers, and each block of 16 keys' scores comes out
+// of one sum_lanes16 per head.
+template <typename T, int D, int G>
+void attend_item_avx512(const Shapes& sh, int64_t layer, const float* q, const T* kc,
+                        const T* vc, const int32_t* tables, int64_t s, int64_t h, int64_t row,
+                        int64_t ctx, int64_t window, float soft_cap, const float* v_scale,
+                        float* out, std::vector<float>& buf) {
+  constexpr int V = D / 16;
+  const int64_t bs = sh.block_size, hkv = sh.num_kv_heads;
+  const int64_t first = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+  const int64_t n = ctx - first;
+  if (n <= 0) return;
+  const int64_t n16 = (n + 15) / 16 * 16;
+  buf.resize(static_cast<size_t>(G * n16));
+  float* sc = buf.data();  // [G, n16] scores, then probabilities
+  const float* qh = q + (row * sh.num_q_heads + h * G) * D;
+  const int32_t* table = tables + s * sh.max_blocks;
+  const int64_t layer_off = layer * sh.num_blocks * bs;
+  __m512 qv[G][V];
+  for (int j = 0; j < G; ++j)
+    for (int v = 0; v < V; ++v) qv[j][v] = _mm512_loadu_ps(qh + j * D + 16 * v);
+  alignas(64) __m512 part[G][16];
+  int cnt = 0;
+  int64_t t0 = 0;  // index (from `first`) of the block's first key
+  for (int64_t t = first; t < ctx;) {
+    const int64_t page = table[t / bs], off = t % bs;
+    const int64_t stop = std::min(ctx, t - off + bs);
+    prefetch_page(kc, table, t - off + bs, ctx, layer_off, bs, hkv, h, D);
+    for (; t < stop; ++t) {
+      __m512 k[V];
+      load_row<V>(kc + ((layer_off + page * bs + (t % bs)) * hkv + h) * D, k);
+      for (int j = 0; j < G; ++j) {
+        __m512 a = _mm512_mul_ps(qv[j][0], k[0]);
+        for (int v = 1; v < V; ++v) a = _mm512_fmadd_ps(qv[j][v], k[v], a);
+        part[j][cnt] = a;
+      }
+      if (++cnt == 16) {
+        for (int j = 0; j < G; ++j) _mm512_storeu_ps(sc + j * n16 + t0, sum_lanes16(part[j]));
+        cnt = 0;
+        t0 += 16;
+      }
+    }
+  }
+  if (cnt > 0) {
+    for (int j = 0; j < G; ++j) {
+      for (int i = cnt; i < 16; ++i) part[j][i] = _mm512_setzero_ps();
+      _mm512_storeu_ps(sc + j * n16 + t0, sum_lanes16(part[j]));
+    }
+  }
+  float inv[G];  // 1 / the softmax denominator, applied to the value sums at the end
+  for (int j = 0; j < G; ++j) {
+    float* sj = sc + j * n16;
+    if (soft_cap > 0.0f) {
+      for (int64_t i = 0; i < n; ++i) sj[i] = soft_cap * std::tanh(sj[i] / soft_cap);
+    }
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sj + i));
+    if (i < n) {
+      const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1u);
+      mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_loadu_ps(sj + i));
+    }
+    const float m = _mm512_reduce_max_ps(mv);
+    float l = 0.0f;
+    for (i = 0; i < n; ++i) {
+      const float p = exp_nonpos(sj[i] - m);
+      sj[i] = p;
+      l += p;
+    }
+    inv[j] = 1.0f / l;
+  }
+  __m512 acc[G][V];
+  for (int j = 0; j < G; ++j)
+    for (int v = 0; v < V; ++v) acc[j][v] = _mm512_setzero_ps();
+  for (int64_t t = first; t < ctx;) {
+    const int64_t page = table[t / bs], off = t % bs;
+    const int64_t stop = std::min(ctx, t - off + bs);
+    prefetch_page(vc, table, t - off + bs, ctx, layer_off, bs, hkv, h, D);
+    for (; t < stop; ++t) {
+      __m512 x[V];
+      load_row<V>(vc + ((layer_off + page * bs + (t % bs)) * hkv + h) * D, x);
+      for (int j = 0; j < G; ++j) {
+        const __m512 p = _mm512_set1_ps(sc[j * n16 + (t - first)]);
+        for (int v = 0; v < V; ++v) acc[j][v] = _mm512_fmadd_ps(p, x[v], acc[j][v]);
+      }
+    }
+  }
+  float* o = out + (row * sh.num_q_heads + h * G) * D;
+  for (int j = 0; j < G; ++j) {
+    const __m512 f = _mm512_set1_ps(inv[j] * v_scale[h]);
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(o + j * D + 16 * v, _mm512_mul_ps(acc[j][v], f));
+  }
+}
+#endif
+
 template <typename T>
 void attend_item_dispatch(const Shapes& sh, int64_t layer, const float* q, const T* kc,
                           const T* vc, const int32_t* tables, int64_t s, int64_t h, int64_t row,
                           int64_t ctx, int64_t window, float soft_cap, const float* v_scale,
                           float* out, std::vector<float>& buf) {
+#if defined(__AVX512F__)  // the vectorised item where it is built; else the generic one
+#define JAXSERVE_ITEM(D, G)                                                                  \
+  if (sh.head_dim == D && sh.group == G)                                                     \
+    return attend_item_avx512<T, D, G>(sh, layer, q, kc, vc, tables, s, h, row, ctx, window, \
+                                       soft_cap, v_scale, out, buf);
+  JAXSERVE_ITEM(64, 1) JAXSERVE_ITEM(64, 2) JAXSERVE_ITEM(64, 3) JAXSERVE_ITEM(64, 4)
+  JAXSERVE_ITEM(64, 6) JAXSERVE_ITEM(64, 8) JAXSERVE_ITEM(128, 1) JAXSERVE_ITEM(128, 2)
+  JAXSERVE_ITEM(128, 3) JAXSERVE_ITEM(128, 4) JAXSERVE_ITEM(256, 1) JAXSERVE_ITEM(256, 2)
+#undef JAXSERVE_ITEM
+#endif
   switch (sh.head_dim) {  // fixed trip counts for the common head sizes
     case 64:
       return attend_item<T, 64>(sh, layer, q, kc, vc, tables, s, h, row, ctx, window, soft_cap,

@@ -143,6 +143,44 @@ def test_kernel_alone_fills_prefill_rows(head_dim: int) -> None:
         assert np.all(got[total:] == 0.0)
 
 
+@pytest.mark.parametrize("cache", ["float32", "bfloat16", "fp8", "int8"])
+@pytest.mark.parametrize("head_dim,group", [(64, 1), (64, 3), (64, 4), (64, 5), (128, 2),
+                                            (128, 3), (256, 1)])
+def test_decode_rows_by_group_head_dim_and_cache(cache: str, head_dim: int, group: int) -> None:
+    """Decode rows only, at the group sizes and head sizes the vectorised decode item is built
+    for (and (64, 5), which takes the generic one), for each cache dtype: contexts shorter than
+    a block of 16 keys, not a multiple of it and spanning many pages, with a window and a soft
+    cap; pages nobody owns hold NaN."""
+    rng = np.random.default_rng()
+    ctx_lens = [1, 15, 16, 17, 300, 61]
+    q, k, v, bt, sl, qsl, ns = make_case(rng, [1] * len(ctx_lens), ctx_lens, block_size=16,
+                                         num_seqs_pad=8, tokens_pad=8, kv_heads=2, group=group,
+                                         head_dim=head_dim)
+    kw, k_deq, v_deq = {}, k, v
+    if cache in KV_QUANT_DTYPES:
+        dt = KV_QUANT_DTYPES[cache]
+        ks = (rng.uniform(0.5, 2.0, (2, 2)) / 100).astype(np.float32)
+        vs = (rng.uniform(0.5, 2.0, (2, 2)) / 100).astype(np.float32)
+        quant = jax.vmap(lambda x, s: quantize_kv(x, s, dt))
+        kc = quant(jnp.asarray(np.nan_to_num(k), jnp.float32), jnp.asarray(ks))
+        vc = quant(jnp.asarray(np.nan_to_num(v), jnp.float32), jnp.asarray(vs))
+        kw = {"k_scale": jnp.asarray(ks), "v_scale": jnp.asarray(vs)}
+        k_deq = kv_to_numpy(kc) * ks[:, None, None, :, None]
+        v_deq = kv_to_numpy(vc) * vs[:, None, None, :, None]
+    else:
+        kc, vc = jnp.asarray(k, cache), jnp.asarray(v, cache)
+        k_deq, v_deq = np.asarray(kc, np.float64), np.asarray(vc, np.float64)
+    total = qsl[-1]
+    for window, cap in ((None, None), (40, 25.0)):
+        got = _op(q, kc, vc, 1, bt, sl, qsl, ns, False, sm_scale=head_dim ** -0.5,
+                  sliding_window=window, logit_soft_cap=cap, **kw)
+        want = ref_ragged_paged_attention(q, k_deq, v_deq, 1, bt, sl, qsl, ns,
+                                          sm_scale=head_dim ** -0.5, sliding_window=window,
+                                          logit_soft_cap=cap)
+        np.testing.assert_allclose(got[:total], want[:total], rtol=1e-4, atol=1e-4)
+        assert np.all(got[total:] == 0.0)
+
+
 def test_native_prefill_needs_native_decode() -> None:
     kv = jnp.zeros((1, 2, 4, 1, 8), jnp.float32)
     with pytest.raises(ValueError, match="native_prefill=True needs native_decode=True"):
