@@ -1,0 +1,45 @@
+"""Decode attention alone: S sequences of CTX tokens, SmolLM2-135M's heads (9 query, 3 KV, head
+dim 64), a bfloat16 paged cache of 16-token pages in shuffled order, 30 layers in a fori_loop
+through the native kernel. Prints the median ms per 30 layers; run it from the tree to measure.
+
+    PYTHONPATH=<tree> .venv/bin/python experiments/2026-12-04-decode-attention/decode_attn.py 16 300
+"""
+
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import ragged_paged_attention
+
+S, CTX = int(sys.argv[1]), int(sys.argv[2])
+L, BS, H, HKV, D = 30, 16, 9, 3, 64
+nb_per = -(-CTX // BS)
+NB = S * nb_per + 1
+rng = np.random.default_rng(0)
+k = jnp.asarray(rng.normal(0, 1, (L, NB, BS, HKV, D)), jnp.bfloat16)
+v = jnp.asarray(rng.normal(0, 1, (L, NB, BS, HKV, D)), jnp.bfloat16)
+tables = jnp.asarray(rng.permutation(np.arange(1, NB))[:S * nb_per].reshape(S, nb_per), jnp.int32)
+seq_lens = jnp.full((S,), CTX, jnp.int32)
+qsl = jnp.arange(S + 1, dtype=jnp.int32)
+q = jnp.asarray(rng.normal(0, 1, (S, H, D)), jnp.float32)
+
+
+@jax.jit
+def layers(q, k, v):
+    def body(layer, acc):
+        return acc + ragged_paged_attention(
+            q + acc * 1e-3, k, v, layer, tables, seq_lens, qsl, jnp.array([S], jnp.int32),
+            sm_scale=D ** -0.5, native_decode=True, native_prefill=True)
+    return jax.lax.fori_loop(0, L, body, jnp.zeros_like(q))
+
+
+jax.block_until_ready(layers(q, k, v))
+ts = []
+for _ in range(30):
+    t = time.perf_counter()
+    jax.block_until_ready(layers(q, k, v))
+    ts.append(time.perf_counter() - t)
+print(f"S={S} ctx={CTX}: {np.median(ts) * 1e3:.2f} ms per 30 layers")
