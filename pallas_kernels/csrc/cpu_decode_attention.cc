@@ -74,6 +74,25 @@ inline float exp_nonpos(float x) {
   return p;
 }
 
+// The maximum of p[0, n) (n >= 1): a float max reduction does not vectorise without
+// -ffinite-math-only, and a scalar loop over a long context costs as much as the dot products.
+inline float max_of(const float* p, int64_t n) {
+#if defined(__AVX512F__)
+  __m512 mv = _mm512_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(p + i));
+  if (i < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, p + i));
+  }
+  return _mm512_reduce_max_ps(mv);
+#else
+  float m = p[0];
+  for (int64_t i = 1; i < n; ++i) m = std::max(m, p[i]);
+  return m;
+#endif
+}
+
 struct Fp8Table {
   float v[256];
   Fp8Table() {  // float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; 0x7f/0xff NaN
@@ -171,8 +190,7 @@ void attend_item(const Shapes& sh, int64_t layer, const float* q, const T* kc, c
     if (soft_cap > 0.0f) {
       for (int64_t i = 0; i < n; ++i) sj[i] = soft_cap * std::tanh(sj[i] / soft_cap);
     }
-    float m = sj[0];
-    for (int64_t i = 1; i < n; ++i) m = std::max(m, sj[i]);
+    const float m = max_of(sj, n);
     float l = 0.0f;
     for (int64_t i = 0; i < n; ++i) {
       const float p = exp_nonpos(sj[i] - m);
@@ -311,16 +329,9 @@ void attend_item_avx512(const Shapes& sh, int64_t layer, const float* q, const T
     if (soft_cap > 0.0f) {
       for (int64_t i = 0; i < n; ++i) sj[i] = soft_cap * std::tanh(sj[i] / soft_cap);
     }
-    __m512 mv = _mm512_set1_ps(-INFINITY);
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sj + i));
-    if (i < n) {
-      const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1u);
-      mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_loadu_ps(sj + i));
-    }
-    const float m = _mm512_reduce_max_ps(mv);
+    const float m = max_of(sj, n);
     float l = 0.0f;
-    for (i = 0; i < n; ++i) {
+    for (int64_t i = 0; i < n; ++i) {
       const float p = exp_nonpos(sj[i] - m);
       sj[i] = p;
       l += p;
@@ -472,8 +483,7 @@ void attend_tile(const Shapes& sh, int64_t layer, const float* q, const T* kc, c
     if (soft_cap > 0.0f) {
       for (int64_t i = lo; i < hi; ++i) sm[i] = soft_cap * std::tanh(sm[i] / soft_cap);
     }
-    float mx = sm[lo];
-    for (int64_t i = lo + 1; i < hi; ++i) mx = std::max(mx, sm[i]);
+    const float mx = max_of(sm + lo, hi - lo);
     float l = 0.0f;
     for (int64_t i = lo; i < hi; ++i) {
       const float p = exp_nonpos(sm[i] - mx);
