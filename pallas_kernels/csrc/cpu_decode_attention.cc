@@ -93,6 +93,22 @@ inline float max_of(const float* p, int64_t n) {
 #endif
 }
 
+// One softmax row in place, unnormalised: s[i] = exp(cap(s[i]) - max) for i < n (n >= 1), with
+// cap(x) = soft_cap * tanh(x / soft_cap) when soft_cap > 0; returns the sum (the denominator).
+inline float exp_in_place(float* s, int64_t n, float soft_cap) {
+  if (soft_cap > 0.0f) {
+    for (int64_t i = 0; i < n; ++i) s[i] = soft_cap * std::tanh(s[i] / soft_cap);
+  }
+  const float m = max_of(s, n);
+  float l = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float p = exp_nonpos(s[i] - m);
+    s[i] = p;
+    l += p;
+  }
+  return l;
+}
+
 struct Fp8Table {
   float v[256];
   Fp8Table() {  // float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; 0x7f/0xff NaN
@@ -187,17 +203,7 @@ void attend_item(const Shapes& sh, int64_t layer, const float* q, const T* kc, c
   }
   for (int64_t j = 0; j < g_len; ++j) {
     float* sj = sc + j * n;
-    if (soft_cap > 0.0f) {
-      for (int64_t i = 0; i < n; ++i) sj[i] = soft_cap * std::tanh(sj[i] / soft_cap);
-    }
-    const float m = max_of(sj, n);
-    float l = 0.0f;
-    for (int64_t i = 0; i < n; ++i) {
-      const float p = exp_nonpos(sj[i] - m);
-      sj[i] = p;
-      l += p;
-    }
-    const float inv = 1.0f / l;
+    const float inv = 1.0f / exp_in_place(sj, n, soft_cap);
     for (int64_t i = 0; i < n; ++i) sj[i] *= inv;
     std::fill(acc + j * d_len, acc + (j + 1) * d_len, 0.0f);
   }
@@ -325,18 +331,7 @@ void attend_item_avx512(const Shapes& sh, int64_t layer, const float* q, const T
   }
   float inv[G];  // 1 / the softmax denominator, applied to the value sums at the end
   for (int j = 0; j < G; ++j) {
-    float* sj = sc + j * n16;
-    if (soft_cap > 0.0f) {
-      for (int64_t i = 0; i < n; ++i) sj[i] = soft_cap * std::tanh(sj[i] / soft_cap);
-    }
-    const float m = max_of(sj, n);
-    float l = 0.0f;
-    for (int64_t i = 0; i < n; ++i) {
-      const float p = exp_nonpos(sj[i] - m);
-      sj[i] = p;
-      l += p;
-    }
-    inv[j] = 1.0f / l;
+    inv[j] = 1.0f / exp_in_place(sc + j * n16, n, soft_cap);
   }
   __m512 acc[G][V];
   for (int j = 0; j < G; ++j)
@@ -480,17 +475,7 @@ void attend_tile(const Shapes& sh, int64_t layer, const float* q, const T* kc, c
     const int64_t lo = lo_of(m), hi = hi_of(m);
     std::fill(sm, sm + lo, 0.0f);
     std::fill(sm + hi, sm + n_pad, 0.0f);
-    if (soft_cap > 0.0f) {
-      for (int64_t i = lo; i < hi; ++i) sm[i] = soft_cap * std::tanh(sm[i] / soft_cap);
-    }
-    const float mx = max_of(sm + lo, hi - lo);
-    float l = 0.0f;
-    for (int64_t i = lo; i < hi; ++i) {
-      const float p = exp_nonpos(sm[i] - mx);
-      sm[i] = p;
-      l += p;
-    }
-    const float inv = 1.0f / l;
+    const float inv = 1.0f / exp_in_place(sm + lo, hi - lo, soft_cap);
     for (int64_t i = lo; i < hi; ++i) sm[i] *= inv;
   }
   // values: four vectors at a time, 16 of the head's dimensions at a time in registers
