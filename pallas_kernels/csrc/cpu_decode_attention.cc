@@ -18,9 +18,12 @@
 // Decode work item = (sequence, kv head): the group's query heads share each key and value
 // read. Prefill work item = (sequence, kv head, tile of kTileRows rows): the tile's rows times
 // the group's heads share each key block, which is converted to float32 once and transposed so
-// the scores are vertical FMAs (no horizontal sums). Both compute the exact softmax in three
-// passes over the item's keys (scores into a per-thread buffer, the maximum and exp-sum, then
-// the values), the standard definition (Vaswani et al., 2017) read through a block table as in
+// the scores are vertical FMAs (no horizontal sums). With AVX-512, for head sizes 64, 128 and
+// 256, the tile transposes its queries instead (attend_tile_avx512): 12-16% less time for
+// 4 x 256, 1 x 1024 and 16 x 64 prompt tokens (SmolLM2's 64 x 3), measured interleaved in one
+// process. Both compute the exact softmax in three passes over the item's keys (scores into a
+// per-thread buffer, the maximum and exp-sum, then the values), the standard definition
+// (Vaswani et al., 2017) read through a block table as in
 // vLLM's PagedAttention (Kwon et al., 2023, arXiv:2309.06180).
 // A decode item converts each key and value row to float32 once for the group's heads, and
 // prefetches the rows of its next page (pages are scattered, so the hardware prefetchers start
@@ -550,12 +553,231 @@ void attend_tile(const Shapes& sh, int64_t layer, const float* q, const T* kc, c
   }
 }
 
+#if defined(__AVX512F__)
+// exp_nonpos on 16 lanes, the same steps.
+inline __m512 exp_nonpos16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 hi = _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f));
+  const __m512 lo = _mm512_mul_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f));
+  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, hi), lo);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_castsi512_ps(_mm512_add_epi32(
+      _mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23)));
+}
+
+constexpr int kTileKeys = 8;  // keys per step of the transposed score pass
+
+// Scores of kTileKeys keys (rows of kr, f32[kTileKeys, D]) against MB blocks of 16 query
+// vectors (qt, f32[D, m_stride] from column 16 * b0) into st (f32[keys, m_stride]).
+template <int D, int MB>
+inline void score_keys(const float* kr, const float* qt, int64_t m_stride, int64_t b0,
+                       float* st) {
+  __m512 acc[kTileKeys][MB];
+  for (int c = 0; c < kTileKeys; ++c)
+    for (int b = 0; b < MB; ++b) acc[c][b] = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    __m512 qv[MB];
+    for (int b = 0; b < MB; ++b) qv[b] = _mm512_loadu_ps(qt + d * m_stride + 16 * (b0 + b));
+    for (int c = 0; c < kTileKeys; ++c) {
+      const __m512 kv = _mm512_set1_ps(kr[c * D + d]);
+      for (int b = 0; b < MB; ++b) acc[c][b] = _mm512_fmadd_ps(kv, qv[b], acc[c][b]);
+    }
+  }
+  for (int c = 0; c < kTileKeys; ++c)
+    for (int b = 0; b < MB; ++b) _mm512_storeu_ps(st + c * m_stride + 16 * (b0 + b), acc[c][b]);
+}
+
+// Value sums, transposed: ot[d, m] += sum over keys c in [c0, c1) of rows[c - t0, d] * pt[c, m],
+// for 8 dimensions from d0 and MB blocks of 16 query vectors from block b0 (ot f32[D, m_stride],
+// pt f32[keys, m_stride], rows f32[KB, D] the values of keys t0 ..).
+template <int D, int MB>
+inline void value_keys(const float* rows, const float* pt, int64_t m_stride, int64_t b0,
+                       int64_t d0, int64_t t0, int64_t c0, int64_t c1, float* ot) {
+  constexpr int DR = 8;
+  __m512 acc[DR][MB];
+  for (int i = 0; i < DR; ++i)
+    for (int b = 0; b < MB; ++b) {
+      acc[i][b] = _mm512_loadu_ps(ot + (d0 + i) * m_stride + 16 * (b0 + b));
+    }
+  for (int64_t c = c0; c < c1; ++c) {
+    __m512 pv[MB];
+    for (int b = 0; b < MB; ++b) pv[b] = _mm512_loadu_ps(pt + c * m_stride + 16 * (b0 + b));
+    const float* vr = rows + (c - t0) * D + d0;
+    for (int i = 0; i < DR; ++i) {
+      const __m512 vv = _mm512_set1_ps(vr[i]);
+      for (int b = 0; b < MB; ++b) acc[i][b] = _mm512_fmadd_ps(vv, pv[b], acc[i][b]);
+    }
+  }
+  for (int i = 0; i < DR; ++i)
+    for (int b = 0; b < MB; ++b) {
+      _mm512_storeu_ps(ot + (d0 + i) * m_stride + 16 * (b0 + b), acc[i][b]);
+    }
+}
+
+// attend_tile with AVX-512 for head_dim D (64, 128 or 256). The scores are computed transposed,
+// [key, query vector] with 16 query vectors per register, so that no key is transposed (each
+// key's element is broadcast against the transposed queries) and the softmax runs down the
+// columns: its maximum, exp and sum are vertical. The value sums are transposed the same way
+// (each value element broadcast against 16 vectors' probabilities), so both passes keep 24
+// sums in registers and issue 24 FMAs per 11 loads.
+template <typename T, int D>
+void attend_tile_avx512(const Shapes& sh, int64_t layer, const float* q, const T* kc,
+                        const T* vc, const int32_t* tables, int64_t s, int64_t h, int64_t row0,
+                        int64_t p0, int64_t i0, int64_t i1, int64_t window, float soft_cap,
+                        const float* v_scale, float* out, std::vector<float>& buf) {
+  constexpr int V = D / 16;
+  constexpr int64_t KB = kKeyBlock;
+  const int64_t g_len = sh.group, bs = sh.block_size, hkv = sh.num_kv_heads;
+  const int64_t nq = sh.num_q_heads;
+  const int64_t first = window > 0 ? std::max<int64_t>(0, p0 + i0 - window + 1) : 0;
+  const int64_t n = p0 + i1 - first;  // keys first .. the tile's last position
+  const int64_t n_pad = (n + KB - 1) / KB * KB;  // a multiple of kTileKeys too
+  const int64_t m_len = (i1 - i0) * g_len;       // query vectors: m = r * g + j
+  const int64_t mb_len = (m_len + 15) / 16, ms = mb_len * 16;
+  buf.resize(static_cast<size_t>(n_pad * ms + 2 * ms * D + KB * D + 3 * ms));
+  float* st = buf.data();       // [n_pad, ms] scores, then probabilities (0 where masked)
+  float* qt = st + n_pad * ms;  // [D, ms] the queries, transposed
+  float* ot = qt + ms * D;      // [D, ms] value sums, transposed
+  float* rows = ot + ms * D;    // [KB, D] keys or values as float32
+  float* inv = rows + KB * D;   // [ms] 1 / denominator
+  int32_t* lo_hi = reinterpret_cast<int32_t*>(inv + ms);  // [2, ms] keys [lo, hi) per vector
+  int32_t* lo = lo_hi;
+  int32_t* hi = lo_hi + ms;
+  for (int64_t m = 0; m < ms; ++m) {
+    if (m < m_len) {
+      const int64_t pos = p0 + i0 + m / g_len;
+      lo[m] = static_cast<int32_t>(window > 0 ? std::max<int64_t>(0, pos - window + 1) - first
+                                              : 0);
+      hi[m] = static_cast<int32_t>(pos + 1 - first);
+    } else {
+      lo[m] = hi[m] = 0;  // padding vectors see no key
+    }
+  }
+  // the queries, transposed: 16 vectors' element d in one gather (padding vectors 0)
+  const float* qbase = q + (row0 + i0) * nq * D + h * g_len * D;
+  for (int64_t b = 0; b < mb_len; ++b) {
+    alignas(64) int32_t idx[16];
+    for (int64_t l = 0; l < 16; ++l) {
+      const int64_t m = std::min(16 * b + l, m_len - 1);
+      idx[l] = static_cast<int32_t>((m / g_len * nq + m % g_len) * D);
+    }
+    const __m512i iv = _mm512_load_si512(idx);
+    const int64_t left = m_len - 16 * b;
+    const __mmask16 k = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1u);
+    for (int64_t d = 0; d < D; ++d) {
+      _mm512_storeu_ps(qt + d * ms + 16 * b,
+                       _mm512_mask_i32gather_ps(_mm512_setzero_ps(), k, iv, qbase + d, 4));
+    }
+  }
+  const int32_t* table = tables + s * sh.max_blocks;
+  const int64_t layer_off = layer * sh.num_blocks * bs;
+  auto row_of = [&](const T* cache, int64_t t) {
+    return cache + ((layer_off + static_cast<int64_t>(table[t / bs]) * bs + t % bs) * hkv + h) * D;
+  };
+  // KB keys (or values) from t0 as float32 rows, zeros past n
+  auto convert = [&](const T* cache, int64_t t0) {
+    for (int64_t c = 0; c < KB; ++c) {
+      __m512 r[V];
+      if (t0 + c < n) {
+        load_row<V>(row_of(cache, first + t0 + c), r);
+      } else {
+        for (int v = 0; v < V; ++v) r[v] = _mm512_setzero_ps();
+      }
+      for (int v = 0; v < V; ++v) _mm512_storeu_ps(rows + c * D + 16 * v, r[v]);
+    }
+  };
+  // scores, transposed
+  for (int64_t t0 = 0; t0 < n; t0 += KB) {
+    convert(kc, t0);
+    for (int64_t c = 0; c < KB; c += kTileKeys) {
+      for (int64_t b0 = 0; b0 < mb_len; b0 += 3) {
+        switch (std::min<int64_t>(3, mb_len - b0)) {
+          case 3: score_keys<D, 3>(rows + c * D, qt, ms, b0, st + (t0 + c) * ms); break;
+          case 2: score_keys<D, 2>(rows + c * D, qt, ms, b0, st + (t0 + c) * ms); break;
+          default: score_keys<D, 1>(rows + c * D, qt, ms, b0, st + (t0 + c) * ms); break;
+        }
+      }
+    }
+  }
+  if (soft_cap > 0.0f) {
+    for (int64_t i = 0; i < n * ms; ++i) st[i] = soft_cap * std::tanh(st[i] / soft_cap);
+  }
+  // softmax down each column: masked entries become 0
+  for (int64_t b = 0; b < mb_len; ++b) {
+    const __m512i lov = _mm512_loadu_si512(lo + 16 * b), hiv = _mm512_loadu_si512(hi + 16 * b);
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t c = 0; c < n; ++c) {
+      const __m512i cv = _mm512_set1_epi32(static_cast<int32_t>(c));
+      const __mmask16 k = _mm512_cmpge_epi32_mask(cv, lov) & _mm512_cmplt_epi32_mask(cv, hiv);
+      mx = _mm512_mask_max_ps(mx, k, mx, _mm512_loadu_ps(st + c * ms + 16 * b));
+    }
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t c = 0; c < n_pad; ++c) {
+      const __m512i cv = _mm512_set1_epi32(static_cast<int32_t>(c));
+      const __mmask16 k = _mm512_cmpge_epi32_mask(cv, lov) & _mm512_cmplt_epi32_mask(cv, hiv);
+      const __m512 p = _mm512_maskz_mov_ps(
+          k, exp_nonpos16(_mm512_sub_ps(_mm512_loadu_ps(st + c * ms + 16 * b), mx)));
+      _mm512_storeu_ps(st + c * ms + 16 * b, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    // padding lanes sum to 0 and are never written out
+    _mm512_storeu_ps(inv + 16 * b, _mm512_div_ps(_mm512_set1_ps(1.0f), sum));
+  }
+  // values, transposed: ot[d, m] = sum_c v[c, d] * p[c, m], over the keys some vector sees
+  std::fill(ot, ot + D * ms, 0.0f);
+  const int64_t c_lo = lo[0], c_hi = hi[m_len - 1];
+  for (int64_t t0 = 0; t0 < n; t0 += KB) {
+    const int64_t c0 = std::max<int64_t>(t0, c_lo), c1 = std::min<int64_t>({t0 + KB, n, c_hi});
+    if (c0 >= c1) continue;
+    convert(vc, t0);
+    for (int64_t d0 = 0; d0 < D; d0 += 8) {
+      for (int64_t b0 = 0; b0 < mb_len; b0 += 3) {
+        switch (std::min<int64_t>(3, mb_len - b0)) {
+          case 3: value_keys<D, 3>(rows, st, ms, b0, d0, t0, c0, c1, ot); break;
+          case 2: value_keys<D, 2>(rows, st, ms, b0, d0, t0, c0, c1, ot); break;
+          default: value_keys<D, 1>(rows, st, ms, b0, d0, t0, c0, c1, ot); break;
+        }
+      }
+    }
+  }
+  const float vs = v_scale[h];
+  for (int64_t m = 0; m < m_len; ++m) {
+    float* o = out + ((row0 + i0 + m / g_len) * nq + h * g_len + m % g_len) * D;
+    const float scale = inv[m] * vs;
+    for (int64_t d = 0; d < D; ++d) o[d] = ot[d * ms + m] * scale;
+  }
+}
+#endif  // __AVX512F__
+
 template <typename T>
 void attend_tile_dispatch(const Shapes& sh, int64_t layer, const float* q, const T* kc,
                           const T* vc, const int32_t* tables, int64_t s, int64_t h,
                           int64_t row0, int64_t p0, int64_t i0, int64_t i1, int64_t window,
                           float soft_cap, const float* v_scale, float* out,
                           std::vector<float>& buf) {
+#if defined(__AVX512F__)
+  switch (sh.head_dim) {
+    case 64:
+      return attend_tile_avx512<T, 64>(sh, layer, q, kc, vc, tables, s, h, row0, p0, i0, i1,
+                                       window, soft_cap, v_scale, out, buf);
+    case 128:
+      return attend_tile_avx512<T, 128>(sh, layer, q, kc, vc, tables, s, h, row0, p0, i0, i1,
+                                        window, soft_cap, v_scale, out, buf);
+    case 256:
+      return attend_tile_avx512<T, 256>(sh, layer, q, kc, vc, tables, s, h, row0, p0, i0, i1,
+                                        window, soft_cap, v_scale, out, buf);
+    default:
+      break;
+  }
+#endif
   switch (sh.head_dim) {
     case 64:
       return attend_tile<T, 64>(sh, layer, q, kc, vc, tables, s, h, row0, p0, i0, i1, window,

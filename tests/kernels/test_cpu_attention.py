@@ -181,6 +181,46 @@ def test_decode_rows_by_group_head_dim_and_cache(cache: str, head_dim: int, grou
         assert np.all(got[total:] == 0.0)
 
 
+@pytest.mark.parametrize("cache", ["float32", "bfloat16", "fp8", "int8"])
+@pytest.mark.parametrize("head_dim,group", [(64, 1), (64, 3), (64, 4), (64, 8), (128, 2),
+                                            (256, 1), (48, 3)])
+def test_prefill_rows_by_group_head_dim_and_cache(cache: str, head_dim: int, group: int) -> None:
+    """Prefill tiles at the head sizes the vectorised tile is built for (and 48, which takes the
+    generic one), with 1 to 8 query heads per kv head (16 to 128 query vectors a tile), for each
+    cache dtype: a fresh prompt longer than a tile, chunks continuing a cached context (one
+    ending past a page boundary, one of 2 rows), beside decode rows; a window and a soft cap;
+    pages nobody owns hold NaN."""
+    rng = np.random.default_rng()
+    q_lens = [37, 1, 16, 20, 2, 1]
+    ctx_lens = [37, 60, 100, 131, 2, 17]
+    q, k, v, bt, sl, qsl, ns = make_case(rng, q_lens, ctx_lens, block_size=16, num_seqs_pad=8,
+                                         tokens_pad=80, kv_heads=2, group=group,
+                                         head_dim=head_dim)
+    kw = {}
+    if cache in KV_QUANT_DTYPES:
+        dt = KV_QUANT_DTYPES[cache]
+        ks = (rng.uniform(0.5, 2.0, (2, 2)) / 100).astype(np.float32)
+        vs = (rng.uniform(0.5, 2.0, (2, 2)) / 100).astype(np.float32)
+        quant = jax.vmap(lambda x, s: quantize_kv(x, s, dt))
+        kc = quant(jnp.asarray(np.nan_to_num(k), jnp.float32), jnp.asarray(ks))
+        vc = quant(jnp.asarray(np.nan_to_num(v), jnp.float32), jnp.asarray(vs))
+        kw = {"k_scale": jnp.asarray(ks), "v_scale": jnp.asarray(vs)}
+        k_deq = kv_to_numpy(kc) * ks[:, None, None, :, None]
+        v_deq = kv_to_numpy(vc) * vs[:, None, None, :, None]
+    else:
+        kc, vc = jnp.asarray(k, cache), jnp.asarray(v, cache)
+        k_deq, v_deq = np.asarray(kc, np.float64), np.asarray(vc, np.float64)
+    total = qsl[-1]
+    for window, cap in ((None, None), (23, 25.0)):
+        got = _op(q, kc, vc, 1, bt, sl, qsl, ns, True, sm_scale=head_dim ** -0.5,
+                  sliding_window=window, logit_soft_cap=cap, **kw)
+        want = ref_ragged_paged_attention(q, k_deq, v_deq, 1, bt, sl, qsl, ns,
+                                          sm_scale=head_dim ** -0.5, sliding_window=window,
+                                          logit_soft_cap=cap)
+        np.testing.assert_allclose(got[:total], want[:total], rtol=1e-4, atol=1e-4)
+        assert np.all(got[total:] == 0.0)
+
+
 def test_native_prefill_needs_native_decode() -> None:
     kv = jnp.zeros((1, 2, 4, 1, 8), jnp.float32)
     with pytest.raises(ValueError, match="native_prefill=True needs native_decode=True"):
