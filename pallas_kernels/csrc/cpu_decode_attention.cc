@@ -643,7 +643,7 @@ void attend_tile_avx512(const Shapes& sh, int64_t layer, const float* q, const T
   const int64_t m_len = (i1 - i0) * g_len;       // query vectors: m = r * g + j
   const int64_t mb_len = (m_len + 15) / 16, ms = mb_len * 16;
   buf.resize(static_cast<size_t>(n_pad * ms + 2 * ms * D + KB * D + 3 * ms));
-  float* st = buf.data();       // [n_pad, ms] scores, then probabilities (0 where masked)
+  float* st = buf.data();       // [n_pad, ms] scores, then (rows < n) probabilities, 0 masked
   float* qt = st + n_pad * ms;  // [D, ms] the queries, transposed
   float* ot = qt + ms * D;      // [D, ms] value sums, transposed
   float* rows = ot + ms * D;    // [KB, D] keys or values as float32
@@ -720,7 +720,7 @@ void attend_tile_avx512(const Shapes& sh, int64_t layer, const float* q, const T
       mx = _mm512_mask_max_ps(mx, k, mx, _mm512_loadu_ps(st + c * ms + 16 * b));
     }
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t c = 0; c < n_pad; ++c) {
+    for (int64_t c = 0; c < n; ++c) {
       const __m512i cv = _mm512_set1_epi32(static_cast<int32_t>(c));
       const __mmask16 k = _mm512_cmpge_epi32_mask(cv, lov) & _mm512_cmplt_epi32_mask(cv, hiv);
       const __m512 p = _mm512_maskz_mov_ps(

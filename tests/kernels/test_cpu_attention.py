@@ -143,6 +143,42 @@ def test_kernel_alone_fills_prefill_rows(head_dim: int) -> None:
         assert np.all(got[total:] == 0.0)
 
 
+def _cache(rng, k, v, cache: str):
+    """``k``, ``v`` (float64, 2 layers x 2 kv heads) stored as ``cache`` ("float32", "bfloat16"
+    or a KV_QUANT_DTYPES key, with random per-(layer, head) scales): ``(k_cache, v_cache, the
+    op's scale kwargs, k and v as stored, dequantised to float64)`` for the reference."""
+    if cache not in KV_QUANT_DTYPES:
+        kc, vc = jnp.asarray(k, cache), jnp.asarray(v, cache)
+        return kc, vc, {}, np.asarray(kc, np.float64), np.asarray(vc, np.float64)
+    dt = KV_QUANT_DTYPES[cache]
+    ks = (rng.uniform(0.5, 2.0, (2, 2)) / 100).astype(np.float32)
+    vs = (rng.uniform(0.5, 2.0, (2, 2)) / 100).astype(np.float32)
+    quant = jax.vmap(lambda x, s: quantize_kv(x, s, dt))
+    kc = quant(jnp.asarray(np.nan_to_num(k), jnp.float32), jnp.asarray(ks))
+    vc = quant(jnp.asarray(np.nan_to_num(v), jnp.float32), jnp.asarray(vs))
+    return (kc, vc, {"k_scale": jnp.asarray(ks), "v_scale": jnp.asarray(vs)},
+            kv_to_numpy(kc) * ks[:, None, None, :, None],
+            kv_to_numpy(vc) * vs[:, None, None, :, None])
+
+
+def _check_as_stored(rng, case, cache: str, head_dim: int, native_prefill: bool,
+                     window: int) -> None:
+    """The op on ``case`` (``make_case``'s tuple, layer 1) with its cache stored as ``cache``
+    equals the reference on the stored values, plain and with ``window`` and a soft cap; padding
+    rows stay 0."""
+    q, k, v, bt, sl, qsl, ns = case
+    kc, vc, kw, k_deq, v_deq = _cache(rng, k, v, cache)
+    total = qsl[-1]
+    for win, cap in ((None, None), (window, 25.0)):
+        got = _op(q, kc, vc, 1, bt, sl, qsl, ns, native_prefill, sm_scale=head_dim ** -0.5,
+                  sliding_window=win, logit_soft_cap=cap, **kw)
+        want = ref_ragged_paged_attention(q, k_deq, v_deq, 1, bt, sl, qsl, ns,
+                                          sm_scale=head_dim ** -0.5, sliding_window=win,
+                                          logit_soft_cap=cap)
+        np.testing.assert_allclose(got[:total], want[:total], rtol=1e-4, atol=1e-4)
+        assert np.all(got[total:] == 0.0)
+
+
 @pytest.mark.parametrize("cache", ["float32", "bfloat16", "fp8", "int8"])
 @pytest.mark.parametrize("head_dim,group", [(64, 1), (64, 3), (64, 4), (64, 5), (128, 2),
                                             (128, 3), (256, 1)])
@@ -153,32 +189,9 @@ def test_decode_rows_by_group_head_dim_and_cache(cache: str, head_dim: int, grou
     cap; pages nobody owns hold NaN."""
     rng = np.random.default_rng()
     ctx_lens = [1, 15, 16, 17, 300, 61]
-    q, k, v, bt, sl, qsl, ns = make_case(rng, [1] * len(ctx_lens), ctx_lens, block_size=16,
-                                         num_seqs_pad=8, tokens_pad=8, kv_heads=2, group=group,
-                                         head_dim=head_dim)
-    kw, k_deq, v_deq = {}, k, v
-    if cache in KV_QUANT_DTYPES:
-        dt = KV_QUANT_DTYPES[cache]
-        ks = (rng.uniform(0.5, 2.0, (2, 2)) / 100).astype(np.float32)
-        vs = (rng.uniform(0.5, 2.0, (2, 2)) / 100).astype(np.float32)
-        quant = jax.vmap(lambda x, s: quantize_kv(x, s, dt))
-        kc = quant(jnp.asarray(np.nan_to_num(k), jnp.float32), jnp.asarray(ks))
-        vc = quant(jnp.asarray(np.nan_to_num(v), jnp.float32), jnp.asarray(vs))
-        kw = {"k_scale": jnp.asarray(ks), "v_scale": jnp.asarray(vs)}
-        k_deq = kv_to_numpy(kc) * ks[:, None, None, :, None]
-        v_deq = kv_to_numpy(vc) * vs[:, None, None, :, None]
-    else:
-        kc, vc = jnp.asarray(k, cache), jnp.asarray(v, cache)
-        k_deq, v_deq = np.asarray(kc, np.float64), np.asarray(vc, np.float64)
-    total = qsl[-1]
-    for window, cap in ((None, None), (40, 25.0)):
-        got = _op(q, kc, vc, 1, bt, sl, qsl, ns, False, sm_scale=head_dim ** -0.5,
-                  sliding_window=window, logit_soft_cap=cap, **kw)
-        want = ref_ragged_paged_attention(q, k_deq, v_deq, 1, bt, sl, qsl, ns,
-                                          sm_scale=head_dim ** -0.5, sliding_window=window,
-                                          logit_soft_cap=cap)
-        np.testing.assert_allclose(got[:total], want[:total], rtol=1e-4, atol=1e-4)
-        assert np.all(got[total:] == 0.0)
+    case = make_case(rng, [1] * len(ctx_lens), ctx_lens, block_size=16, num_seqs_pad=8,
+                     tokens_pad=8, kv_heads=2, group=group, head_dim=head_dim)
+    _check_as_stored(rng, case, cache, head_dim, native_prefill=False, window=40)
 
 
 @pytest.mark.parametrize("cache", ["float32", "bfloat16", "fp8", "int8"])
@@ -193,32 +206,9 @@ def test_prefill_rows_by_group_head_dim_and_cache(cache: str, head_dim: int, gro
     rng = np.random.default_rng()
     q_lens = [37, 1, 16, 20, 2, 1]
     ctx_lens = [37, 60, 100, 131, 2, 17]
-    q, k, v, bt, sl, qsl, ns = make_case(rng, q_lens, ctx_lens, block_size=16, num_seqs_pad=8,
-                                         tokens_pad=80, kv_heads=2, group=group,
-                                         head_dim=head_dim)
-    kw = {}
-    if cache in KV_QUANT_DTYPES:
-        dt = KV_QUANT_DTYPES[cache]
-        ks = (rng.uniform(0.5, 2.0, (2, 2)) / 100).astype(np.float32)
-        vs = (rng.uniform(0.5, 2.0, (2, 2)) / 100).astype(np.float32)
-        quant = jax.vmap(lambda x, s: quantize_kv(x, s, dt))
-        kc = quant(jnp.asarray(np.nan_to_num(k), jnp.float32), jnp.asarray(ks))
-        vc = quant(jnp.asarray(np.nan_to_num(v), jnp.float32), jnp.asarray(vs))
-        kw = {"k_scale": jnp.asarray(ks), "v_scale": jnp.asarray(vs)}
-        k_deq = kv_to_numpy(kc) * ks[:, None, None, :, None]
-        v_deq = kv_to_numpy(vc) * vs[:, None, None, :, None]
-    else:
-        kc, vc = jnp.asarray(k, cache), jnp.asarray(v, cache)
-        k_deq, v_deq = np.asarray(kc, np.float64), np.asarray(vc, np.float64)
-    total = qsl[-1]
-    for window, cap in ((None, None), (23, 25.0)):
-        got = _op(q, kc, vc, 1, bt, sl, qsl, ns, True, sm_scale=head_dim ** -0.5,
-                  sliding_window=window, logit_soft_cap=cap, **kw)
-        want = ref_ragged_paged_attention(q, k_deq, v_deq, 1, bt, sl, qsl, ns,
-                                          sm_scale=head_dim ** -0.5, sliding_window=window,
-                                          logit_soft_cap=cap)
-        np.testing.assert_allclose(got[:total], want[:total], rtol=1e-4, atol=1e-4)
-        assert np.all(got[total:] == 0.0)
+    case = make_case(rng, q_lens, ctx_lens, block_size=16, num_seqs_pad=8, tokens_pad=80,
+                     kv_heads=2, group=group, head_dim=head_dim)
+    _check_as_stored(rng, case, cache, head_dim, native_prefill=True, window=23)
 
 
 def test_native_prefill_needs_native_decode() -> None:
