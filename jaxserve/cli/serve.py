@@ -16,6 +16,7 @@ import typing
 
 import jax
 
+from jaxserve.attention_backend import resolve_attention_backend
 from jaxserve.cli.args import engine_config_from_args, limits_from_args, server_config_from_args
 from jaxserve.cli.multihost import initialize
 from jaxserve.config import EngineConfig, LoadConfig
@@ -29,7 +30,6 @@ from jaxserve.server.batch import read_lines, run_batch_file
 from jaxserve.server.gate import run_server
 from jaxserve.server.lifecycle import Lifecycle
 from jaxserve.server.logs import configure_logging
-from pallas_kernels import resolve_attention_backend
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -34,7 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cpu_kernels import bf16_matmul as cpu_bf16_matmul
+from cpu_kernels import int4_matmul as cpu_int4_matmul
 from jaxserve import sharding
+from jaxserve.attention_backend import attention_fn_for_backend, resolve_attention_backend
 from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.core.scheduler import PLACEHOLDER_TOKEN, Scheduler, SchedulerConfig, SchedulerOutput
 from jaxserve.core.sequence import SeqState
@@ -67,14 +70,7 @@ from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from models.quant import NATIVE_INT4_MAX_ROWS, QuantConfig, use_native_int4, use_packed_bf16
 from models.registry import get_architecture
-from pallas_kernels import (
-    allocate_kv_cache,
-    attention_fn_for_backend,
-    cpu_bf16_matmul,
-    cpu_int4_matmul,
-    kv_cache_bytes_per_block,
-    resolve_attention_backend,
-)
+from pallas_kernels import allocate_kv_cache, kv_cache_bytes_per_block
 
 log = logging.getLogger(__name__)
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads choice seeds (SplitMix64)

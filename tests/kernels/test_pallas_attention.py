@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cpu_kernels.attention import cpu_decode_attention
+from jaxserve.attention_backend import attention_fn_for_backend
 from jaxserve.device.buckets import make_buckets
 from pallas_kernels import (
-    attention_fn_for_backend,
     ragged_paged_attention,
     ragged_paged_attention_pallas,
     ref_ragged_paged_attention,
@@ -191,9 +192,9 @@ def test_backend_selection() -> None:
     with pytest.raises(ValueError, match="must be one of"):
         attention_fn_for_backend("flash")
     assert attention_fn_for_backend("auto", platform="gpu") is ragged_paged_attention_pallas
-    auto_cpu = attention_fn_for_backend("auto", platform="cpu")  # native where it builds
+    auto_cpu = attention_fn_for_backend("auto", platform="cpu")  # native where it is built
     assert auto_cpu is ragged_paged_attention or auto_cpu.keywords == {
-        "native_decode": True, "native_prefill": True}
+        "rows_kernel": cpu_decode_attention, "rows_kernel_prefill": True}
     f = attention_fn_for_backend("pallas-interpret")
     assert f.func is ragged_paged_attention_pallas and f.keywords == {"interpret": True}
     with pytest.raises(ValueError, match="'triton'"):
