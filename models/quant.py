@@ -357,7 +357,7 @@ def use_native_int4(params, max_rows: int = NATIVE_INT4_MAX_ROWS):
     only: the kernel is a custom call that XLA cannot partition.
 
     Raises:
-      RuntimeError: ``max_rows > 0`` where the kernel is not available (no C++ compiler).
+      RuntimeError: ``max_rows > 0`` where the kernel is not available (no library built).
     """
     if max_rows > 0 and not native_int4_available():
         raise RuntimeError("the native CPU int4 matmul kernel could not be built (see the "
@@ -389,7 +389,7 @@ def use_packed_bf16(params, targets: QuantTargets, max_rows: int = NATIVE_BF16_M
     the packed leaves as the ``packed`` collection (``split_packed``).
 
     Raises:
-      RuntimeError: the kernel is not available (no C++ compiler).
+      RuntimeError: the kernel is not available (no library built).
     """
     if not bf16_kernel.available():
         raise RuntimeError("the native CPU bfloat16 matmul kernel could not be built (see the "

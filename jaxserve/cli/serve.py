@@ -63,7 +63,7 @@ def start_engine(cfg: EngineConfig, load: LoadConfig, out: typing.TextIO) -> Asy
 
 def check_attention_backend(cfg: EngineConfig) -> None:
     """Raise ValueError naming ``--attention-backend`` if it cannot run on this platform
-    (``resolve_attention_backend``'s checks: a GPU kernel on a CPU, no C++ compiler for the
+    (``resolve_attention_backend``'s checks: a GPU kernel on a CPU, no library built for the
     native kernel)."""
     try:
         resolve_attention_backend(cfg.attention_backend)
