@@ -297,7 +297,7 @@ def qmatmul(x: jax.Array, w: jax.Array | QuantizedWeight, *, transpose: bool = F
     """``x @ w`` (``x @ w.T`` with ``transpose``) -> ``[T, m]`` in ``x.dtype``.
 
     A plain ``w`` of another dtype than ``x`` (bfloat16 weights under float32 activations on
-    the CPU, ``jaxserve.loading.load.compute_dtype``) is contracted as stored: ``x`` is cast
+    the CPU, ``jaxserve.platform.cpu``) is contracted as stored: ``x`` is cast
     to ``w.dtype`` and the dot accumulates in float32. A quantised ``w`` whose ``dot_dtype``
     is such a dtype does the same from ``NARROW_DOT_MIN_ROWS[w.method]`` rows of ``x`` on
     (dequantised to it; int8 and fp8 values are exact in bfloat16); below, its dot runs in

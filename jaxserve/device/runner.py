@@ -177,7 +177,7 @@ class ModelRunner:
       kv_cache: the paged cache; donated to every step and replaced by the result.
       max_num_batched_tokens, max_num_seqs: bucket limits.
       small_buckets: token buckets below 8 to compile as well (``jaxserve.device.buckets``;
-        the engine asks for ``CPU_SMALL_BUCKETS`` on the CPU).
+        the platform's ``buckets``).
       mid_buckets_up_to: compile the buckets ``3 * 2**k`` (24, 48, ...) up to this many tokens
         too (``buckets.token_buckets``; the engine asks for them up to ``max_num_seqs`` on the
         CPU); 0: none.

@@ -1,5 +1,5 @@
 """``--dtype auto``: bfloat16 weights on CPUs with a bfloat16 dot (float32 activations there),
-float32 on other CPUs (jaxserve.loading.load)."""
+float32 on other CPUs (jaxserve.platform.cpu)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxserve.loading import load
+from jaxserve.platform import cpu as load
 
 
 def _cpuinfo(tmp_path, flags: str) -> str:
@@ -30,12 +30,12 @@ def test_cpu_bf16_dot_is_read_from_the_cpu_flags(tmp_path) -> None:
 def test_auto_follows_the_cpu(monkeypatch, bf16_dot: bool, want) -> None:
     assert jax.default_backend() == "cpu"
     monkeypatch.setattr(load, "cpu_has_bf16_dot", lambda: bf16_dot)
-    assert load.resolve_dtype("auto") == jnp.dtype(want)
-    assert load.resolve_dtype("float32") == jnp.float32
-    assert load.resolve_dtype("bfloat16") == jnp.bfloat16
+    assert load.CpuPlatform().resolve_dtype("auto") == jnp.dtype(want)
+    assert load.CpuPlatform().resolve_dtype("float32") == jnp.float32
+    assert load.CpuPlatform().resolve_dtype("bfloat16") == jnp.bfloat16
 
 
 def test_bfloat16_weights_compute_in_float32_on_the_cpu() -> None:
-    assert load.compute_dtype(jnp.bfloat16) == jnp.float32
-    assert load.compute_dtype(jnp.float32) == jnp.float32
-    assert load.compute_dtype(jnp.float16) == jnp.float16  # no mixed mode for float16
+    assert load.CpuPlatform().compute_dtype(jnp.bfloat16) == jnp.float32
+    assert load.CpuPlatform().compute_dtype(jnp.float32) == jnp.float32
+    assert load.CpuPlatform().compute_dtype(jnp.float16) == jnp.float16  # no mixed mode for float16

@@ -15,8 +15,8 @@ The thresholds hold only in glibc's main arena: a thread with an arena of its ow
 heaps of at most 64 MiB, and a block that leaves such a heap empty goes back when freed. The
 64-row top-p sampler's 48 MiB of temporaries were mapped afresh on every call in two of five
 engine processes (12,304 faults, 19 ms a call against ~7 ms; experiments/2026-12-03-zen3), so
-importing ``jaxserve`` (before jax starts its threads) makes every thread created later share
-the main arena (``jaxserve._single_malloc_arena``).
+``jaxserve.platform.configure_process`` (before jax starts its threads) makes every thread
+created later share the main arena (``single_malloc_arena``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
 THRESHOLD_BYTES = 1 << 30
 """Both thresholds (1 GiB, below ``mallopt``'s int limit). Blocks above 64 MiB allocated on
 XLA's worker threads are still mapped afresh: glibc's per-thread arenas grow in heaps of at
@@ -65,3 +66,17 @@ def keep_freed_blocks() -> bool:
     log.debug("glibc mmap/trim thresholds %s to %d bytes", "raised" if ok else "not raised",
               THRESHOLD_BYTES)
     return ok
+
+
+def single_malloc_arena() -> bool:
+    """Let threads created from now on allocate from glibc's main arena (``M_ARENA_MAX`` 1),
+    where the raised thresholds of ``keep_freed_blocks`` hold. Threads that already have an
+    arena keep it, so call it before jax starts its threads.
+
+    Returns True when set; False (nothing changed) where the C library is not glibc or where
+    ``GLIBC_TUNABLES`` sets ``glibc.malloc.arena_max`` (the user's setting is kept).
+    """
+    if "malloc.arena_max" in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    mallopt = _mallopt()
+    return mallopt is not None and mallopt(M_ARENA_MAX, 1) == 1

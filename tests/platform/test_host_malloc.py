@@ -1,4 +1,4 @@
-"""glibc malloc thresholds for XLA:CPU's step temporaries (jaxserve/device/host_malloc.py)."""
+"""glibc malloc thresholds for XLA:CPU's step temporaries (jaxserve/platform/host_malloc.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import sys
 
 import pytest
 
-import jaxserve
-from jaxserve.device import host_malloc
+from jaxserve.platform import host_malloc
 
 SIZE = 48 << 20  # above glibc's largest dynamic mmap threshold (32 MiB)
 HELD = 24 << 20  # with SIZE, more than one 64 MiB heap of a thread's own arena
@@ -51,8 +50,8 @@ def test_the_users_glibc_tunables_are_kept(monkeypatch):
 
 _THREAD_FAULTS = f"""
 import ctypes, resource, threading
-import jaxserve  # shares the main arena with threads created from now on
-from jaxserve.device import host_malloc
+from jaxserve.platform import host_malloc
+host_malloc.single_malloc_arena()  # threads created from now on share the main arena
 host_malloc.keep_freed_blocks()
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
@@ -74,20 +73,20 @@ print(faults[1])
 """
 
 
-def _thread_faults(tunables: str | None) -> int:
+def _thread_faults(tunables: str | None, script: str = _THREAD_FAULTS) -> int:
     """Faults of a worker thread's second fresh ``SIZE`` block, in a new process (arenas are
     per process and fixed once a thread has one)."""
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     if tunables is not None:
         env["GLIBC_TUNABLES"] = tunables
-    out = subprocess.run([sys.executable, "-c", _THREAD_FAULTS], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True, check=True).stdout
     return int(out.split()[-1])
 
 
 def test_a_worker_threads_freed_block_stays_paged_in():
-    """XLA's worker threads allocate step temporaries: with one arena (set by importing
-    jaxserve) a thread's freed 48 MiB block is reused in place, and with an arena per thread
+    """XLA's worker threads allocate step temporaries: with one arena (``configure_process``
+    sets it) a thread's freed 48 MiB block is reused in place, and with an arena per thread
     (the user's ``arena_max`` kept) glibc gives it back and faults it in again."""
     if not hasattr(ctypes.CDLL(None), "gnu_get_libc_version"):
         pytest.skip("not glibc")
@@ -96,6 +95,17 @@ def test_a_worker_threads_freed_block_stays_paged_in():
     assert _thread_faults("glibc.malloc.arena_max=8") > pages // 2
 
 
+def test_importing_jaxserve_leaves_malloc_alone():
+    """Without ``configure_process`` (importing the engine only), a worker thread keeps an
+    arena of its own and its freed block goes back to the system, as in any process."""
+    if not hasattr(ctypes.CDLL(None), "gnu_get_libc_version"):
+        pytest.skip("not glibc")
+    script = _THREAD_FAULTS.replace(
+        "host_malloc.single_malloc_arena()", "import jaxserve.engine.llm_engine, jaxserve.llm"
+    ).replace("host_malloc.keep_freed_blocks()", "")
+    assert _thread_faults(None, script) > SIZE // resource.getpagesize() // 2
+
+
 def test_single_arena_keeps_the_users_setting(monkeypatch):
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=4")
-    assert not jaxserve._single_malloc_arena()
+    assert not host_malloc.single_malloc_arena()
