@@ -13,7 +13,10 @@ import resource
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jaxserve.engine.llm_engine import LLMEngine
 
 SEED = 0  # every harness draws its prompts and arrays from numpy's Generator(SEED)
 # the defaults of a measuring engine: nothing cached across settings, synchronous steps
@@ -66,7 +69,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="write the result here")
 
 
-def build_engine(model: str | None, load_format: str, settings: dict[str, Any]) -> Any:
+def build_engine(model: str | None, load_format: str, settings: dict[str, Any]) -> LLMEngine:
     """A warmed-up ``LLMEngine`` built by ``jaxserve.LLM`` with ``ENGINE_DEFAULTS | settings``.
 
     Raises:

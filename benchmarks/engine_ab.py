@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -41,6 +41,9 @@ from benchmarks.common import (
     write_json,
 )
 from jaxserve import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxserve.engine.llm_engine import LLMEngine
 
 DECODE_HEADROOM = 8  # tokens a decoding request may still make after the timed steps
 
@@ -61,7 +64,7 @@ def _prompt(rng: np.random.Generator, vocab: int, n: int) -> list[int]:
     return rng.integers(100, max(101, min(vocab, 40000)), n).tolist()
 
 
-def time_prefill(engine: Any, request_id: str, ids: list[int]) -> tuple[float, float]:
+def time_prefill(engine: LLMEngine, request_id: str, ids: list[int]) -> tuple[float, float]:
     """Wall and CPU ms from ``add_request`` of one prompt to its first (only) token."""
     c0, t0 = cpu_seconds(), time.perf_counter()
     engine.add_request(request_id, ids, SamplingParams(temperature=0.0, max_tokens=1))
@@ -70,7 +73,7 @@ def time_prefill(engine: Any, request_id: str, ids: list[int]) -> tuple[float, f
     return 1e3 * (time.perf_counter() - t0), 1e3 * (cpu_seconds() - c0)
 
 
-def start_decoding(engine: Any, prefix: str, prompts: list[list[int]], max_tokens: int) -> None:
+def start_decoding(engine: LLMEngine, prefix: str, prompts: list[list[int]], max_tokens: int) -> None:
     """Add the prompts and step until every one has its first token, then one step more."""
     pending = set()
     for i, ids in enumerate(prompts):
@@ -85,7 +88,7 @@ def start_decoding(engine: Any, prefix: str, prompts: list[list[int]], max_token
     engine.step()
 
 
-def run(ns: argparse.Namespace, engines: dict[str, Any] | None = None) -> dict[str, Any]:
+def run(ns: argparse.Namespace, engines: dict[str, LLMEngine] | None = None) -> dict[str, Any]:
     """Build the engines, run both phases, print the table; returns the result dict.
 
     ``engines`` (name -> a warmed-up, idle ``LLMEngine``) replaces building them from

@@ -23,14 +23,18 @@ import gzip
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from benchmarks.common import SEED, add_model_args, build_engine, format_table, write_json
 from benchmarks.engine_ab import start_decoding
 from jaxserve import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxserve.engine.llm_engine import LLMEngine
 
 OP_PREFIXES = ("fusion", "ynn", "dot", "copy", "gather", "scatter", "while", "reduce",
                "convert", "custom-call", "wrapped", "dynamic", "broadcast", "multiply", "add",
@@ -62,7 +66,7 @@ def op_times(trace_dir: str, num_steps: int) -> tuple[dict[str, float], dict[str
     return dict(ms), {k: v // num_steps for k, v in count.items()}
 
 
-def _traced(work: Any) -> tuple[int, float, str]:
+def _traced(work: Callable[[], int]) -> tuple[int, float, str]:
     """Run ``work()`` (returns its step count) under ``jax.profiler``: (steps, wall ms, dir)."""
     import jax
 
@@ -77,7 +81,7 @@ def _traced(work: Any) -> tuple[int, float, str]:
     return steps, wall, trace_dir
 
 
-def run(ns: argparse.Namespace, engine: Any = None) -> dict[str, Any]:
+def run(ns: argparse.Namespace, engine: LLMEngine | None = None) -> dict[str, Any]:
     """Profile the steps, print the table; returns the result dict.
 
     ``engine``: a warmed-up, idle ``LLMEngine`` to use instead of building one.

@@ -116,8 +116,10 @@ def test_attention_ab_compares_the_paths(phase: str, tmp_path: Path) -> None:
     out = tmp_path / "attn.json"
     assert attention_ab.main([
         "--phase", phase, "--seqs", "2", "--context", "20", "--layers", "2", "--rounds", "1",
-        "--repeats", "1", "--json", str(out)]) == 0
-    paths = json.loads(out.read_text())["paths"]
+        "--repeats", "1", "--ceiling-mib", "4", "--ceiling-n", "128", "--json", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    paths = saved["paths"]
+    assert saved["ceiling"] > 0 and all(p["fraction_of_ceiling"] > 0 for p in paths.values())
     assert paths["jnp"]["max_rel_diff"] == 0.0
     if attention_ab.native_available():  # the kernel and the jnp op agree
         assert paths["native"]["max_rel_diff"] < 1e-2
