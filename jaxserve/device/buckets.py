@@ -22,7 +22,7 @@ On the CPU the engine also compiles the mid buckets ``3 * 2**k`` from ``MIN_MID_
 48, 96, ...) up to ``max_num_seqs``. A decode step's cost there grows with its padded rows and slots (every weight
 matmul row, every slot's page gathers), so a step of 33 decodes padded to 64 cost what 64 do.
 Measured in one process, decode steps interleaved (SmolLM2-135M, bfloat16, context 300;
-experiments/2026-12-02-decode-buckets): 48 live sequences 100.3 ms a step with the powers of
+docs/decisions/0024-decode-mid-buckets.md): 48 live sequences 100.3 ms a step with the powers of
 two against 86.9 ms with the 48 bucket, 33 live 127.4 against 95.7, 24 live 90.0 against 77.2,
 12 live 51.4 against 40.6 (a 12 bucket); 64 live the same. Decode steps with fewer sequences
 than the largest bucket are common: a batch's sequences finish at different lengths. Each

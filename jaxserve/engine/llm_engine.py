@@ -84,7 +84,7 @@ def _step_overhead_tokens(backend: str) -> int:
     """A step's fixed cost in prompt tokens of compute, for ``Scheduler._fit_bucket``.
 
     CPU: ~30 ms a step against ~0.75 ms a prompt token (SmolLM2-135M, 2 cores;
-    experiments/2026-12-01-bucket-fit). A GPU reads all weights in every step and computes a
+    docs/decisions/0005-bucket-fit.md). A GPU reads all weights in every step and computes a
     prompt token in far less, so padding is cheaper there than another step."""
     return 32 if backend == "cpu" else 256
 
