@@ -248,8 +248,8 @@ class LLMEngine:
     def warmup(self, progress: bool = True,
                on_compiled: Callable[[int, int], None] | None = None) -> dict[str, float]:
         """Compile every step program (and the host tier's copy programs); returns
-        {"num_programs", "compile_s", "compile_cpu_s"} (``ModelRunner.warmup``). ``on_compiled(done, total)`` is called as step programs
-        compile (``ModelRunner.warmup``). The grammar compiler's tokenizer is built meanwhile,
+        {"num_programs", "compile_s", "compile_cpu_s"}; ``on_compiled(done, total)`` is called
+        as step programs compile (``ModelRunner.warmup``). The grammar compiler's tokenizer is built meanwhile,
         in its own thread (``GrammarCompiler.prepare``)."""
         self.grammars.prepare()
         stats = self.runner.warmup(progress, on_compiled)

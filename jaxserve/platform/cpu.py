@@ -23,14 +23,14 @@ step``): one decode 24 ms in the 1-token bucket against 32 ms in the 8-token one
 The mid buckets ``3 * 2**k`` from 24 up to ``max_num_seqs``: a decode step's cost grows with its
 padded rows and slots, so a step of 33 decodes padded to 64 cost what 64 do. Measured in one
 process, decode steps interleaved (SmolLM2-135M, bfloat16, context 300;
-experiments/2026-12-02-decode-buckets): 48 live sequences 100.3 ms a step with the powers of two
-against 86.9 ms with the 48 bucket, 33 live 127.4 against 95.7, 24 live 90.0 against 77.2, 12
+docs/decisions/0024-decode-mid-buckets.md): 48 live sequences 100.3 ms a step with the powers of
+two against 86.9 ms with the 48 bucket, 33 live 127.4 against 95.7, 24 live 90.0 against 77.2, 12
 live 51.4 against 40.6 (a 12 bucket); 64 live the same. Each bucket costs a model and a sampler
 program, about 2 s each of a cold start's compile: few steps run 9-12 decodes, so a 12 bucket
 would not repay it.
 
 **Step cost.** ~30 ms a step against ~0.75 ms a prompt token (SmolLM2-135M, 2 cores;
-experiments/2026-12-01-bucket-fit): ``step_overhead_tokens`` 32.
+docs/decisions/0005-bucket-fit.md): ``step_overhead_tokens`` 32.
 """
 
 from __future__ import annotations

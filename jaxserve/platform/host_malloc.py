@@ -7,15 +7,15 @@ its trim threshold, so without these settings every step faults its temporaries'
 (~6,000 minor faults per 64-row decode step). Raising both thresholds to
 ``THRESHOLD_BYTES`` keeps freed blocks in the heap for the next step: a 64-row decode step
 took 181 -> 168 ms (-7%) in an in-process A/B, and the 64-row top-p sampler alone 19.0 ->
-5.2 ms (experiments/2026-12-01-host-allocator). The settings are glibc's ``mallopt(3)``
+5.2 ms (docs/decisions/0009-host-allocator.md). The settings are glibc's ``mallopt(3)``
 ``M_MMAP_THRESHOLD`` and ``M_TRIM_THRESHOLD``. The cost is that up to ``THRESHOLD_BYTES`` of
 freed memory per malloc arena stays in the process instead of going back to the system.
 
 The thresholds hold only in glibc's main arena: a thread with an arena of its own grows it in
 heaps of at most 64 MiB, and a block that leaves such a heap empty goes back when freed. The
 64-row top-p sampler's 48 MiB of temporaries were mapped afresh on every call in two of five
-engine processes (12,304 faults, 19 ms a call against ~7 ms; experiments/2026-12-03-zen3), so
-``jaxserve.platform.configure_process`` (before jax starts its threads) makes every thread
+engine processes (12,304 faults, 19 ms a call against ~7 ms;
+docs/decisions/0028-native-decode-attention-zen3.md), so ``jaxserve.platform.configure_process`` (before jax starts its threads) makes every thread
 created later share the main arena (``single_malloc_arena``).
 """
 
