@@ -281,14 +281,14 @@ def check_write_kv(rep: Report, num_tokens: int, num_blocks: int, nkv: int, d: i
 # -- 6. engine steps ------------------------------------------------------------------------------
 def check_engine(rep: Report, model_name: str, batch: int, context: int, backend: str,
                  dtype, steps: int, kv_dtype: str | None = None) -> None:
+    from jaxserve.config import EngineConfig
     from jaxserve.device.buckets import make_buckets
     from jaxserve.device.runner import ModelRunner, RowParams
+    from jaxserve.platform import current_platform
+    from jaxserve.platform.base import attention_fn
     from models.config import builtin_config
     from models.llama import LlamaForCausalLM
     from models.loader import dummy_params
-    from jaxserve.config import EngineConfig
-    from jaxserve.platform import current_platform
-    from jaxserve.platform.base import attention_fn
 
     cfg = builtin_config(model_name)
     block_size = 16
