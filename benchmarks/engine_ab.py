@@ -16,7 +16,7 @@ machine's load than wall time). The same prompts go to every engine (numpy seed 
 
 A shared, drifting machine makes separate runs incomparable; alternating the engines in one
 process is what the decision records rely on (docs/decisions/0030-cpu-dtype-zen4.md). Typical
-uses: weight dtypes (``dtype=``), kernels (``attention_backend=``), quantisation, KV-cache dtype,
+uses: weight dtypes (``dtype=``), kernels (``attention_backend=``, ``cpu_kernels=``), quantisation, KV-cache dtype,
 and the decode step against the cache size (``--config small:num_kv_blocks=256 --config
 large:num_kv_blocks=4096``: equal steps show the cache is updated in place, never copied).
 """
