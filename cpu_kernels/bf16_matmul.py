@@ -7,10 +7,10 @@ each weight byte about three times. ``csrc/bf16_matmul.cc`` takes the whole stac
 layer index, and reads that layer's weight once, where it lies, in the layout ``vdpbf16ps``
 takes (``pack``). Measured on a 2-core Zen 4, the 210 matmuls of SmolLM2-135M's 30 layers in a
 scan: 8.6 against 20.9-24.4 ms at 1 row, 15 against 25-33 at 16, 40 against 53-56 at 64, 82
-against 93-101 at 128 (experiments/2026-12-04-bf16-packed). Built with the other native kernels
-(``cpu_kernels.build``); without a built library ``available()`` is False, and unless the
-loaded build is the avx512bf16 one (a CPU with AVX512-BF16) ``vectorized()`` is False (the
-kernel then runs scalar float32 sums: correct, slow).
+against 93-101 at 128 (docs/decisions/0029-bf16-packed-matmul.md). Built with the other
+native kernels (``cpu_kernels.build``); without a built library ``available()`` is False, and
+unless the loaded build is the avx512bf16 one (a CPU with AVX512-BF16) ``vectorized()`` is False
+(the kernel then runs scalar float32 sums: correct, slow).
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ ragged_paged_attention.py``) and, per backend, one implementation: the pure-jnp 
 (``ragged_paged_attention_pallas``) runs on NVIDIA GPUs and, in interpret mode, on the CPU. The
 jnp op's decode and prefill rows can run in another kernel (its ``rows_kernel`` hook): the native
 CPU kernels live in the ``cpu_kernels`` package, which builds on this one (never the reverse).
+The platform layer (``jaxserve.platform``) picks one for the engine
+(docs/architecture.md#attention-op).
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """The package layering: imports run one way along the request path.
 
-``cli -> server -> engine -> {core, device, loading} -> models -> cpu_kernels -> pallas_kernels``
-(the native CPU kernels build on the Pallas package's jnp op and KV-cache layout, never the
-reverse), with the shared vocabulary (the modules at the top of ``jaxserve/``) depending on
-none of the stages. Every
+``cli -> server -> engine -> {core, device, loading} -> {models, cpu_kernels, pallas_kernels}``,
+with ``models -> cpu_kernels -> pallas_kernels`` (the native CPU kernels build on the Pallas
+package's jnp op and KV-cache layout, never the reverse), the shared vocabulary (the modules at
+the top of ``jaxserve/``) depending on none of the stages, and the platform layer
+(``jaxserve/platform/``, the only code that asks which backend runs) beside the kernels: the
+engine, ``LLM`` and the command ask it. Every
 import counts, including those inside functions and under ``TYPE_CHECKING``
 (docs/architecture.md#imports-run-one-way).
 """
@@ -24,14 +26,15 @@ ALLOWED: dict[str, set[str]] = {
     "models": {"cpu_kernels", "pallas_kernels"},
     "vocabulary": {"models", "cpu_kernels", "pallas_kernels"},
     "core": {"vocabulary"},
+    "platform": {"vocabulary", "models", "cpu_kernels", "pallas_kernels"},
     "device": {"vocabulary", "models", "cpu_kernels", "pallas_kernels"},
     "loading": {"vocabulary", "models", "cpu_kernels", "pallas_kernels"},
-    "engine": {"vocabulary", "core", "device", "loading", "models", "cpu_kernels",
+    "engine": {"vocabulary", "core", "device", "loading", "platform", "models", "cpu_kernels",
                "pallas_kernels"},
     "server": {"vocabulary", "engine"},
-    "llm": {"vocabulary", "engine"},
-    "cli": {"vocabulary", "core", "device", "loading", "engine", "server", "llm", "models",
-            "cpu_kernels", "pallas_kernels"},
+    "llm": {"vocabulary", "engine", "platform"},
+    "cli": {"vocabulary", "core", "device", "loading", "platform", "engine", "server", "llm",
+            "models", "cpu_kernels", "pallas_kernels"},
     "init": set(),  # jaxserve/__init__.py names its exports as strings, imports none
 }
 ENTRY_MODULES = {"jaxserve.llm": "llm", "jaxserve": "init"}
@@ -165,3 +168,17 @@ def _write(tmp_path: Path, text: str) -> Path:
     p = tmp_path / "example.py"
     p.write_text(text)
     return p
+
+
+# What asks which backend runs: only jaxserve/platform/ may (the engine asks the platform).
+BACKEND_QUESTIONS = ("default_backend(", "/proc/cpuinfo", "cpu_has_bf16_dot")
+
+
+def test_only_the_platform_layer_asks_which_backend_runs() -> None:
+    bad = []
+    for path in sorted((REPO_ROOT / "jaxserve").rglob("*.py")):
+        if (REPO_ROOT / "jaxserve" / "platform") in path.parents:
+            continue
+        text = path.read_text(encoding="utf-8")
+        bad += [f"{path.relative_to(REPO_ROOT)}: {q}" for q in BACKEND_QUESTIONS if q in text]
+    assert not bad, "\n".join(bad)

@@ -67,8 +67,8 @@ from jaxserve.cli.eval_inputs import (
 )
 from jaxserve.config import KV_8BIT_DTYPES, EngineConfig, LoadConfig
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.loading.load import resolve_dtype
 from jaxserve.outputs import RequestOutput
+from jaxserve.platform import current_platform
 from jaxserve.sampling_params import SamplingParams
 from models import checkpoint
 from models.quant import DEFAULT_GROUP_SIZE, QuantConfig, param_bytes, quantized_shapes
@@ -455,8 +455,8 @@ def row_names(config: EngineConfig, configs: Sequence[tuple[str, dict[str, objec
         name = describe(cfg)
         if cfg.quantization == "int4" and cfg.quantization_group_size != DEFAULT_GROUP_SIZE:
             name += f"@g{cfg.quantization_group_size}"
-        dtype = resolve_dtype(cfg.dtype)
-        if dtype != resolve_dtype(config.dtype):  # the float dtype, when the item changes it
+        dtype = current_platform().resolve_dtype(cfg.dtype)
+        if dtype != current_platform().resolve_dtype(config.dtype):  # the float dtype, when the item changes it
             name = dtype.name if name == "none" else f"{dtype.name}+{name}"
         if name in seen:
             raise ValueError(f"--compare: {seen[name]!r} and {item!r} run the same "

@@ -26,7 +26,6 @@ one table row per configuration and, with ``--output``, writes them as JSON.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from jaxserve.cli.args import (
@@ -43,6 +42,7 @@ from jaxserve.cli.bench import startup
 from jaxserve.cli.bench import step_trace as step_trace_cmd
 from jaxserve.cli.bench import sweep as sweep_cmd
 from jaxserve.config import KV_8BIT_DTYPES, LoadConfig
+from jaxserve.platform import configure_process
 
 # Importing this module imports no jax: build_parser and main import the subcommand modules
 # that do (they load the engine) in one block each, marked "# jax".
@@ -141,9 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jaxserve`` command; returns the exit status."""
     ns = build_parser().parse_args(argv)
-    # JAX preallocates 75% of accelerator memory by default; let it take what the KV budget
-    # (kv_cache_memory_fraction of free memory after weights) needs. Must precede jax's start.
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    configure_process()  # XLA flags, allocator and malloc settings; before jax starts
     from jaxserve.cli import convert as convert_cmd  # jax
     from jaxserve.cli import eval as eval_cmd  # jax
     from jaxserve.cli import serve as serve_cmd  # jax

@@ -133,14 +133,14 @@ def test_no_library_warns_once_and_loads_nothing(tmp_path: Path, caplog) -> None
 
 def test_without_a_library_the_engine_keeps_the_jnp_paths(tmp_path: Path) -> None:
     """In a fresh process with an empty kernels directory: no kernel is available, one warning,
-    and the attention backend "auto" is the jnp op."""
+    and the CPU platform's attention under ``cpu_kernels="auto"`` is the jnp op."""
     code = ("import logging; logging.basicConfig()\n"
             "from cpu_kernels import attention, bf16_matmul, int4_matmul\n"
-            "from jaxserve.attention_backend import attention_fn_for_backend\n"
-            "from pallas_kernels import ragged_paged_attention\n"
+            "from jaxserve.config import EngineConfig\n"
+            "from jaxserve.platform.cpu import CpuPlatform\n"
             "assert not (attention.available() or bf16_matmul.available() "
             "or int4_matmul.available() or bf16_matmul.vectorized())\n"
-            "assert attention_fn_for_backend('auto', platform='cpu') is ragged_paged_attention\n")
+            "assert CpuPlatform().attention_backend(EngineConfig()) == 'reference'\n")
     proc = subprocess.run([sys.executable, "-c", code], check=False, cwd=REPO_ROOT,
                           capture_output=True,
                           text=True, env=_env(**{build.DIR_ENV: str(tmp_path)}), timeout=300)
