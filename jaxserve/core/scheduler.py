@@ -50,7 +50,7 @@ PREEMPTION_POLICIES = ("newest", "least_progress")
 PLACEHOLDER_TOKEN = -1  # in a plan's token_ids: the token the in-flight step samples
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerConfig:
     """Limits of one step and of the KV cache (see EngineConfig for the meaning of each)."""
 

@@ -40,6 +40,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,7 @@ from jax.experimental import multihost_utils
 
 from jaxserve.device.buckets import Bucket, make_buckets, pick_bucket
 from jaxserve.device.executable_cache import ExecutableCache
+from jaxserve.device.host_tier import HostKVTier
 from jaxserve.device.sampler import (
     Logprobs,
     PenaltyState,
@@ -66,6 +68,24 @@ from pallas_kernels import KVCache
 from pallas_kernels.kv_cache import PADDING_SLOT
 
 LM_HEAD_MIN_ROWS = 2  # rows the LM head is padded to (_lm_head)
+
+
+class StepChunk(Protocol):
+    """One scheduled sequence's share of a step, as ``pack_step`` reads it (the scheduler's
+    ``ScheduledSeq`` is one; ``device/`` imports nothing from ``core/``)."""
+
+    token_ids: Sequence[int]  # this step's tokens, at positions start_pos ..
+    start_pos: int
+    block_ids: Sequence[int]  # the whole block table
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A ``StepChunk`` for callers without a scheduler plan (probes, benchmarks)."""
+
+    token_ids: Sequence[int]
+    start_pos: int
+    block_ids: Sequence[int]
 
 
 @dataclass(frozen=True)
@@ -169,7 +189,7 @@ class _Layout:
 
 
 class ModelRunner:
-    """Owns params, the KV cache and the compiled step programs.
+    """Owns params, the KV cache (with its host tier) and the compiled step programs.
 
     Args:
       model: the model (``models/interface.py:CausalLM``).
@@ -193,6 +213,8 @@ class ModelRunner:
         every one; jaxserve.device.executable_cache), keyed with ``program_description``,
         which must name everything about ``model`` that its programs depend on and their
         arguments' avals do not show (its class, config, dtype, attention op).
+      host_tier: the KV cache's host tier (``HostKVTier``, built over ``kv_cache``), whose
+        copies ``copy_blocks`` runs; None: no host tier.
     """
 
     FLAG_LOGPROBS = 1
@@ -206,8 +228,9 @@ class ModelRunner:
                  num_penalty_slots: int | None = None,
                  mesh: jax.sharding.Mesh | None = None,
                  executable_cache: ExecutableCache | None = None,
-                 program_description: str = "") -> None:
+                 program_description: str = "", host_tier: HostKVTier | None = None) -> None:
         self.model = model
+        self.host_tier = host_tier
         self.executable_cache = executable_cache
         self.program_description = program_description
         self.params = params
@@ -322,7 +345,8 @@ class ModelRunner:
         """Compile every bucket's program (once; the persistent cache makes reruns cheap).
 
         Returns {"num_programs", "compile_s", "compile_cpu_s"} (wall and process CPU
-        seconds); the programs are one per bucket plus the logit_bias row writer. They compile
+        seconds); the programs are one per bucket plus the logit_bias row writer, and the host
+        tier's copy programs (``HostKVTier.warmup``). They compile
         one after the other: XLA:CPU already spreads one compile over two threads, and on a
         shared 2-core CPU compiling two programs at once took 17-30% more CPU seconds and no
         less wall time (docs/configuration.md#compilation). ``on_compiled(done, total)`` is called before the first bucket
@@ -338,8 +362,24 @@ class ModelRunner:
         finally:
             if gc_was_on:
                 gc.enable()
-        return {"num_programs": float(len(self.compiled) + len(self.samplers) + 1),
-                "compile_s": time.perf_counter() - t0, "compile_cpu_s": _cpu_s() - c0}
+        stats = {"num_programs": float(len(self.compiled) + len(self.samplers) + 1),
+                 "compile_s": time.perf_counter() - t0, "compile_cpu_s": _cpu_s() - c0}
+        if self.host_tier is not None:  # its block-copy programs
+            host = self.host_tier.warmup()
+            stats = {k: stats[k] + host.get(k, 0.0) for k in stats}
+        return stats
+
+    def copy_blocks(self, offloads: Sequence[tuple[int, int]],
+                    loads: Sequence[tuple[int, int]]) -> None:
+        """Run a plan's host-tier copies, offloads (device block, host block) then loads (host
+        block, device block), before its forward pass; asynchronous. Raises RuntimeError when
+        there are copies and no host tier."""
+        if (offloads or loads) and self.host_tier is None:
+            raise RuntimeError("copy_blocks without a host tier")
+        if offloads:
+            self.host_tier.offload(self.kv_cache, offloads)
+        if loads:
+            self.kv_cache = self.host_tier.load(self.kv_cache, loads)
 
     def _warmup_buckets(self, progress: bool,
                         on_compiled: Callable[[int, int], None] | None) -> None:
@@ -382,7 +422,7 @@ class ModelRunner:
         (block 0, which no request holds) and wait for the sampled id; returns the seconds it
         took. Proves that a compiled program runs, not only that it compiled."""
         t0 = time.perf_counter()
-        bucket, packed = self.pack_step([[0]], [0], [[0]], [RowParams(0.0, 0, 1.0, 0, 0)])
+        bucket, packed = self.pack_step([Chunk((0,), 0, (0,))], [RowParams(0.0, 0, 1.0, 0, 0)])
         self.execute(bucket, packed).ids  # noqa: B018 (waits for the step)
         return time.perf_counter() - t0
 
@@ -465,25 +505,28 @@ class ModelRunner:
         self.penalty_state = self._set_bias(self.penalty_state, np.int32(slot), row)
 
     # -- host side -----------------------------------------------------------------------------
-    def pack_step(self, token_ids: Sequence[Sequence[int]], start_pos: Sequence[int],
-                  block_ids: Sequence[Sequence[int]], rows: Sequence[RowParams],
+    def pack_step(self, chunks: Sequence[StepChunk], rows: Sequence[RowParams], *,
                   sample_index: Sequence[int] | None = None, want_logprobs: bool = False,
                   src_rows: Sequence[int] | None = None) -> tuple[Bucket, np.ndarray]:
-        """Fill the bucket's buffer for a ragged batch.
+        """Fill the bucket's i32 buffer for one ragged step; returns (bucket, buffer), the
+        buffer reused every other call (a step dispatched with it must have finished by then).
 
-        Args (one entry per scheduled sequence, in batch order): token_ids (this step's tokens),
-        start_pos (position of the first of them), block_ids (the whole block table), rows
-        (sampling inputs), sample_index (which of this step's tokens each sequence samples
-        from, in ``[0, len(token_ids[i]))``; default: its last token; the static-batching
-        baseline samples a right-padded prompt at its last real token); want_logprobs: compute
-        the sampled rows' logprobs (any row asks); src_rows: per sequence, -1 or the row of
-        the previous ``execute`` whose sampled id is this sequence's last token (its value in
-        ``token_ids`` is then ignored). Prompt logprobs are computed when any row has
-        ``prompt_targets``.
-        Returns the bucket and its packed ``i32`` buffer (reused every other call: a step
-        dispatched with it must have finished by then).
-        Raises ValueError if no bucket fits, or a block table is wider than max_blocks_per_seq.
+        Args:
+          chunks: the scheduled sequences, in batch order.
+          rows: their sampling inputs. Prompt logprobs are computed when any row has
+            ``prompt_targets``.
+          sample_index: per chunk, the token whose logits are sampled, in
+            ``[0, len(token_ids))`` (default: its last; the static-batching baseline samples a
+            right-padded prompt at its last real token).
+          want_logprobs: compute the sampled rows' logprobs (any row asks).
+          src_rows: per chunk, -1 or the row of the previous ``execute`` whose sampled id is
+            the chunk's last token (its value in ``token_ids`` is then ignored).
+
+        Raises:
+          ValueError: no bucket fits, or a block table is wider than max_blocks_per_seq.
         """
+        token_ids = [c.token_ids for c in chunks]
+        start_pos = [c.start_pos for c in chunks]
         q_lens = [len(t) for t in token_ids]
         num_tokens, num_seqs = sum(q_lens), len(q_lens)
         b = pick_bucket(self.buckets, num_tokens, num_seqs)
@@ -501,7 +544,7 @@ class ModelRunner:
             np.repeat(np.asarray(start_pos, np.int32), q_lens)
         buf[sl["positions"]][:num_tokens] = pos
         tables = buf[sl["block_tables"]].reshape(b.num_seqs, lay.max_blocks)
-        for i, blocks in enumerate(block_ids):
+        for i, blocks in enumerate(c.block_ids for c in chunks):
             if len(blocks) > lay.max_blocks:
                 raise ValueError(f"block table of {len(blocks)} blocks exceeds "
                                  f"max_blocks_per_seq={lay.max_blocks}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import random
 
 import pytest
@@ -685,8 +686,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             long_prefill, caching, num_host_blocks, policy,
         )
         if fit is not None:  # plan to the engine's buckets, the step overhead 0 or 2 tokens
-            self.sched.config.token_buckets = tuple(token_buckets(max_num_batched_tokens))
-            self.sched.config.step_overhead_tokens = fit
+            self.sched.config = dataclasses.replace(
+                self.sched.config, token_buckets=tuple(token_buckets(max_num_batched_tokens)),
+                step_overhead_tokens=fit)
         self.rng = random.Random(seed)
         self.content = KVContentModel(block_size)
         self.expected: dict[str, list[int]] = {}  # live request -> its token ids

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 
 from jaxserve.core.sequence import cdiv
-from jaxserve.device.runner import RowParams
+from jaxserve.device.runner import Chunk, RowParams
 from jaxserve.engine.llm_engine import LLMEngine
 
 
@@ -178,7 +178,9 @@ class StaticBatchEngine:
                 owners.append(i if done[i] <= last_real < done[i] + k else -1)
                 done[i] += k
                 budget -= k
-            bucket, packed = eng.runner.pack_step(toks, starts, blocks, params, index)
+            bucket, packed = eng.runner.pack_step(
+                [Chunk(*c) for c in zip(toks, starts, blocks, strict=True)], params,
+                sample_index=index)
             ids = eng.runner.execute(bucket, packed).ids
             stats.num_prefill_steps += 1
             for j, i in enumerate(owners):
@@ -196,7 +198,8 @@ class StaticBatchEngine:
             toks.append([outs[i][t - 1] if active else self.pad])
             starts.append(p[i] + t - 1)
             params.append(self._row(r, t))
-        bucket, packed = eng.runner.pack_step(toks, starts, tables, params)
+        bucket, packed = eng.runner.pack_step(
+            [Chunk(*c) for c in zip(toks, starts, tables, strict=True)], params)
         ids = eng.runner.execute(bucket, packed).ids
         for i in range(len(rows)):
             if t < n[i]:
