@@ -18,9 +18,9 @@ import json
 
 import numpy as np
 
-from jaxserve.cli.autoscaling.curve import load_curve
-from jaxserve.cli.autoscaling.plan import PlanInputs, parse_slos, plan
-from jaxserve.cli.autoscaling.report import compare, plot, ramp_scenario
+from jaxserve.autoscaling.curve import load_curve
+from jaxserve.autoscaling.plan import PlanInputs, parse_slos, plan
+from jaxserve.autoscaling.report import compare, plot, ramp_scenario
 
 
 def main() -> None:

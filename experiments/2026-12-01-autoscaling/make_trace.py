@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from jaxserve.cli.autoscaling.simulate import ramp_trace
+from jaxserve.autoscaling.simulate import ramp_trace
 
 # one replica of SmolLM2 on the 2-core CPU: 1.8 req/s at concurrency 4, 2.7 at 8 (the sweep)
 KNOTS = [(0.0, 0.4), (75.0, 2.4)]

@@ -24,8 +24,8 @@ import sys
 
 import numpy as np
 
-from jaxserve.cli.autoscaling.curve import load_curve
-from jaxserve.cli.autoscaling.simulate import SimConfig, simulate
+from jaxserve.autoscaling.curve import load_curve
+from jaxserve.autoscaling.simulate import SimConfig, simulate
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CLI = [sys.executable, "-m", "jaxserve.cli.main"]

@@ -30,7 +30,7 @@ import shlex
 import subprocess
 import sys
 
-from jaxserve.cli.bench.sweep import ServerProcess
+from jaxserve.bench.sweep import ServerProcess
 
 KEYS = [  # (label, jaxserve key, aiperf metric tag, aiperf stat)
     ("request throughput (req/s)", "request_throughput", "request_throughput", "avg"),

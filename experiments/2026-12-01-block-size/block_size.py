@@ -8,7 +8,7 @@ preempted): at each step ``sum(len(block_ids)) * block_size`` slots are allocate
 requests and ``sum(num_computed_tokens)`` of them hold K/V. Also reported: the waste at each
 request's end, ``(ceil(L / bs) * bs - L) / (ceil(L / bs) * bs)`` summed over requests.
 
-Lengths: ShareGPT-like (prompt, output) pairs from ``jaxserve.cli.bench.datasets`` when it has
+Lengths: ShareGPT-like (prompt, output) pairs from ``jaxserve.bench.datasets`` when it has
 ``sharegpt_like_lengths``; otherwise this script's own draw with the same published statistics
 (vLLM paper, Kwon et al. SOSP 2023, Sec. 6.1: mean prompt 161.31 and output 337.99 tokens) as
 lognormals with sigma 1.0 / 0.8, kept where prompt >= 4, output >= 4, prompt <= 1024 and
@@ -37,12 +37,12 @@ def sharegpt_like(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, str]:
     """(prompt lengths, output lengths, source) of ``n`` ShareGPT-like requests."""
     rng = np.random.default_rng(seed)
     try:
-        from jaxserve.cli.bench.datasets import sharegpt_like_lengths
+        from jaxserve.bench.datasets import sharegpt_like_lengths
     except ImportError:
         pass
     else:
         ins, outs = sharegpt_like_lengths(n, rng)
-        return ins, outs, "jaxserve.cli.bench.datasets.sharegpt_like_lengths"
+        return ins, outs, "jaxserve.bench.datasets.sharegpt_like_lengths"
     ins, outs = [], []
     while len(ins) < n:  # mu solved so that the kept draws have the published means
         i, o = round(rng.lognormal(4.6864, 1.0)), round(rng.lognormal(5.5451, 0.8))

@@ -52,8 +52,8 @@ def run_one(tree: str, flags: list[str], common: list[str]) -> dict:
 def child(out: str, argv: list[str]) -> int:
     """Run ``jaxserve <argv>`` with each engine step's process CPU time recorded beside its wall
     time (``step_cpu`` in the JSON at ``out``: bucket tokens, seqs, wall s, CPU s)."""
+    from jaxserve.bench import step as step_mod
     from jaxserve.cli import main as cli
-    from jaxserve.cli.bench import step as step_mod
 
     timed, steps = step_mod._timed_step, []
 

@@ -2,7 +2,7 @@
 the decode step time at batch 64.
 
 1. Perplexity of a model (default: SmolLM2-135M-Instruct, float32 on the CPU) over the first
-   ``--num-tokens`` tokens of ``jaxserve/cli/bench/data/pride_and_prejudice_ch1-12.txt``, through the
+   ``--num-tokens`` tokens of ``jaxserve/data/pride_and_prejudice_ch1-12.txt``, through the
    engine (``SamplingParams(prompt_logprobs=1, max_tokens=1)``: the logprob and the top-1 token
    at every prompt position), for each configuration of ``--configs``:
    ``auto`` (the float cache), ``fp8`` / ``int8`` with calibrated scales (``...@P``: calibrated

@@ -3,7 +3,7 @@
 computed tokens), each with and without a host tier to swap to.
 
 Workload (fixed seed): ``--num-requests`` ShareGPT-like (prompt, output) lengths (see
-``jaxserve.cli.bench.datasets.sharegpt_like_lengths``), all submitted at once, every request running to its
+``jaxserve.bench.datasets.sharegpt_like_lengths``), all submitted at once, every request running to its
 drawn output length; a device pool of ``--num-kv-blocks`` blocks that is far smaller than the
 running set needs, so decoding preempts. Each step is counted as one unit of time. Reported
 per setting: steps to finish everything, tokens computed (prompt + recomputed prompt and
@@ -21,7 +21,7 @@ import os
 
 import numpy as np
 
-from jaxserve.cli.bench.datasets import sharegpt_like_lengths
+from jaxserve.bench.datasets import sharegpt_like_lengths
 
 
 def simulate(ins: np.ndarray, outs: np.ndarray, policy: str, num_blocks: int,
@@ -64,7 +64,7 @@ def main() -> None:
     p.add_argument("--out", default="results/preemption_policy.json")
     a = p.parse_args()
     ins, outs = sharegpt_like_lengths(a.num_requests, np.random.default_rng(a.seed))
-    source = "jaxserve.cli.bench.datasets.sharegpt_like_lengths"
+    source = "jaxserve.bench.datasets.sharegpt_like_lengths"
     ok = -(-(ins + outs) // a.block_size) <= a.num_kv_blocks - 1
     ins, outs = ins[ok], outs[ok]
     print(f"{len(ins)} requests, lengths from {source}; device pool {a.num_kv_blocks - 1} blocks "

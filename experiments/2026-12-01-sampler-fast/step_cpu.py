@@ -18,7 +18,7 @@ import statistics
 
 import numpy as np
 
-import jaxserve.cli.bench.step as bench_step
+import jaxserve.bench.step as bench_step
 from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.engine.llm_engine import LLMEngine
 

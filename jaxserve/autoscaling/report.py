@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxserve.cli.autoscaling.curve import Curve
-from jaxserve.cli.autoscaling.hpa import HPASpec
-from jaxserve.cli.autoscaling.plan import Plan, PlanInputs, naive_threshold
-from jaxserve.cli.autoscaling.simulate import SimConfig, SimResult, ramp_trace, simulate
+from jaxserve.autoscaling.curve import Curve
+from jaxserve.autoscaling.hpa import HPASpec
+from jaxserve.autoscaling.plan import Plan, PlanInputs, naive_threshold
+from jaxserve.autoscaling.simulate import SimConfig, SimResult, ramp_trace, simulate
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxserve.cli.autoscaling.curve import Curve, Point
+from jaxserve.autoscaling.curve import Curve, Point
 
 
 def curve(rows: list[tuple[float, float, float, float]], medians: dict[str, list[float]] | None

@@ -1,7 +1,7 @@
 """A discrete-event simulation of replicas behind a router, scaled by the HPA.
 
 The data flow, per simulated second: requests arrive (``ramp_trace``: a piecewise-linear rate
-with gamma gaps from ``jaxserve.cli.bench.arrivals``, plus Poisson-timed bursts); the router
+with gamma gaps from ``jaxserve.bench.arrivals``, plus Poisson-timed bursts); the router
 sends each to the ready, non-draining replica with the fewest requests in flight; a replica
 serves at most ``max_num_seqs`` at once (the rest wait, first come first served) by processor
 sharing: with ``n`` in service the replica completes ``curve.throughput(n)`` requests/s, each
@@ -32,9 +32,9 @@ from statistics import NormalDist
 
 import numpy as np
 
-from jaxserve.cli.autoscaling.curve import Curve
-from jaxserve.cli.autoscaling.hpa import HPA, HPASpec
-from jaxserve.cli.bench.arrivals import inter_arrival_times
+from jaxserve.autoscaling.curve import Curve
+from jaxserve.autoscaling.hpa import HPA, HPASpec
+from jaxserve.bench.arrivals import inter_arrival_times
 
 SIGNALS = ("running", "waiting", "tokens")
 

@@ -11,9 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.cli import eval as ev
-from jaxserve.cli import eval_inputs
 from jaxserve.config import EngineConfig, LoadConfig
+from jaxserve.eval import inputs as eval_inputs
+from jaxserve.eval import quality as ev
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY = LoadConfig("tiny", "dummy")

@@ -1,4 +1,4 @@
-"""``jaxserve bench throughput`` and the static-batching baseline (jaxserve/cli/bench/static_batch.py)
+"""``jaxserve bench throughput`` and the static-batching baseline (jaxserve/bench/static_batch.py)
 on the real SmolLM2 engine (the shared session fixture) and, for the command, a tiny dummy model.
 """
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxserve.cli.bench.static_batch import StaticBatchEngine, StaticRequest
-from jaxserve.cli.bench.throughput import run_continuous
+from jaxserve.bench.static_batch import StaticBatchEngine, StaticRequest
+from jaxserve.bench.throughput import run_continuous
 from jaxserve.cli.main import main
 
 

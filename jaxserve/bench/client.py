@@ -22,8 +22,8 @@ from typing import Any
 
 import httpx
 
-from jaxserve.cli.bench.datasets import SampleRequest
-from jaxserve.cli.bench.metrics import RequestResult
+from jaxserve.bench.datasets import SampleRequest
+from jaxserve.bench.metrics import RequestResult
 
 
 def build_payload(

@@ -34,11 +34,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxserve.cli.args import add_engine_args, engine_config_from_args
-from jaxserve.cli.bench.datasets import SampleRequest
-from jaxserve.cli.bench.serve import add_dataset_args, build_workload
-from jaxserve.cli.bench.static_batch import StaticBatchEngine, StaticRequest
+from jaxserve.bench.datasets import SampleRequest
+from jaxserve.bench.serve import add_dataset_args, build_workload
+from jaxserve.bench.static_batch import StaticBatchEngine, StaticRequest
 from jaxserve.config import LoadConfig
+from jaxserve.config_args import add_engine_args, engine_config_from_args
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.cli.bench.startup import parse_server_output
-from jaxserve.cli.bench.static_batch import StaticRequest
-from jaxserve.cli.bench.throughput import model_flops
+from jaxserve.bench.startup import parse_server_output
+from jaxserve.bench.static_batch import StaticRequest
+from jaxserve.bench.throughput import model_flops
 from jaxserve.cli.main import main
 from models.config import builtin_config
 

@@ -1,11 +1,11 @@
-"""The HPA decision (jaxserve/cli/autoscaling/hpa.py) against decisions computed by hand from
+"""The HPA decision (jaxserve/autoscaling/hpa.py) against decisions computed by hand from
 the Kubernetes algorithm: tolerance, scale-up policies, the scale-down window and rate."""
 
 from __future__ import annotations
 
 import pytest
 
-from jaxserve.cli.autoscaling.hpa import HPA, HPASpec, Policy, Rules
+from jaxserve.autoscaling.hpa import HPA, HPASpec, Policy, Rules
 
 
 def test_raw_recommendation_and_tolerance() -> None:

@@ -36,9 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.cli.args import add_engine_args, engine_config_from_args
-from jaxserve.cli.bench.common import add_model_flags, write_json
+from jaxserve.bench.common import add_model_flags, write_json
 from jaxserve.config import LoadConfig
+from jaxserve.config_args import add_engine_args, engine_config_from_args
 from jaxserve.device.buckets import MIN_TOKEN_BUCKET, pick_bucket
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams

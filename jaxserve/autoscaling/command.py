@@ -25,11 +25,11 @@ from typing import Any
 
 import yaml
 
-from jaxserve.cli.autoscaling.curve import load_curve
-from jaxserve.cli.autoscaling.plan import PlanInputs, format_plan, parse_slos, plan, snippet
-from jaxserve.cli.autoscaling.report import compare, format_rows, ramp_scenario
-from jaxserve.cli.autoscaling.report import plot as plot_report
-from jaxserve.cli.autoscaling.simulate import SIGNALS
+from jaxserve.autoscaling.curve import load_curve
+from jaxserve.autoscaling.plan import PlanInputs, format_plan, parse_slos, plan, snippet
+from jaxserve.autoscaling.report import compare, format_rows, ramp_scenario
+from jaxserve.autoscaling.report import plot as plot_report
+from jaxserve.autoscaling.simulate import SIGNALS
 
 
 def _number(kind: type, low: float, low_ok: bool) -> Any:

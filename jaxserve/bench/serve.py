@@ -33,9 +33,9 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from jaxserve.cli.bench.arrivals import arrival_offsets, paced
-from jaxserve.cli.bench.client import build_payload, first_model, send_request
-from jaxserve.cli.bench.datasets import (
+from jaxserve.bench.arrivals import arrival_offsets, paced
+from jaxserve.bench.client import build_payload, first_model, send_request
+from jaxserve.bench.datasets import (
     DEFAULT_TOKEN_RANGE,
     LENGTH_DISTRIBUTIONS,
     SampleRequest,
@@ -46,7 +46,7 @@ from jaxserve.cli.bench.datasets import (
     sharegpt_like_dataset,
     trace_dataset,
 )
-from jaxserve.cli.bench.metrics import (
+from jaxserve.bench.metrics import (
     METRICS,
     RequestResult,
     build_result,

@@ -39,8 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from jaxserve.cli.autoscaling.curve import Curve, slo_concurrency
-from jaxserve.cli.bench.metrics import parse_ms_pairs
+from jaxserve.autoscaling.curve import Curve, slo_concurrency
+from jaxserve.bench.metrics import parse_ms_pairs
 
 SLO_METRICS = ("ttft", "itl", "tpot")
 QUERIES = {  # PromQL of the total over the deployment; KEDA / the HPA divide by the pod count

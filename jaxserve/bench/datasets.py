@@ -233,7 +233,8 @@ def prefix_dataset(
 
 # -- real text ------------------------------------------------------------------------------------
 
-CORPUS_PATH = os.path.join(os.path.dirname(__file__), "data", "pride_and_prejudice_ch1-12.txt")
+CORPUS_PATH = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data",
+                           "pride_and_prejudice_ch1-12.txt")
 """Chapters 1-12 of Jane Austen's *Pride and Prejudice* (1813; public domain), plain text."""
 
 

@@ -1,4 +1,4 @@
-"""``jaxserve bench serve`` (jaxserve/cli/bench/): metrics against hand-computed values, arrival
+"""``jaxserve bench serve`` (jaxserve/bench/): metrics against hand-computed values, arrival
 statistics, workloads, and end-to-end runs of ``jaxserve.cli.main.main`` over real HTTP against the
 fake engine (tests/support/fake_engine.py; one character per token, so lengths are exact and fast).
 
@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxserve.cli.bench.arrivals import arrival_offsets, inter_arrival_times, paced
-from jaxserve.cli.bench.client import build_payload
-from jaxserve.cli.bench.datasets import (
+from jaxserve.bench.arrivals import arrival_offsets, inter_arrival_times, paced
+from jaxserve.bench.client import build_payload
+from jaxserve.bench.datasets import (
     CORPUS_PATH,
     SHAREGPT_MEAN_INPUT_LEN,
     SHAREGPT_MEAN_OUTPUT_LEN,
@@ -33,14 +33,14 @@ from jaxserve.cli.bench.datasets import (
     sharegpt_like_lengths,
     trace_dataset,
 )
-from jaxserve.cli.bench.metrics import (
+from jaxserve.bench.metrics import (
     RequestResult,
     build_result,
     calculate_metrics,
     format_table,
     parse_goodput,
 )
-from jaxserve.cli.bench.serve import result_path
+from jaxserve.bench.serve import result_path
 from jaxserve.cli.main import main
 from jaxserve.server.app import build_app
 from tests.support.fake_engine import FakeEngine
@@ -424,7 +424,7 @@ def test_server_pid_reports_the_server_process_tree_cpu(tmp_path: Path) -> None:
     """--server-pid: the in-process fake server is this process, so its CPU time is ours."""
     import os
 
-    from jaxserve.cli.bench.serve import process_tree_cpu_s
+    from jaxserve.bench.serve import process_tree_cpu_s
 
     eng = CountingEngine(max_model_len=128, step_s=0.001)
     with serve_app(build_app(eng, "m")) as url:

@@ -52,7 +52,9 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jaxserve.cli.eval_inputs import (
+from jaxserve.config import KV_8BIT_DTYPES, EngineConfig, LoadConfig
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.eval.inputs import (
     DEFAULT_CORPUS,
     DEFAULT_PROMPTS,
     NO_CHANGE,
@@ -65,8 +67,6 @@ from jaxserve.cli.eval_inputs import (
     read_corpus,
     read_prompts,
 )
-from jaxserve.config import KV_8BIT_DTYPES, EngineConfig, LoadConfig
-from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.loading.load import resolve_dtype
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams

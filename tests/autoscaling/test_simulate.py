@@ -1,4 +1,4 @@
-"""The simulation (jaxserve/cli/autoscaling/simulate.py) on tiny traces whose service times,
+"""The simulation (jaxserve/autoscaling/simulate.py) on tiny traces whose service times,
 scrapes and HPA decisions are computed by hand, and the ramp traces."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxserve.cli.autoscaling.hpa import HPASpec
-from jaxserve.cli.autoscaling.simulate import SimConfig, ramp_trace, simulate
-from tests.cli.autoscaling.curves import curve, fixed_service, shared
+from jaxserve.autoscaling.hpa import HPASpec
+from jaxserve.autoscaling.simulate import SimConfig, ramp_trace, simulate
+from tests.autoscaling.curves import curve, fixed_service, shared
 
 
 def test_processor_sharing_and_the_slot_queue() -> None:
@@ -59,7 +59,7 @@ def test_scale_down_drains_the_newest_pod() -> None:
     ceil(0 / 1) = 0, bounded to min_replicas 1; the down window is 0 s here, so the first sync
     (7.5 s) removes one pod, the most recently ready, pod 1, which still serves a request
     from 7.0 to 8.0 and leaves when it ends."""
-    from jaxserve.cli.autoscaling.hpa import SCALE_DOWN, Rules
+    from jaxserve.autoscaling.hpa import SCALE_DOWN, Rules
 
     down = Rules(0.0, SCALE_DOWN.policies)
     cfg = SimConfig(fixed_service(1.0), {"ttft": 1000.0}, initial_replicas=2)

@@ -39,7 +39,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from jaxserve.cli.bench.common import write_json
+from jaxserve.bench.common import write_json
 
 POLL_S = 0.1
 KINDS = ("cold", "warm")

@@ -1,4 +1,4 @@
-"""``jaxserve sweep`` (jaxserve/cli/bench/sweep.py) and the batch-occupancy gauges it reads."""
+"""``jaxserve sweep`` (jaxserve/bench/sweep.py) and the batch-occupancy gauges it reads."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.cli.args import engine_config_from_args
-from jaxserve.cli.bench.sweep import (
+from jaxserve.bench.sweep import (
     _scrape,
     gains,
     knee_concurrency,
@@ -21,6 +20,7 @@ from jaxserve.cli.bench.sweep import (
     slo_concurrency,
 )
 from jaxserve.cli.main import main
+from jaxserve.config_args import engine_config_from_args
 from jaxserve.engine.metrics import EngineMetrics
 from tests.conftest import REPO_ROOT
 

@@ -1,4 +1,4 @@
-"""``jaxserve plan-autoscaling`` (jaxserve/cli/autoscaling/command.py): flags, errors, the
+"""``jaxserve plan-autoscaling`` (jaxserve/autoscaling/command.py): flags, errors, the
 written thresholds, and the simulated comparison."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from jaxserve.cli.main import main
-from tests.cli.autoscaling.test_plan import _step, _sweep
+from tests.autoscaling.test_plan import _step, _sweep
 
 STEPS = [_step(1, 1.0, 100, 20), _step(2, 1.8, 150, 25), _step(4, 3.2, 300, 35),
          _step(8, 5.0, 600, 60), _step(16, 6.0, 1500, 120)]

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.cli.args import add_engine_args, engine_config_from_args
-from jaxserve.cli.bench.common import add_model_flags, percentile, write_json
+from jaxserve.bench.common import add_model_flags, percentile, write_json
 from jaxserve.config import LoadConfig
+from jaxserve.config_args import add_engine_args, engine_config_from_args
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.metrics import EngineMetrics
 from jaxserve.loading.load import served_name

@@ -1,4 +1,4 @@
-"""The planner's arithmetic (jaxserve/cli/autoscaling/plan.py) on synthetic curves, worked by
+"""The planner's arithmetic (jaxserve/autoscaling/plan.py) on synthetic curves, worked by
 hand, and reading curves from sweep and bench serve results (curve.py)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.cli.autoscaling.curve import load_curve, slo_concurrency
-from jaxserve.cli.autoscaling.plan import PlanInputs, parse_slos, plan, tokens_per_request
-from tests.cli.autoscaling.curves import curve
+from jaxserve.autoscaling.curve import load_curve, slo_concurrency
+from jaxserve.autoscaling.plan import PlanInputs, parse_slos, plan, tokens_per_request
+from tests.autoscaling.curves import curve
 
 # concurrency, req/s, p99 TTFT ms, p99 ITL ms
 ROWS = [(1, 1.0, 100.0, 20.0), (2, 1.8, 150.0, 25.0), (4, 3.2, 300.0, 35.0),

@@ -2,7 +2,7 @@
 
 Modules:
   datasets      workloads (``random``, ``sharegpt-like``, ``prefix``, ``trace``) as
-                ``SampleRequest`` lists; the shipped public-domain text (data/).
+                ``SampleRequest`` lists; the shipped public-domain text (``jaxserve/data/``).
   arrivals      request arrival times: closed burst, Poisson, or gamma (burstiness) open loop.
   client        one streamed request over httpx, timed per chunk (TTFT, ITL, latency).
   metrics       vLLM ``benchmark_serving`` metrics from per-request timelines; the result table.

@@ -48,9 +48,9 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxserve.cli.bench.metrics import parse_goodput
-from jaxserve.cli.bench.serve import ENDPOINTS, add_dataset_args, run_benchmark
-from jaxserve.cli.bench.serve import add_cli_args as add_serve_args
+from jaxserve.bench.metrics import parse_goodput
+from jaxserve.bench.serve import ENDPOINTS, add_dataset_args, run_benchmark
+from jaxserve.bench.serve import add_cli_args as add_serve_args
 from jaxserve.config import EngineConfig
 
 OCCUPANCY_GAUGES = {

@@ -1,6 +1,6 @@
 """What ``jaxserve eval`` runs on: the configurations named by ``--compare``, the corpus and
 the prompt set (read and checked before any model is loaded), and the default set that ships
-with the package. See ``jaxserve.cli.eval`` for what is measured.
+with the package. See ``jaxserve.eval.quality`` for what is measured.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.tokenizer import Tokenizer
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
-DEFAULT_CORPUS = os.path.join(os.path.dirname(__file__), "bench", "data",
-                              "pride_and_prejudice_ch1-12.txt")
+DEFAULT_CORPUS = os.path.join(DATA_DIR, "pride_and_prejudice_ch1-12.txt")
 """Chapters 1-12 of Jane Austen's *Pride and Prejudice* (1813; public domain; the wording of
 Project Gutenberg's plain-text eBook #1342, without its header and licence): 24,993 tokens of
 SmolLM2's tokenizer."""
