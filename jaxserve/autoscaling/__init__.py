@@ -1,5 +1,6 @@
 """``jaxserve plan-autoscaling``: autoscaling thresholds from measurements, and the simulation
-that checks them. Pure Python and numpy (no jax).
+that checks them. Pure Python and numpy (no jax); the plot (``--sim-plot``) needs matplotlib,
+the ``autoscaling`` extra (``pip install 'jaxserve[autoscaling]'``).
 
 Modules:
   curve     one replica's throughput and tail latencies against concurrency, from a sweep.

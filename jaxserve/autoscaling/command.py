@@ -27,9 +27,10 @@ import yaml
 
 from jaxserve.autoscaling.curve import load_curve
 from jaxserve.autoscaling.plan import PlanInputs, format_plan, parse_slos, plan, snippet
-from jaxserve.autoscaling.report import compare, format_rows, ramp_scenario
+from jaxserve.autoscaling.report import PLOT_FEATURE, compare, format_rows, ramp_scenario
 from jaxserve.autoscaling.report import plot as plot_report
 from jaxserve.autoscaling.simulate import SIGNALS
+from jaxserve.extras import require
 
 
 def _number(kind: type, low: float, low_ok: bool) -> Any:
@@ -129,12 +130,15 @@ def run(ns: argparse.Namespace) -> int:
 
     Raises:
       ValueError: bad flags or inputs, naming them.
+      MissingExtraError: --sim-plot without matplotlib (the ``autoscaling`` extra).
     """
     slos = parse_slos(ns.slo)
     if ns.percentile is not None and not 0 < ns.percentile < 100:
         raise ValueError(f"--percentile must be in (0, 100), got {ns.percentile}")
     if ns.sim_plot and not ns.simulate:
         raise ValueError("--sim-plot needs --simulate")
+    if ns.sim_plot:  # before the simulation, not after it
+        require("matplotlib", "autoscaling", PLOT_FEATURE)
     inp = PlanInputs(slos, _time_to_ready(ns), ns.growth_rps, ns.growth_concurrency,
                      ns.metric_delay_s, ns.sync_period_s, ns.headroom, ns.tolerance,
                      ns.min_replicas, ns.max_num_seqs, ns.tokens_per_request)

@@ -21,6 +21,9 @@ from jaxserve.autoscaling.curve import Curve
 from jaxserve.autoscaling.hpa import HPASpec
 from jaxserve.autoscaling.plan import Plan, PlanInputs, naive_threshold
 from jaxserve.autoscaling.simulate import SimConfig, SimResult, ramp_trace, simulate
+from jaxserve.extras import require
+
+PLOT_FEATURE = "jaxserve plan-autoscaling --sim-plot"
 
 
 @dataclass(frozen=True)
@@ -116,9 +119,12 @@ def format_rows(rows: list[Row], signal: str) -> str:
 def plot(path: str, results: dict[str, SimResult], arrivals: np.ndarray, curve: Curve,
          slos_ms: dict[str, float], scenario: Scenario) -> str:
     """Replicas and arrival rate over time (top), TTFT per request (bottom), one colour per
-    policy, written as a PNG at ``path``; returns ``path``."""
-    import matplotlib  # only the plot needs it
+    policy, written as a PNG at ``path``; returns ``path``.
 
+    Raises:
+      MissingExtraError: matplotlib (the ``autoscaling`` extra) is not installed.
+    """
+    matplotlib = require("matplotlib", "autoscaling", PLOT_FEATURE)  # only the plot needs it
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # after use("Agg")
 

@@ -1,5 +1,8 @@
 """``jaxserve bench`` and ``jaxserve sweep``: load generation, measurement and tuning.
 
+``bench serve`` and ``sweep`` need httpx, and the sweep's plots matplotlib: the ``bench`` extra
+(``pip install 'jaxserve[bench]'``), asked for when they run (``jaxserve.extras``).
+
 Modules:
   datasets      workloads (``random``, ``sharegpt-like``, ``prefix``, ``trace``) as
                 ``SampleRequest`` lists; the shipped public-domain text (``jaxserve/data/``).

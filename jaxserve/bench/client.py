@@ -18,12 +18,13 @@ from __future__ import annotations
 import json
 import time
 import traceback
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from jaxserve.bench.datasets import SampleRequest
 from jaxserve.bench.metrics import RequestResult
+
+if TYPE_CHECKING:  # httpx is the bench extra's; its callers require it (jaxserve.extras)
+    import httpx
 
 
 def build_payload(
@@ -132,6 +133,8 @@ async def first_model(client: httpx.AsyncClient, base_url: str) -> str:
     Raises:
       ValueError: the server is unreachable, answers non-200, or lists no model.
     """
+    import httpx  # the caller's client is an httpx one: it is installed
+
     try:
         resp = await client.get(f"{base_url}/v1/models")
     except httpx.HTTPError as e:

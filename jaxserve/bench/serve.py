@@ -29,7 +29,6 @@ import time
 from datetime import datetime
 from typing import Any
 
-import httpx
 import numpy as np
 from tqdm import tqdm
 
@@ -53,6 +52,7 @@ from jaxserve.bench.metrics import (
     format_table,
     parse_goodput,
 )
+from jaxserve.extras import require
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 DATASETS = ("random", "sharegpt-like", "prefix", "prefix_repetition", "trace")
@@ -196,8 +196,14 @@ def process_tree_cpu_s(pid: int) -> float:
 
 
 async def run_benchmark(ns: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    """Run the benchmark; returns (the result JSON dict, the model id)."""
+    """Run the benchmark; returns (the result JSON dict, the model id).
+
+    Raises:
+      ValueError: bad flags, or a server that cannot be reached.
+      MissingExtraError: httpx (the ``bench`` extra) is not installed.
+    """
     _check(ns)
+    httpx = require("httpx", "bench", "jaxserve bench serve")
     goodput = parse_goodput(ns.goodput)
     percentiles = [float(x) for x in ns.metric_percentiles.split(",") if x.strip()]
     metrics_sel = [m.strip() for m in ns.percentile_metrics.split(",") if m.strip()]

@@ -44,7 +44,6 @@ import time
 import typing
 from typing import Any, Self
 
-import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -52,6 +51,7 @@ from jaxserve.bench.metrics import parse_goodput
 from jaxserve.bench.serve import ENDPOINTS, add_dataset_args, run_benchmark
 from jaxserve.bench.serve import add_cli_args as add_serve_args
 from jaxserve.config import EngineConfig
+from jaxserve.extras import require
 
 OCCUPANCY_GAUGES = {
     "seqs_usage": "jaxserve:batch_seqs_usage_perc",
@@ -223,6 +223,7 @@ def _scrape(text: str) -> dict[str, float]:
 async def _poll_metrics(base_url: str, interval_s: float, stop: asyncio.Event
                         ) -> list[dict[str, float]]:
     samples: list[dict[str, float]] = []
+    httpx = require("httpx", "bench", "jaxserve sweep")
     async with httpx.AsyncClient(timeout=10.0) as client:
         while not stop.is_set():
             try:
@@ -318,6 +319,7 @@ class ServerProcess:
         self.log = open(self.log_path, "w", encoding="utf-8")  # closed in __exit__
         print(f"starting: {shlex.join(self.cmd)}", flush=True)
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        httpx = require("httpx", "bench", "jaxserve sweep")
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -408,8 +410,8 @@ def _label(cfg: dict[str, Any]) -> str:
 
 def plot(configs: list[dict[str, Any]], ns: argparse.Namespace, out_dir: str) -> list[str]:
     """Write throughput.png, latency.png and occupancy.png; returns their paths."""
-    import matplotlib  # seconds that every jaxserve command would pay; only the plots need it
-
+    # seconds that every jaxserve command would pay; only the plots need it
+    matplotlib = require("matplotlib", "bench", "jaxserve sweep's plots")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # after use("Agg"): no display backend
 
@@ -500,8 +502,11 @@ def run(ns: argparse.Namespace) -> int:
 
     Raises:
       ValueError: bad flags, or a server that cannot be started or reached.
+      MissingExtraError: httpx or matplotlib (the ``bench`` extra) is not installed.
     """
     _check(ns)
+    for module in ("httpx", "matplotlib"):  # before minutes of measuring, not after
+        require(module, "bench", "jaxserve sweep")
     parse_goodput(ns.goodput)
     grid = parse_grid(ns.grid)
     os.makedirs(ns.output_dir, exist_ok=True)

@@ -42,6 +42,7 @@ from jaxserve.config_args import (
     add_server_args,
     engine_config_from_args,
 )
+from jaxserve.extras import MissingExtraError
 
 # Importing this module imports no jax: build_parser and main import the subcommand modules
 # that do (they load the engine) in one block each, marked "# jax".
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             return sweep_cmd.run(ns)
         elif ns.command == "plan-autoscaling":
             return plan_cmd.run(ns)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, MissingExtraError) as e:
         print(f"jaxserve: error: {e}", file=sys.stderr)
         return 2
     return 0
