@@ -14,6 +14,7 @@ import pytest
 from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.eval import inputs as eval_inputs
 from jaxserve.eval import quality as ev
+from jaxserve.eval import scoring
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY = LoadConfig("tiny", "dummy")
@@ -27,12 +28,12 @@ NUM_PROMPTS, GREEDY_TOKENS = 6, 6
 
 
 def test_windows_score_every_token_once_with_context() -> None:
-    assert ev.eval_windows(10, 4, 2) == [(0, 1, 4), (2, 4, 6), (4, 6, 8), (6, 8, 10)]
-    assert ev.eval_windows(3, 8, 4) == [(0, 1, 3)]  # shorter than one window
+    assert scoring.eval_windows(10, 4, 2) == [(0, 1, 4), (2, 4, 6), (4, 6, 8), (6, 8, 10)]
+    assert scoring.eval_windows(3, 8, 4) == [(0, 1, 3)]  # shorter than one window
     for n in range(2, 60):
         for window in (2, 3, 7, 16):
             for stride in {1, window // 2 or 1, window - 1}:
-                wins = ev.eval_windows(n, window, stride)
+                wins = scoring.eval_windows(n, window, stride)
                 scored = [q for _, f, e in wins for q in range(f, e)]
                 assert scored == list(range(1, n))
                 for k, (s, f, e) in enumerate(wins):
@@ -43,11 +44,11 @@ def test_windows_score_every_token_once_with_context() -> None:
 
 def test_window_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="at least 2"):
-        ev.eval_windows(1, 8, 4)
+        scoring.eval_windows(1, 8, 4)
     with pytest.raises(ValueError, match="--eval-stride"):
-        ev.eval_windows(100, 8, 8)
+        scoring.eval_windows(100, 8, 8)
     with pytest.raises(ValueError, match="--eval-window"):
-        ev.eval_windows(100, 1, 1)
+        scoring.eval_windows(100, 1, 1)
     with pytest.raises(ValueError, match="--greedy-tokens"):
         ev.EvalInputs("text", None, greedy_tokens=0)
     with pytest.raises(ValueError, match="--max-eval-tokens"):
@@ -160,7 +161,7 @@ def _direct_ppl(ids: list[int], window: int, stride: int) -> tuple[float, np.nda
     loaded = load_model(TINY, dtype, CONFIG.seed)
     mc, params, tok = loaded.model_config, loaded.params, loaded.tokenizer
     model = get_architecture(mc.architecture).model(mc, dtype)
-    wins = ev.eval_windows(len(ids), window, stride)
+    wins = scoring.eval_windows(len(ids), window, stride)
     logits = prefill_logits(model, params, [ids[s:e] for s, _, e in wins])
     lps, top = [], []
     for (s, f, e), lg in zip(wins, logits):
@@ -240,13 +241,13 @@ def test_argmax_is_the_models(tokenizer) -> None:
     ids = tokenizer.encode(eval_inputs.read_corpus(eval_inputs.DEFAULT_CORPUS), add_special_tokens=False)[:80]
     engine = LLMEngine(CONFIG, TINY)
     engine.warmup(progress=False)
-    scores = ev.score_corpus(engine, ids, 32, 24)
+    scores = scoring.score_corpus(engine, ids, 32, 24)
     ppl, top = _direct_ppl(ids, 32, 24)
     assert scores.ppl == pytest.approx(ppl, rel=1e-4)
     np.testing.assert_array_equal(scores.argmax, top)
     assert not engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="perplexity request 0: prompt has 200 tokens"):
-        ev.score_corpus(engine, list(range(1, 400)), 200, 100)
+        scoring.score_corpus(engine, list(range(1, 400)), 200, 100)
 
 
 def test_cli_writes_the_report(tmp_path, capsys) -> None:
