@@ -17,5 +17,6 @@ Modules:
   startup       ``jaxserve bench startup``: launch to /ready 200, cold and warm.
   common        the in-process commands' model flags, percentiles and JSON file.
   sweep         ``jaxserve sweep``: concurrency (and engine-setting) sweep, knee, SLO limit,
-                plots and recommended ``--config`` files.
+                the table.
+  sweep_report  the sweep's recommended ``--config`` files and plots.
 """

@@ -15,10 +15,10 @@ from jaxserve.bench.sweep import (
     knee_concurrency,
     meets_slo,
     parse_grid,
-    recommend,
     should_stop,
     slo_concurrency,
 )
+from jaxserve.bench.sweep_report import recommend
 from jaxserve.cli.main import main
 from jaxserve.config_args import engine_config_from_args
 from jaxserve.engine.metrics import EngineMetrics
