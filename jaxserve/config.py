@@ -15,10 +15,11 @@ DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "int8")
 KV_8BIT_DTYPES = ("fp8", "int8")  # the ones stored with calibrated scales
 KV_SCALE_MODES = ("calibrated", "unit")
-ATTENTION_BACKENDS = ("auto", "reference", "native", "native-decode", "pallas", "pallas-interpret")
+# attention_backend: "auto" is resolved by the platform (jaxserve/platform/): "native" on a CPU
+# whose native kernels load (cpu_kernels), "pallas" on GPUs, else "reference"
+ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas-interpret")
 QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8")
-INT4_MATMUL_BACKENDS = ("auto", "xla", "native")
-BF16_MATMUL_BACKENDS = ("auto", "xla", "native")
+CPU_KERNELS = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -74,11 +75,16 @@ class EngineConfig:
     seed: int = field(default=0, metadata={
         "help": "seed for dummy weights and for requests without one"})
     attention_backend: str = field(default="auto", metadata={
-        "help": "auto (Pallas kernel on GPUs; on CPUs native where it builds, else "
-                "reference), reference (pure jnp), native (decode and prefill rows in a C++ CPU "
-                "kernel compiled on first use), native-decode (that kernel for decode rows "
-                "only, jnp for prefill rows), pallas, or pallas-interpret (the kernel in the "
-                "Pallas interpreter; CPU tests)"})
+        "help": "auto (the Pallas kernel on GPUs; on CPUs the native kernel under "
+                "--cpu-kernels, else reference), reference (pure jnp), pallas, or "
+                "pallas-interpret (the kernel in the Pallas interpreter; CPU tests)"})
+    cpu_kernels: str = field(default="auto", metadata={
+        "help": "the native C++ CPU kernels (attention's decode and prefill rows; matmuls over "
+                "bfloat16 weights packed at load on CPUs with AVX512-BF16; int4 matmuls of up "
+                "to 8 rows): auto (each where it applies and loads), on (the same, an error "
+                "where they cannot load or off the CPU), off (XLA's paths only). The matmul "
+                "kernels run without tensor parallelism only",
+        "choices": CPU_KERNELS})
     compilation_cache_dir: str = field(default="~/.cache/jaxserve/xla", metadata={
         "help": "persistent XLA compilation cache directory ('' disables it)"})
     # the split: jaxserve/sharding.py
@@ -94,21 +100,6 @@ class EngineConfig:
     quantization_group_size: int = field(default=32, metadata={
         "help": "input rows per int4 scale and zero point; must divide the quantised weights' "
                 "input dims (576 and 1536 for SmolLM2)"})
-    int4_matmul_backend: str = field(default="auto", metadata={
-        "help": "int4 weights' matmuls of up to 8 rows (decode steps of 1-8 sequences): "
-                "native (a C++ CPU kernel compiled on first use, reading the packed weight "
-                "once), xla (dequantise, then the dot), or auto (native on CPUs where it "
-                "builds, without tensor parallelism; else xla). Needs --quantization int4; "
-                "native is an error off the CPU or with --tensor-parallel-size > 1",
-        "choices": INT4_MATMUL_BACKENDS})
-    bf16_matmul_backend: str = field(default="auto", metadata={
-        "help": "the decoder layers' and LM head's matmuls over bfloat16 weights: native (a "
-                "C++ CPU kernel compiled on first use, over weights repacked at load for "
-                "AVX512-BF16, reading each layer's weight where it lies), xla (XLA's dot), "
-                "or auto (native on CPUs with AVX512-BF16 where it builds, without tensor "
-                "parallelism or quantization; else xla). native is an error off the CPU, with "
-                "--tensor-parallel-size > 1, or without bfloat16 weights",
-        "choices": BF16_MATMUL_BACKENDS})
     quantize_embeddings: bool = field(default=False, metadata={
         "help": "also quantise the embedding table and the LM head (needs --quantization)"})
     step_trace_file: str | None = field(default=None, metadata={
@@ -158,25 +149,8 @@ class EngineConfig:
             raise ValueError(f"{self.tensor_parallel_size=} must be >= 1")
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"{self.quantization=} must be one of {QUANTIZATION_METHODS}")
-        if self.bf16_matmul_backend not in BF16_MATMUL_BACKENDS:
-            raise ValueError(f"{self.bf16_matmul_backend=} must be one of "
-                             f"{BF16_MATMUL_BACKENDS}")
-        if self.bf16_matmul_backend == "native" and self.tensor_parallel_size > 1:
-            raise ValueError(f"{self.bf16_matmul_backend=} runs on one CPU device: it needs "
-                             f"tensor_parallel_size=1, got {self.tensor_parallel_size}")
-        if self.bf16_matmul_backend == "native" and self.quantization != "none":
-            raise ValueError(f"{self.bf16_matmul_backend=} is for bfloat16 weights, not "
-                             f"quantization={self.quantization!r}")
-        if self.int4_matmul_backend not in INT4_MATMUL_BACKENDS:
-            raise ValueError(f"{self.int4_matmul_backend=} must be one of "
-                             f"{INT4_MATMUL_BACKENDS}")
-        if self.int4_matmul_backend == "native" and self.quantization != "int4":
-            raise ValueError(f"{self.int4_matmul_backend=} needs quantization='int4' (got "
-                             f"{self.quantization=})")
-        if self.int4_matmul_backend == "native" and self.tensor_parallel_size > 1:
-            raise ValueError(f"{self.int4_matmul_backend=} runs on one CPU device: it needs "
-                             f"tensor_parallel_size=1 (got {self.tensor_parallel_size}); use "
-                             f"'auto' or 'xla'")
+        if self.cpu_kernels not in CPU_KERNELS:
+            raise ValueError(f"{self.cpu_kernels=} must be one of {CPU_KERNELS}")
         gs = self.quantization_group_size
         if gs < 2 or gs % 2:
             raise ValueError(f"{self.quantization_group_size=} must be an even integer >= 2 "

@@ -19,6 +19,7 @@ from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.hf_tokenizer import HFTokenizer
 from jaxserve.outputs import RequestOutput
+from jaxserve.platform import configure_process
 from jaxserve.sampling_params import SamplingParams
 
 Prompt = str | dict
@@ -57,6 +58,7 @@ class LLM:
                  load_format: str = "auto", served_model_name: str | None = None,
                  gpu_memory_utilization: float | None = None, enforce_eager: bool = False,
                  trust_remote_code: bool = False, **engine_args: object) -> None:
+        configure_process()  # XLA flags, allocator and malloc settings, as `jaxserve serve`
         config = _engine_config(engine_args, gpu_memory_utilization)
         ignored = []
         for name, value in (("enforce_eager", enforce_eager),

@@ -169,7 +169,7 @@ def make_mesh(tp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
     devs = list(devices if devices is not None else jax.devices())
     if len(devs) < tp:
         raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices; "
-                         f"{len(devs)} available ({jax.default_backend()})")
+                         f"{len(devs)} available ({jax.devices()[0].platform})")
     return Mesh(np.array(devs[:tp]), (TP_AXIS,))
 
 

@@ -54,7 +54,7 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # Rows (tokens) from which a quantised weight whose ``dot_dtype`` is narrower than the float32
 # activations is dequantised to that dtype for the dot. Measured on XLA:CPU (2-core Zen 5 with
 # AVX512-BF16; SmolLM2-135M's 30 layers of 7 matmuls, weights streamed from memory, best of 20;
-# experiments/2026-12-02-quant-dot-dtype/results/matmul_forms.txt): int8 as bfloat16 took 10.7
+# docs/decisions/0026-quant-dot-dtype.md): int8 as bfloat16 took 10.7
 # against 12.9 ms at 2 rows and 32.3 against 53.6 at 64; at one row 12.2 against 12.9 there
 # but 9.4-10.3 against 8.4-8.5 in an earlier run, so one row stays float32; int4 31.6 against
 # 36.4 at 32 and 40.9 against 54.8 at 64, but 24.9 against 21.2 at 16 (its nibble unpacking
@@ -62,7 +62,7 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 NARROW_DOT_MIN_ROWS = {"int8": 2, "fp8": 2, "int4": 32}
 # Rows up to which an int4 weight's matmul runs in the native CPU kernel (``use_native_int4``)
 # rather than as XLA:CPU's dequantise-then-dot. Measured on a 2-core Zen 3 (AVX2;
-# experiments/2026-12-04-int4-kernel): SmolLM2-135M's 210 int4 matmuls in a jitted scan, native
+# docs/decisions/0033-int4-native-matmul.md): SmolLM2-135M's 210 int4 matmuls in a scan, native
 # against XLA, 7.8 / 19.7 ms at 1 row, 13.4 / 30.2 at 4, 24.0 / 36.8 at 8; whole decode steps
 # (two engines interleaved in one process) 18.5 / 28.5 ms at 1 sequence, 27.2 / 36.2 at 4, and
 # at 8 in four runs 54.7 / 89.8, 59.5 / 59.9, 47.5 / 53.5 and 44.6 / 50.9. At 16 rows the
@@ -297,7 +297,7 @@ def qmatmul(x: jax.Array, w: jax.Array | QuantizedWeight, *, transpose: bool = F
     """``x @ w`` (``x @ w.T`` with ``transpose``) -> ``[T, m]`` in ``x.dtype``.
 
     A plain ``w`` of another dtype than ``x`` (bfloat16 weights under float32 activations on
-    the CPU, ``jaxserve.loading.load.compute_dtype``) is contracted as stored: ``x`` is cast
+    the CPU, ``jaxserve.platform.cpu``) is contracted as stored: ``x`` is cast
     to ``w.dtype`` and the dot accumulates in float32. A quantised ``w`` whose ``dot_dtype``
     is such a dtype does the same from ``NARROW_DOT_MIN_ROWS[w.method]`` rows of ``x`` on
     (dequantised to it; int8 and fp8 values are exact in bfloat16); below, its dot runs in
@@ -373,7 +373,7 @@ def use_native_int4(params, max_rows: int = NATIVE_INT4_MAX_ROWS):
 
 # Rows up to which a packed bfloat16 weight's matmul runs in the native kernel
 # (``use_packed_bf16``); more go to XLA's dot of the layer's weight unpacked (a strided copy per
-# layer and step). Measured on a 2-core Zen 4 (experiments/2026-12-04-bf16-packed), SmolLM2's
+# layer and step). Measured on a 2-core Zen 4 (docs/decisions/0029-bf16-packed-matmul.md), SmolLM2's
 # 210 matmuls in a 30-layer scan, kernel against XLA: 8.6 / 21-24 ms at 1 row, 15 / 25-33 at
 # 16, 40 / 53-56 at 64, 82 / 93-101 at 128, 151-154 / 168-188 at 256, 602-708 / 616-706 at
 # 1024; so every bucket up to this bound runs in the kernel.

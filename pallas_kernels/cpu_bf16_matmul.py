@@ -7,7 +7,8 @@ each weight byte about three times. ``csrc/cpu_bf16_matmul.cc`` takes the whole 
 layer index, and reads that layer's weight once, where it lies, in the layout ``vdpbf16ps``
 takes (``pack``). Measured on a 2-core Zen 4, the 210 matmuls of SmolLM2-135M's 30 layers in a
 scan: 8.6 against 20.9-24.4 ms at 1 row, 15 against 25-33 at 16, 40 against 53-56 at 64, 82
-against 93-101 at 128 (experiments/2026-12-04-bf16-packed). Built with the other native kernels
+against 93-101 at 128 (docs/decisions/0029-bf16-packed-matmul.md). Built with the other
+native kernels
 (``pallas_kernels.native``); without a compiler ``available()`` is False, and without
 AVX512-BF16 ``vectorized()`` is False (the kernel then runs scalar float32 sums: correct, slow).
 """

@@ -118,7 +118,7 @@ def decode_chunk_for(num_slots: int) -> int:
     slots, 128 above.
 
     Measured in the engine's decode step on XLA:CPU (SmolLM2-135M, bfloat16 cache, context
-    ~300; ``experiments/2026-12-02-decode-b16/chunk_ab.py``) against the 64 keys every bucket
+    ~300; ``docs/decisions/0023-decode-step-16-seqs.md``) against the 64 keys every bucket
     used before: 512 keys took 8% less time a step at 1 slot and 5% at 4; at 16, 256 keys took
     12% less and 512 another 6%; at 64 slots 128 keys took 9% less, and 256 22% more than 128.
     Few slots gather little per step, so a longer step saves loop iterations' fixed costs.

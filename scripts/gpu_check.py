@@ -281,17 +281,21 @@ def check_write_kv(rep: Report, num_tokens: int, num_blocks: int, nkv: int, d: i
 # -- 6. engine steps ------------------------------------------------------------------------------
 def check_engine(rep: Report, model_name: str, batch: int, context: int, backend: str,
                  dtype, steps: int, kv_dtype: str | None = None) -> None:
+    from jaxserve.config import EngineConfig
     from jaxserve.device.buckets import make_buckets
     from jaxserve.device.runner import ModelRunner, RowParams
+    from jaxserve.platform import current_platform
+    from jaxserve.platform.base import attention_fn
     from models.config import builtin_config
     from models.llama import LlamaForCausalLM
     from models.loader import dummy_params
-    from pallas_kernels import attention_fn_for_backend
 
     cfg = builtin_config(model_name)
     block_size = 16
     bps = -(-context // block_size)
-    model = LlamaForCausalLM(cfg, dtype, attention_fn=attention_fn_for_backend(backend))
+    attention = attention_fn(current_platform().attention_backend(
+        EngineConfig(attention_backend=backend)))
+    model = LlamaForCausalLM(cfg, dtype, attention_fn=attention)
     t0 = time.perf_counter()
     params = dummy_params(model, 0)
     jax.block_until_ready(params)

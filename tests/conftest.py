@@ -15,7 +15,12 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import numpy as np
 import pytest
 
+from jaxserve.platform import configure_process
 from jaxserve.tokenizer import Tokenizer
+
+# The process settings `jaxserve serve` and `LLM()` apply (XLA:CPU flags, malloc), so that the
+# engines built in-process here run as served; before jax opens its backend.
+configure_process()
 
 
 @pytest.fixture(scope="session")

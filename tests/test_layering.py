@@ -1,9 +1,11 @@
 """The package layering: imports run one way along the request path.
 
 ``cli -> server -> engine -> {core, device, loading} -> {models, pallas_kernels}``, with the shared
-vocabulary (the modules at the top of ``jaxserve/``) depending on none of the stages. The tools
-the command dispatches to (``bench``, ``eval``, ``autoscaling``) sit beside ``cli``: it imports
-them, they import the stages below it but not the server, and nothing below imports them. Every
+vocabulary (the modules at the top of ``jaxserve/``) depending on none of the stages, and the
+platform layer (``jaxserve/platform/``, the only code that asks which backend runs) beside the
+kernels: the engine, ``LLM`` and the command ask it. The tools the command dispatches to
+(``bench``, ``eval``, ``autoscaling``) sit beside ``cli``: it imports them, they import the
+stages below it but not the server, and nothing below imports them. Every
 import counts, including those inside functions and under ``TYPE_CHECKING``
 (docs/architecture.md#imports-run-one-way).
 """
@@ -23,17 +25,18 @@ ALLOWED: dict[str, set[str]] = {
     "models": {"pallas_kernels"},
     "vocabulary": {"models", "pallas_kernels"},
     "core": {"vocabulary"},
+    "platform": {"vocabulary", "models", "pallas_kernels"},
     "device": {"vocabulary", "models", "pallas_kernels"},
     "loading": {"vocabulary", "models", "pallas_kernels"},
-    "engine": {"vocabulary", "core", "device", "loading", "models", "pallas_kernels"},
+    "engine": {"vocabulary", "core", "device", "loading", "platform", "models", "pallas_kernels"},
     "server": {"vocabulary", "engine"},
-    "llm": {"vocabulary", "engine"},
-    "cli": {"vocabulary", "core", "device", "loading", "engine", "server", "llm", "models",
-            "pallas_kernels", "bench", "eval", "autoscaling"},
+    "llm": {"vocabulary", "engine", "platform"},
+    "cli": {"vocabulary", "core", "device", "loading", "platform", "engine", "server", "llm",
+            "models", "pallas_kernels", "bench", "eval", "autoscaling"},
     # the tools beside the command: what cli may import but the server and cli itself
-    "bench": {"vocabulary", "core", "device", "loading", "engine", "llm", "models",
+    "bench": {"vocabulary", "core", "device", "loading", "platform", "engine", "llm", "models",
               "pallas_kernels"},
-    "eval": {"vocabulary", "core", "device", "loading", "engine", "llm", "models",
+    "eval": {"vocabulary", "core", "device", "loading", "platform", "engine", "llm", "models",
              "pallas_kernels"},
     "autoscaling": {"vocabulary", "bench"},  # bench's arrival times and metric parsing
     "init": set(),  # jaxserve/__init__.py names its exports as strings, imports none
@@ -170,3 +173,17 @@ def _write(tmp_path: Path, text: str) -> Path:
     p = tmp_path / "example.py"
     p.write_text(text)
     return p
+
+
+# What asks which backend runs: only jaxserve/platform/ may (the engine asks the platform).
+BACKEND_QUESTIONS = ("default_backend(", "/proc/cpuinfo", "cpu_has_bf16_dot")
+
+
+def test_only_the_platform_layer_asks_which_backend_runs() -> None:
+    bad = []
+    for path in sorted((REPO_ROOT / "jaxserve").rglob("*.py")):
+        if (REPO_ROOT / "jaxserve" / "platform") in path.parents:
+            continue
+        text = path.read_text(encoding="utf-8")
+        bad += [f"{path.relative_to(REPO_ROOT)}: {q}" for q in BACKEND_QUESTIONS if q in text]
+    assert not bad, "\n".join(bad)

@@ -25,7 +25,8 @@ import time
 
 from jaxserve.config import DTYPES, QUANTIZATION_METHODS, LoadConfig
 from jaxserve.device import kv_calibration as cal
-from jaxserve.loading.load import load_model, resolve_dtype
+from jaxserve.loading.load import load_model
+from jaxserve.platform import current_platform
 from models.checkpoint import save_checkpoint, save_kv_scales
 from models.hf import save_hf_dir
 from models.quant import QuantConfig, apply_quantization
@@ -86,7 +87,7 @@ def convert(src: str, dst: str, dtype: str = "auto", quantization: str = "none",
     if kv_cache_dtype is not None and kv_cache_dtype not in KV_QUANT_DTYPES:
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} must be one of "
                          f"{sorted(KV_QUANT_DTYPES)}")
-    dt = resolve_dtype(dtype)
+    dt = current_platform().resolve_dtype(dtype)
     t0 = time.perf_counter()
     loaded = load_model(LoadConfig(src), dt, seed=0)
     cfg, params, tokenizer = loaded.model_config, loaded.params, loaded.tokenizer

@@ -25,7 +25,6 @@ table row per configuration and, with ``--output``, writes them as JSON.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from jaxserve.autoscaling import command as plan_cmd
@@ -43,6 +42,7 @@ from jaxserve.config_args import (
     engine_config_from_args,
 )
 from jaxserve.extras import MissingExtraError
+from jaxserve.platform import configure_process
 
 # Importing this module imports no jax: build_parser and main import the subcommand modules
 # that do (they load the engine) in one block each, marked "# jax".
@@ -136,9 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jaxserve`` command; returns the exit status."""
     ns = build_parser().parse_args(argv)
-    # JAX preallocates 75% of accelerator memory by default; let it take what the KV budget
-    # (kv_cache_memory_fraction of free memory after weights) needs. Must precede jax's start.
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    configure_process()  # XLA flags, allocator and malloc settings; before jax starts
     from jaxserve.bench import prefix_cache, step, throughput  # jax
     from jaxserve.cli import convert as convert_cmd  # jax
     from jaxserve.cli import serve as serve_cmd  # jax

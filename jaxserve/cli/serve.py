@@ -24,12 +24,12 @@ from jaxserve.engine.data_parallel import DataParallelEngine, build_data_paralle
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.metrics import EngineMetrics
 from jaxserve.loading.load import served_name
+from jaxserve.platform import current_platform
 from jaxserve.server.app import OpenAIServer, build_app
 from jaxserve.server.batch import read_lines, run_batch_file
 from jaxserve.server.gate import run_server
 from jaxserve.server.lifecycle import Lifecycle
 from jaxserve.server.logs import configure_logging
-from pallas_kernels import resolve_attention_backend
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -61,15 +61,17 @@ def start_engine(cfg: EngineConfig, load: LoadConfig, out: typing.TextIO) -> Asy
     return aeng
 
 
-def check_attention_backend(cfg: EngineConfig) -> None:
-    """Raise ValueError naming ``--attention-backend`` if it cannot run on this platform
-    (``resolve_attention_backend``'s checks: a GPU kernel on a CPU, no C++ compiler for the
-    native kernel)."""
+def check_platform(cfg: EngineConfig) -> None:
+    """Raise ValueError naming the flag (``--attention-backend``, ``--cpu-kernels``) if this
+    platform cannot run the settings (``Platform.check``: a GPU kernel on a CPU, native CPU
+    kernels that cannot load or off the CPU)."""
     try:
-        resolve_attention_backend(cfg.attention_backend)
+        current_platform().check(cfg)
     except (ValueError, RuntimeError) as e:
-        raise ValueError(str(e).replace("attention_backend=", "--attention-backend=", 1)
-                         ) from None
+        msg = str(e)
+        for name in ("attention_backend", "cpu_kernels"):
+            msg = msg.replace(f"{name}=", f"--{name.replace('_', '-')}=", 1)
+        raise ValueError(msg) from None
 
 
 def startup_stages_line(engine: LLMEngine, warmup_stats: dict[str, float],
@@ -105,7 +107,7 @@ def serve(ns: argparse.Namespace) -> None:
         check_port_free(server_cfg.host, server_cfg.port)  # a clear error before anything runs
     configure_logging(server_cfg.log_level, server_cfg.log_format)
     cfg = engine_config_from_args(ns)
-    check_attention_backend(cfg)  # before the port is served and the weights are read
+    check_platform(cfg)  # before the port is served and the weights are read
     load = LoadConfig(ns.model or ns.model_opt, ns.load_format, ns.served_model_name)
     name = served_name(load)
     if multi and ns.process_id != 0:  # a follower: same programs, steps from process 0
@@ -165,7 +167,7 @@ def run_batch(ns: argparse.Namespace) -> None:
     of progress output: load and compile lines, the bars and the summary go to stderr)."""
     limits = limits_from_args(ns)
     cfg = engine_config_from_args(ns)
-    check_attention_backend(cfg)
+    check_platform(cfg)
     if ns.max_in_flight is not None and ns.max_in_flight < 1:
         raise ValueError(f"--max-in-flight must be >= 1, got {ns.max_in_flight}")
     lines = read_lines(ns.input_file)  # fail before minutes of loading

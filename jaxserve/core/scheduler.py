@@ -63,7 +63,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     num_host_blocks: int = 0  # host-tier blocks including its reserved block 0; 0: no host tier
     # victim when the pool is short: "newest" (latest admitted) or "least_progress" (fewest
-    # computed tokens); default: least work lost (experiments/2026-12-01-preemption-policy)
+    # computed tokens); default: least work lost (docs/decisions/0016-preemption-policy.md)
     preemption_policy: str = "least_progress"
     # the compiled step shapes, ascending (``device.buckets.token_buckets``); () plans without
     # them. With them, a step just past a bucket gives prefill tokens back (``_fit_bucket``).

@@ -10,25 +10,9 @@ Every sequence contributes at least one token, so ``num_seqs <= num_tokens <= T`
 bucket (8 for the default 1024 tokens; 12 on the CPU, with its small buckets and the mid ones up
 to the default 64 sequences) instead of the full (T, S) grid.
 
-On the CPU the engine adds ``CPU_SMALL_BUCKETS``, 1 and 4 tokens, for one to four requests
-decoding. XLA:CPU runs a 1-row weight matmul as a matrix-vector product, and a step's
-attention gathers every slot's pages (padding slots' too). SmolLM2-135M, bfloat16 weights,
-context 300 (``jaxserve bench step``): one decode 24 ms in the 1-token bucket against 32 ms in
-the 8-token one; four decodes 30-32 ms in the 4-token bucket against 36 ms. Each costs one
-model and one sampler program more to compile; a 2-token bucket was no faster for two
-decodes.
-
-On the CPU the engine also compiles the mid buckets ``3 * 2**k`` from ``MIN_MID_BUCKET`` (24,
-48, 96, ...) up to ``max_num_seqs``. A decode step's cost there grows with its padded rows and slots (every weight
-matmul row, every slot's page gathers), so a step of 33 decodes padded to 64 cost what 64 do.
-Measured in one process, decode steps interleaved (SmolLM2-135M, bfloat16, context 300;
-experiments/2026-12-02-decode-buckets): 48 live sequences 100.3 ms a step with the powers of
-two against 86.9 ms with the 48 bucket, 33 live 127.4 against 95.7, 24 live 90.0 against 77.2,
-12 live 51.4 against 40.6 (a 12 bucket); 64 live the same. Decode steps with fewer sequences
-than the largest bucket are common: a batch's sequences finish at different lengths. Each
-bucket costs a model and a sampler program, about 2 s each of a cold start's compile here: few
-steps run 9-12 decodes, so a 12 bucket would not repay it. A GPU pads for less (its decode step
-reads the weights once whatever the rows), so it keeps the powers of two.
+Which extra shapes pay for themselves is a platform question (``jaxserve.platform``'s
+``buckets``): the CPU compiles small buckets (1 and 4 tokens) and the mid ones; a GPU keeps the
+powers of two.
 """
 
 from __future__ import annotations
@@ -37,7 +21,6 @@ import bisect
 from dataclasses import dataclass
 
 MIN_TOKEN_BUCKET = 8
-CPU_SMALL_BUCKETS = (1, 4)  # token buckets below 8 that the engine compiles on the CPU
 MIN_MID_BUCKET = 24  # the smallest of the buckets 3 * 2**k (``token_buckets``'s mid_up_to)
 
 

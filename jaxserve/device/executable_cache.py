@@ -108,7 +108,7 @@ def _environment() -> str:
     import jaxlib
 
     dev = jax.devices()
-    return repr((jax.__version__, jaxlib.__version__, np.__version__, jax.default_backend(),
+    return repr((jax.__version__, jaxlib.__version__, np.__version__, dev[0].platform,
                  dev[0].client.platform_version, sorted({d.device_kind for d in dev}),
                  len(dev), os.environ.get("XLA_FLAGS", ""),
                  sorted((k, repr(v)) for k, v in jax.config.values.items()

@@ -40,7 +40,7 @@ AMAX_FLOOR = 1e-4
 # The calibrated max |x| maps to QUANT_MAX / HEADROOM, so values up to HEADROOM times what the
 # calibration text produced still fit instead of saturating. For e4m3 (a float format: the same
 # 3-bit relative precision from 2^-6 of its max up) headroom costs almost nothing; for int8 the
-# step grows with it. Chosen by experiments/2026-12-01-kv-quant-scales.
+# step grows with it. Chosen by docs/decisions/0012-kv-quant-scales.md.
 HEADROOM: dict[jnp.dtype, float] = {
     KV_QUANT_DTYPES["fp8"]: 1.0,
     jnp.dtype(jnp.int8): 1.0,

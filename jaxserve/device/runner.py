@@ -177,7 +177,7 @@ class ModelRunner:
       kv_cache: the paged cache; donated to every step and replaced by the result.
       max_num_batched_tokens, max_num_seqs: bucket limits.
       small_buckets: token buckets below 8 to compile as well (``jaxserve.device.buckets``;
-        the engine asks for ``CPU_SMALL_BUCKETS`` on the CPU).
+        the platform's ``buckets``).
       mid_buckets_up_to: compile the buckets ``3 * 2**k`` (24, 48, ...) up to this many tokens
         too (``buckets.token_buckets``; the engine asks for them up to ``max_num_seqs`` on the
         CPU); 0: none.
@@ -658,7 +658,7 @@ def _lm_head(model: CausalLM, params, hidden: jax.Array) -> jax.Array:
     ``LM_HEAD_MIN_ROWS`` and cut back: XLA:CPU runs a 1-row dot against the transposed
     embedding as a slow reduction (SmolLM2-135M's 1-token step took 65 ms with it, 24 ms padded
     to 8 rows); from 2 rows it goes to YNNPACK. 2 rows against the 8 used before, one decode
-    alone (experiments/2026-12-02-lm-head-rows, four interleaved runs): int4 weights 21.3 /
+    alone (docs/decisions/0025-lm-head-rows.md, four interleaved runs): int4 weights 21.3 /
     18.4 ms a step against 22.8 / 18.7, bfloat16 19.8 / 21.8 against 19.9 / 22.7."""
     rows = hidden.shape[0]
     if rows >= LM_HEAD_MIN_ROWS:

@@ -184,7 +184,7 @@ def build_data_parallel(config: EngineConfig, load: LoadConfig, data_parallel_si
     devs = list(devices if devices is not None else jax.devices())
     if len(devs) < dp * tp:
         raise ValueError(f"data_parallel_size={dp} x tensor_parallel_size={tp} needs {dp * tp} "
-                         f"devices; {len(devs)} available ({jax.default_backend()})")
+                         f"devices; {len(devs)} available ({jax.devices()[0].platform})")
     replicas = []
     for i in range(dp):
         metrics = EngineMetrics(served_name(load)) if with_metrics else None

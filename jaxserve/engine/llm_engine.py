@@ -31,16 +31,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import sharding
 from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.core.scheduler import PLACEHOLDER_TOKEN, Scheduler, SchedulerConfig, SchedulerOutput
 from jaxserve.core.sequence import SeqState
-from jaxserve.device.buckets import CPU_SMALL_BUCKETS, Bucket
+from jaxserve.device.buckets import Bucket
 from jaxserve.device.executable_cache import ExecutableCache
-from jaxserve.device.host_malloc import keep_freed_blocks
 from jaxserve.device.host_tier import HostKVTier
 from jaxserve.device.runner import ModelRunner, RowParams, StepOutput
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
@@ -62,79 +60,17 @@ from jaxserve.engine.validation import (
     truncate_prompt,
     validate_request,
 )
-from jaxserve.loading.load import compute_dtype, load_model, resolve_dtype, setup_compilation_cache
+from jaxserve.loading.load import load_model, setup_compilation_cache
 from jaxserve.outputs import RequestOutput
+from jaxserve.platform import current_platform
+from jaxserve.platform.base import attention_fn
 from jaxserve.sampling_params import SamplingParams
-from models.quant import NATIVE_INT4_MAX_ROWS, QuantConfig, use_native_int4, use_packed_bf16
+from models.quant import QuantConfig
 from models.registry import get_architecture
-from pallas_kernels import (
-    allocate_kv_cache,
-    attention_fn_for_backend,
-    cpu_bf16_matmul,
-    cpu_int4_matmul,
-    kv_cache_bytes_per_block,
-    resolve_attention_backend,
-)
+from pallas_kernels import allocate_kv_cache, kv_cache_bytes_per_block
 
 log = logging.getLogger(__name__)
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads choice seeds (SplitMix64)
-
-
-def _step_overhead_tokens(backend: str) -> int:
-    """A step's fixed cost in prompt tokens of compute, for ``Scheduler._fit_bucket``.
-
-    CPU: ~30 ms a step against ~0.75 ms a prompt token (SmolLM2-135M, 2 cores;
-    experiments/2026-12-01-bucket-fit). A GPU reads all weights in every step and computes a
-    prompt token in far less, so padding is cheaper there than another step."""
-    return 32 if backend == "cpu" else 256
-
-
-def packs_bf16(backend: str, platform: str, tp: int, quantization: str, dtype: jnp.dtype
-               ) -> bool:
-    """Whether ``bf16_matmul_backend`` packs the bfloat16 weights for the native CPU kernel
-    (``models.quant.use_packed_bf16``). "auto": on a CPU with AVX512-BF16 where the kernel
-    builds, bfloat16 weights, no quantization, no tensor parallelism.
-
-    Raises:
-      ValueError: "native" off the CPU, with ``tp > 1``, quantised or without bfloat16
-        weights (naming ``bf16_matmul_backend``); an unknown backend.
-    """
-    fits = platform == "cpu" and tp == 1 and quantization == "none" and (
-        jnp.dtype(dtype) == jnp.bfloat16)
-    if backend == "xla":
-        return False
-    if backend == "native":
-        if not fits:
-            raise ValueError(f"bf16_matmul_backend='native' needs bfloat16 weights, unquantised, "
-                             f"on one CPU device; got dtype={jnp.dtype(dtype).name}, "
-                             f"quantization={quantization!r} on {platform!r} with "
-                             f"tensor_parallel_size={tp}")
-        return True
-    if backend == "auto":
-        return fits and cpu_bf16_matmul.vectorized()
-    raise ValueError(f"bf16_matmul_backend={backend!r} must be auto, xla or native")
-
-
-def int4_native_rows(backend: str, platform: str, tp: int) -> int:
-    """Rows up to which int4 matmuls run in the native CPU kernel under ``int4_matmul_backend``
-    (``models.quant.use_native_int4``; 0: never). "auto": on the CPU without tensor
-    parallelism where the kernel builds.
-
-    Raises:
-      ValueError: "native" off the CPU or with ``tp > 1`` (a custom call XLA cannot split), or
-        an unknown backend.
-    """
-    if backend == "xla":
-        return 0
-    if backend == "native":
-        if platform != "cpu" or tp > 1:
-            raise ValueError(f"int4_matmul_backend='native' runs on one CPU device only, not on "
-                             f"{platform!r} with tensor_parallel_size={tp}")
-        return NATIVE_INT4_MAX_ROWS
-    if backend == "auto":
-        native = platform == "cpu" and tp == 1 and cpu_int4_matmul.available()
-        return NATIVE_INT4_MAX_ROWS if native else 0
-    raise ValueError(f"int4_matmul_backend={backend!r} must be auto, xla or native")
 
 
 @dataclass
@@ -190,18 +126,16 @@ class LLMEngine:
         self.metrics = metrics
         setup_compilation_cache(config.compilation_cache_dir)
         t0 = time.perf_counter()
-        self.dtype = resolve_dtype(config.dtype)
-        self.attention_backend = resolve_attention_backend(config.attention_backend)
-        attention_fn = attention_fn_for_backend(self.attention_backend)
+        self.platform = platform = current_platform()
+        self.dtype = platform.resolve_dtype(config.dtype)
+        self.attention_backend = platform.attention_backend(config)
+        attention = attention_fn(self.attention_backend)
         tp = config.tensor_parallel_size
         self.mesh = sharding.make_mesh(tp, devices) if tp > 1 or devices is not None else None
         loaded = load_model(load, self.dtype, config.seed, self.mesh, quantization=QuantConfig(
             config.quantization, config.quantization_group_size, config.quantize_embeddings))
         t_load = time.perf_counter()
         params, self.tokenizer, self.load_report = loaded.params, loaded.tokenizer, loaded.report
-        if config.quantization == "int4":
-            params = use_native_int4(params, int4_native_rows(config.int4_matmul_backend,
-                                                              jax.default_backend(), tp))
         self.model_name = load.served_model_name or loaded.name
         if metrics is not None and metrics.model_name != self.model_name:
             raise ValueError(f"metrics are labelled model_name={metrics.model_name!r}; the "
@@ -211,21 +145,17 @@ class LLMEngine:
         kv_sharding = scale_sharding = None
         if self.mesh is not None:
             self.model_config = mc = sharding.sharded_config(mc, tp)
-            attention_fn = sharding.shard_attention(attention_fn, self.mesh)
+            attention = sharding.shard_attention(attention, self.mesh)
             kv_sharding = jax.sharding.NamedSharding(self.mesh, sharding.kv_cache_spec())
             scale_sharding = jax.sharding.NamedSharding(self.mesh, sharding.kv_scale_spec())
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context "
                              f"window of {mc.max_position_embeddings}")
-        self.compute_dtype = compute_dtype(self.dtype)
-        self.model = get_architecture(mc.architecture).model(mc, self.compute_dtype,
-                                                             attention_fn=attention_fn)
-        if packs_bf16(config.bf16_matmul_backend, jax.default_backend(), tp,
-                      config.quantization, self.dtype):
-            targets = get_architecture(mc.architecture).quant_targets
-            if targets is not None:
-                params = use_packed_bf16(params, targets)
+        self.compute_dtype = platform.compute_dtype(self.dtype)
+        arch = get_architecture(mc.architecture)
+        self.model = arch.model(mc, self.compute_dtype, attention_fn=attention)
+        params = platform.prepare_weights(params, config, self.dtype, arch.quant_targets)
         self.kv_layout: KVLayout = plan_kv_cache(config, load, self.model, params, self.dtype,
                                                  self.tokenizer, self.mesh, kv_sharding)
         self.num_blocks = self.kv_layout.num_blocks
@@ -254,14 +184,12 @@ class LLMEngine:
         exe_cache = ExecutableCache(os.path.join(os.path.expanduser(
             config.compilation_cache_dir), "jaxserve-executables")) \
             if config.compilation_cache_dir and self.mesh is None else None
-        on_cpu = jax.default_backend() == "cpu"
-        if on_cpu:  # step temporaries stay paged in (host_malloc)
-            keep_freed_blocks()
+        buckets = platform.buckets(config)
         self.runner = ModelRunner(self.model, params, kv,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_num_seqs=config.max_num_seqs,
-                                  small_buckets=CPU_SMALL_BUCKETS if on_cpu else (),
-                                  mid_buckets_up_to=config.max_num_seqs if on_cpu else 0,
+                                  small_buckets=buckets.small,
+                                  mid_buckets_up_to=buckets.mid_up_to,
                                   max_blocks_per_seq=max_blocks, vocab_limit=vocab_limit,
                                   mesh=self.mesh, executable_cache=exe_cache,
                                   program_description=repr((
@@ -282,7 +210,7 @@ class LLMEngine:
                 config, self.num_blocks, self.max_model_len,
                 self.host_kv.num_blocks if self.host_kv is not None else 0),
             token_buckets=tuple(b.num_tokens for b in self.runner.buckets),
-            step_overhead_tokens=_step_overhead_tokens(jax.default_backend()))
+            step_overhead_tokens=platform.step_overhead_tokens)
         if self.runner.multiprocess:
             sched_config.async_scheduling = False
         self.scheduler = Scheduler(sched_config)
@@ -320,8 +248,8 @@ class LLMEngine:
     def warmup(self, progress: bool = True,
                on_compiled: Callable[[int, int], None] | None = None) -> dict[str, float]:
         """Compile every step program (and the host tier's copy programs); returns
-        {"num_programs", "compile_s", "compile_cpu_s"} (``ModelRunner.warmup``). ``on_compiled(done, total)`` is called as step programs
-        compile (``ModelRunner.warmup``). The grammar compiler's tokenizer is built meanwhile,
+        {"num_programs", "compile_s", "compile_cpu_s"}; ``on_compiled(done, total)`` is called
+        as step programs compile (``ModelRunner.warmup``). The grammar compiler's tokenizer is built meanwhile,
         in its own thread (``GrammarCompiler.prepare``)."""
         self.grammars.prepare()
         stats = self.runner.warmup(progress, on_compiled)

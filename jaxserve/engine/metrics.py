@@ -52,7 +52,6 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
-    disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.core import Metric
@@ -64,9 +63,26 @@ PREFIX = "jaxserve:"
 VLLM_PREFIX = "vllm:"
 MODEL_LABEL = "model_name"
 
-# A counter's _created series is a timestamp per label set that no dashboard reads; 17 of them
-# doubled the scrape of an idle server. Process-wide: prometheus-client has no per-registry switch.
-disable_created_metrics()
+
+
+def _without_created(samples, family: str):
+    """A family's samples less its ``_created`` series: a timestamp per label set that no
+    dashboard reads; 17 of them doubled the scrape of an idle server. Filtered per exposition,
+    since prometheus-client's own switch (``disable_created_metrics``) is process-wide."""
+    return [s for s in samples if s.name != family + "_created"]
+
+
+class _Exposed(Collector):
+    """``source``'s families as scraped: without ``_created`` series (``_without_created``)."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        for m in self.source.collect():
+            out = Metric(m.name, m.documentation, m.type, m.unit)
+            out.samples = _without_created(m.samples, m.name)
+            yield out
 
 # KVStats field -> (counter name without the prefix, help)
 KV_COUNTERS = {
@@ -136,6 +152,8 @@ class EngineMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self._exposed = CollectorRegistry(auto_describe=False)
+        self._exposed.register(_Exposed(self.registry))
         self._limits = (0, 0)  # (max_num_seqs, max_num_batched_tokens) once set_batch_limits ran
         self.prefill_tokens_per_s: float | None = None
         self._prefill_pending = 0
@@ -324,8 +342,8 @@ class EngineMetrics:
         self.request_generation_tokens.observe(num_generation_tokens)
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of every metric."""
-        return generate_latest(self.registry)
+        """The Prometheus text exposition of every metric (no ``_created`` series)."""
+        return generate_latest(self._exposed)
 
 
 class _VllmNames(Collector):
@@ -339,7 +357,8 @@ class _VllmNames(Collector):
             base = m.name.removeprefix(PREFIX)
             for name in VLLM_NAMES.get(base, ()) if m.name.startswith(PREFIX) else ():
                 out = Metric(VLLM_PREFIX + name, m.documentation, m.type, m.unit)
-                for s in m.samples:  # sample names are the family's plus a suffix (_total, ...)
+                # sample names are the family's plus a suffix (_total, ...)
+                for s in _without_created(m.samples, m.name):
                     out.add_sample(VLLM_PREFIX + name + s.name[len(m.name):], s.labels, s.value,
                                    s.timestamp, s.exemplar)
                 yield out

@@ -16,7 +16,7 @@ it can go no further, so a constrained output ends exactly where its constraint 
 that breaks (a token it refuses, its per-step work limit hit) allows only EOS from then on.
 
 llguidance was chosen over outlines-core and xgrammar by measurement
-(``experiments/2026-12-01-grammar-engine``): it compiles a JSON schema in about a millisecond
+(``docs/decisions/0008-grammar-engine.md``): it compiles a JSON schema in about a millisecond
 where outlines-core's regex index takes 5 ms to 8 s, and it needs neither torch nor
 transformers (xgrammar needs both).
 """

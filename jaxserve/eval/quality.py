@@ -58,7 +58,7 @@ from jaxserve.eval.inputs import (
     read_prompts,
 )
 from jaxserve.eval.scoring import CorpusScores, greedy_tokens, memory_bytes, score_corpus
-from jaxserve.loading.load import resolve_dtype
+from jaxserve.platform import current_platform
 from models import checkpoint
 from models.quant import DEFAULT_GROUP_SIZE, QuantConfig, quantized_shapes
 from models.registry import get_architecture
@@ -329,8 +329,8 @@ def row_names(config: EngineConfig, configs: Sequence[tuple[str, dict[str, objec
         name = describe(cfg)
         if cfg.quantization == "int4" and cfg.quantization_group_size != DEFAULT_GROUP_SIZE:
             name += f"@g{cfg.quantization_group_size}"
-        dtype = resolve_dtype(cfg.dtype)
-        if dtype != resolve_dtype(config.dtype):  # the float dtype, when the item changes it
+        dtype = current_platform().resolve_dtype(cfg.dtype)
+        if dtype != current_platform().resolve_dtype(config.dtype):  # the float dtype, when the item changes it
             name = dtype.name if name == "none" else f"{dtype.name}+{name}"
         if name in seen:
             raise ValueError(f"--compare: {seen[name]!r} and {item!r} run the same "

@@ -93,48 +93,6 @@ def setup_compilation_cache(cache_dir: str) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-"""/proc/cpuinfo flags of x86 CPUs with a native bfloat16 dot (XLA:CPU's YNNPACK dots use
-it); without one a bfloat16 dot is converted to float32 and gains nothing."""
-
-
-def cpu_has_bf16_dot(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether this CPU has a native bfloat16 dot (``CPU_BF16_FLAGS``); False where
-    ``cpuinfo`` cannot be read (not Linux)."""
-    try:
-        with open(cpuinfo, encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                if line.startswith("flags"):
-                    return bool(set(line.split(":", 1)[-1].split()) & set(CPU_BF16_FLAGS))
-    except OSError:
-        pass
-    return False
-
-
-def resolve_dtype(name: str) -> jnp.dtype:
-    """"auto" -> bfloat16 on accelerators and on CPUs with a native bfloat16 dot (there with
-    float32 activations, ``compute_dtype``), float32 on other CPUs; other names as they are.
-
-    On this project's CPU (AVX512-BF16) bfloat16 weights are as good as float32 on the eval
-    set (perplexity -0.03%, top-1 agreement 0.99) and the step is 20-40% faster:
-    docs/configuration.md#dtype."""
-    if name == "auto":
-        cpu = jax.default_backend() == "cpu"
-        return jnp.dtype(jnp.bfloat16 if not cpu or cpu_has_bf16_dot() else jnp.float32)
-    return jnp.dtype(name)
-
-
-def compute_dtype(dtype: jnp.dtype) -> jnp.dtype:
-    """The activations' dtype for weights stored in ``dtype``: float32 for bfloat16 weights on
-    the CPU (XLA:CPU runs bfloat16 elementwise work through float32 conversions, slower than
-    float32 itself, while a bfloat16 dot with float32 accumulation runs at up to twice the
-    float32 rate); ``dtype`` itself otherwise."""
-    dtype = jnp.dtype(dtype)
-    if jax.default_backend() == "cpu" and dtype == jnp.bfloat16:
-        return jnp.dtype(jnp.float32)
-    return dtype
-
-
 def load_model(load: LoadConfig, dtype: jnp.dtype, seed: int, mesh: Mesh | None = None, *,
                quantization: QuantConfig | None = None) -> LoadedModel:
     """Load the model ``load`` names, in ``dtype``, onto one device or ``mesh``.

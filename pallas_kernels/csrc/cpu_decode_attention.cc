@@ -33,7 +33,7 @@
 // shuffle-and-add tree instead of a horizontal sum per key and head; the maximum is vectorised
 // and the 1 / denominator scales the output instead of every probability. 1.6-2.3x less time
 // than the generic item for 1-64 sequences of 300 tokens (SmolLM2's 64 x 3), measured
-// interleaved in one process (experiments/2026-12-04-decode-attention).
+// interleaved in one process (docs/decisions/0031-vectorised-decode-attention.md).
 // Items are shared between the calling thread and tasks on XLA's intra-op thread pool through
 // an atomic counter; the caller waits only for items some thread has claimed, so a pool with
 // no free thread cannot deadlock it.

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from jaxserve.device.buckets import (
-    CPU_SMALL_BUCKETS,
     Bucket,
     make_buckets,
     pick_bucket,
     token_buckets,
 )
+from jaxserve.platform.cpu import SMALL_BUCKETS
 
 
 def test_token_buckets_are_powers_of_two_from_8_then_the_budget() -> None:
@@ -20,7 +20,7 @@ def test_token_buckets_are_powers_of_two_from_8_then_the_budget() -> None:
 
 
 def test_small_buckets_come_first() -> None:
-    assert token_buckets(64, small=CPU_SMALL_BUCKETS) == [1, 4, 8, 16, 32, 64]
+    assert token_buckets(64, small=SMALL_BUCKETS) == [1, 4, 8, 16, 32, 64]
     assert make_buckets(64, 4, small=(1, 4)) == [
         Bucket(1, 1), Bucket(4, 4), Bucket(8, 4), Bucket(16, 4), Bucket(32, 4), Bucket(64, 4)]
     for bad in ((0,), (8,), (4, 1), (1, 1)):
@@ -29,7 +29,7 @@ def test_small_buckets_come_first() -> None:
 
 
 def test_pick_bucket_takes_the_smallest_that_holds_the_step() -> None:
-    buckets = make_buckets(64, 16, small=CPU_SMALL_BUCKETS)
+    buckets = make_buckets(64, 16, small=SMALL_BUCKETS)
     assert pick_bucket(buckets, 1, 1) == Bucket(1, 1)
     assert pick_bucket(buckets, 2, 2) == Bucket(4, 4)
     assert pick_bucket(buckets, 4, 1) == Bucket(4, 4)
@@ -40,7 +40,7 @@ def test_pick_bucket_takes_the_smallest_that_holds_the_step() -> None:
 
 
 def test_mid_buckets_sit_between_the_powers_of_two_from_24_up_to_their_limit() -> None:
-    assert token_buckets(1024, small=CPU_SMALL_BUCKETS, mid_up_to=64) == [
+    assert token_buckets(1024, small=SMALL_BUCKETS, mid_up_to=64) == [
         1, 4, 8, 16, 24, 32, 48, 64, 128, 256, 512, 1024]
     assert token_buckets(1024, mid_up_to=47) == [8, 16, 24, 32, 64, 128, 256, 512, 1024]
     assert token_buckets(1024, mid_up_to=23) == token_buckets(1024)
@@ -53,4 +53,4 @@ def test_mid_buckets_sit_between_the_powers_of_two_from_24_up_to_their_limit() -
     with pytest.raises(ValueError, match="mid_up_to"):
         token_buckets(64, mid_up_to=-1)
     # a step of 33 decodes pads to 48, not 64
-    assert pick_bucket(make_buckets(1024, 64, CPU_SMALL_BUCKETS, 64), 33, 33) == Bucket(48, 48)
+    assert pick_bucket(make_buckets(1024, 64, SMALL_BUCKETS, 64), 33, 33) == Bucket(48, 48)

@@ -334,7 +334,7 @@ def _tiny_loader(tokenizer):
 # SmolLM2, the 220-token prose prompt, prompt logprobs of every token vs the float32 cache
 # (max |d logprob|, mean |d logprob|, top-1 agreement). Measured (deterministic: fixed weights
 # and text): fp8 0.449 / 0.066 / 0.964, int8 0.330 / 0.052 / 0.959; bounds about twice the
-# error. Unit scales with int8 give a mean of ~2.3 (experiments/2026-12-01-kv-quant-scales).
+# error. Unit scales with int8 give a mean of ~2.3 (docs/decisions/0012-kv-quant-scales.md).
 # bfloat16 (8 mantissa bits, no scales): 0.069 / 0.0044 / 0.995.
 SMOLLM2_TOL = {"fp8": (1.0, 0.13, 0.92), "int8": (0.7, 0.1, 0.92),
                "bfloat16": (0.15, 0.01, 0.98)}

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -100,8 +101,8 @@ def test_describe_and_baseline_follow_the_config_fields() -> None:
 
 
 def test_rows_that_change_the_float_dtype_are_named_by_it(monkeypatch) -> None:
-    from jaxserve.loading import load
-    monkeypatch.setattr(load, "cpu_has_bf16_dot", lambda: True)  # auto -> bfloat16 here
+    from jaxserve.platform import cpu
+    monkeypatch.setattr(cpu, "cpu_has_bf16_dot", lambda: True)  # auto -> bfloat16 here
     auto = EngineConfig()
     assert [n for n, _ in ev.row_names(auto, eval_inputs.parse_compare("float32,bfloat16+int8"))
             ] == ["float32", "int8"]
@@ -153,11 +154,11 @@ def test_default_set_ships_enough_prose_and_prompts(tokenizer) -> None:
 def _direct_ppl(ids: list[int], window: int, stride: int) -> tuple[float, np.ndarray]:
     """Perplexity and argmaxes over the same windows from one plain prefill per window of the
     same dummy weights (tests/support/prefill.py), outside the engine and its sampler."""
-    from jaxserve.loading.load import load_model, resolve_dtype
+    from jaxserve.loading.load import load_model
     from models.registry import get_architecture
     from tests.support.prefill import prefill_logits
 
-    dtype = resolve_dtype("float32")
+    dtype = jnp.dtype(jnp.float32)
     loaded = load_model(TINY, dtype, CONFIG.seed)
     mc, params, tok = loaded.model_config, loaded.params, loaded.tokenizer
     model = get_architecture(mc.architecture).model(mc, dtype)

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from pallas_kernels import (
-    attention_fn_for_backend,
     cpu_attention,
     ragged_paged_attention,
     ref_ragged_paged_attention,
@@ -226,29 +225,3 @@ def test_unsupported_cache_dtype_is_refused() -> None:
         cpu_attention.cpu_decode_attention(
             jnp.zeros((2, 2, 8)), kv, kv, jnp.int32(0), jnp.zeros((1, 2), jnp.int32),
             jnp.ones((1,), jnp.int32), jnp.array([0, 1], jnp.int32), jnp.ones((1,), jnp.int32))
-
-
-def test_backend_selection_on_cpu() -> None:
-    both = {"native_decode": True, "native_prefill": True}
-    f = attention_fn_for_backend("native")
-    assert f.func is ragged_paged_attention and f.keywords == both
-    auto = attention_fn_for_backend("auto", platform="cpu")
-    assert auto.func is ragged_paged_attention and auto.keywords == both
-    dec = attention_fn_for_backend("native-decode")
-    assert dec.func is ragged_paged_attention and dec.keywords == {
-        "native_decode": True, "native_prefill": False}
-
-
-def test_auto_falls_back_to_reference_without_the_kernel(monkeypatch) -> None:
-    monkeypatch.setattr(cpu_attention, "available", lambda: False)
-    assert attention_fn_for_backend("auto", platform="cpu") is ragged_paged_attention
-    with pytest.raises(RuntimeError, match="attention_backend='native'"):
-        attention_fn_for_backend("native")
-
-
-def test_native_is_refused_off_the_cpu() -> None:
-    for backend in ("native", "native-decode"):
-        with pytest.raises(ValueError, match="runs on CPUs only"):
-            attention_fn_for_backend(backend, platform="gpu")
-
-

@@ -1,7 +1,7 @@
 """The native CPU bfloat16 matmul over packed weights (``pallas_kernels.cpu_bf16_matmul``):
 its layout against the plain weight, its sums against XLA's bfloat16 dot, ``models.quant``'s
 ``PackedWeight`` in ``qmatmul`` (kernel and unpacked paths) and in a model's layer scan, and the
-engine's choice of it (``bf16_matmul_backend``)."""
+engine's choice of it (``cpu_kernels``; tests/platform/test_platform.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxserve.config import EngineConfig, LoadConfig
-from jaxserve.engine.llm_engine import LLMEngine, packs_bf16
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
 from models import quant
 from models.architectures import DECODER_QUANT_TARGETS
@@ -148,10 +148,11 @@ def test_a_tied_embedding_packed_transposed_serves_lookup_and_lm_head() -> None:
         quant.embed_lookup(untied["lm_head"], ids, jnp.float32)
 
 
-def _greedy(backend: str, budget: int) -> tuple[list[list[int]], dict]:
+def _greedy(cpu_kernels: str, budget: int) -> tuple[list[list[int]], dict]:
     engine = LLMEngine(EngineConfig(
         max_model_len=256, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=budget,
-        dtype="bfloat16", compilation_cache_dir="", bf16_matmul_backend=backend),
+        dtype="bfloat16", compilation_cache_dir="", cpu_kernels=cpu_kernels,
+        attention_backend="reference"),  # only the matmuls differ between the two runs
         LoadConfig(model="tiny", load_format="dummy"))
     engine.warmup(progress=False)
     rng = np.random.default_rng(7)
@@ -170,30 +171,10 @@ def _greedy(backend: str, budget: int) -> tuple[list[list[int]], dict]:
 def test_engine_greedy_tokens_equal_with_packed_weights() -> None:
     """The tiny dummy model in bfloat16: chunked prefills beside decodes give the same greedy
     tokens through the packed kernel as through XLA's dot."""
-    got, packed = _greedy("native", 64)
-    want, plain = _greedy("xla", 64)
+    got, packed = _greedy("on", 64)
+    want, plain = _greedy("off", 64)
     head = "lm_head" if "lm_head" in packed else "embed"
     assert isinstance(packed["layers"]["wq"], PackedWeight) and isinstance(packed[head],
                                                                            PackedWeight)
     assert not isinstance(plain["layers"]["wq"], PackedWeight)
     assert got == want and all(len(t) == 6 for t in got)
-
-
-def test_backend_selection() -> None:
-    bf16 = jnp.bfloat16
-    assert packs_bf16("auto", "cpu", 1, "none", bf16) == kernel.vectorized()
-    assert not packs_bf16("auto", "cpu", 1, "none", jnp.float32)
-    assert not packs_bf16("auto", "cpu", 2, "none", bf16)
-    assert not packs_bf16("auto", "cpu", 1, "int8", bf16)
-    assert not packs_bf16("auto", "gpu", 1, "none", bf16)
-    assert not packs_bf16("xla", "cpu", 1, "none", bf16)
-    assert packs_bf16("native", "cpu", 1, "none", bf16)
-    for args in (("gpu", 1, "none", bf16), ("cpu", 1, "none", jnp.float32)):
-        with pytest.raises(ValueError, match="bf16_matmul_backend='native' needs bfloat16"):
-            packs_bf16("native", *args)
-    with pytest.raises(ValueError, match="must be one of"):
-        EngineConfig(bf16_matmul_backend="fast")
-    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
-        EngineConfig(bf16_matmul_backend="native", tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="not quantization='int4'"):
-        EngineConfig(bf16_matmul_backend="native", quantization="int4")

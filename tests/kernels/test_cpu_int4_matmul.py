@@ -1,6 +1,6 @@
 """The native CPU int4 matmul (``pallas_kernels.cpu_int4_matmul``) against the dequantised
 weight in float64, alone, through ``models.quant.qmatmul`` in a jitted scan, and the engine's
-choice of it (``int4_matmul_backend``)."""
+choice of it (``cpu_kernels``; tests/platform/test_platform.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import pytest
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.kv_budget import weights_summary
-from jaxserve.engine.llm_engine import int4_native_rows
 from models import quant
 from models.quant import NATIVE_INT4_MAX_ROWS, QuantizedWeight
 from pallas_kernels import cpu_int4_matmul
@@ -152,29 +151,6 @@ def test_use_native_int4_marks_int4_linears_only() -> None:
     assert out["plain"] is w
     off = quant.use_native_int4(out, 0)
     assert off["lin"] == dataclasses.replace(params["lin"])  # 0: back to XLA's path
-
-
-def test_backend_choice() -> None:
-    assert int4_native_rows("xla", "cpu", 1) == 0
-    assert int4_native_rows("auto", "cpu", 1) == NATIVE_INT4_MAX_ROWS
-    assert int4_native_rows("native", "cpu", 1) == NATIVE_INT4_MAX_ROWS
-    assert int4_native_rows("auto", "cpu", 2) == 0  # a custom call XLA cannot split
-    assert int4_native_rows("auto", "gpu", 1) == 0
-    with pytest.raises(ValueError, match="one CPU device only"):
-        int4_native_rows("native", "gpu", 1)
-    with pytest.raises(ValueError, match="one CPU device only"):
-        int4_native_rows("native", "cpu", 2)
-    with pytest.raises(ValueError, match="int4_matmul_backend"):
-        EngineConfig(int4_matmul_backend="fast")
-    # refused when the settings are read, before any weight loads
-    with pytest.raises(ValueError, match="needs quantization='int4'"):
-        EngineConfig(int4_matmul_backend="native")
-    with pytest.raises(ValueError, match="needs quantization='int4'"):
-        EngineConfig(int4_matmul_backend="native", quantization="int8")
-    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
-        EngineConfig(int4_matmul_backend="native", quantization="int4", tensor_parallel_size=2)
-    EngineConfig(int4_matmul_backend="native", quantization="int4")
-    EngineConfig(int4_matmul_backend="auto", tensor_parallel_size=2)
 
 
 def test_a_model_step_of_one_row_agrees_with_the_xla_path() -> None:

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from jaxserve.device.buckets import make_buckets
+from jaxserve.platform.base import attention_fn
 from pallas_kernels import (
-    attention_fn_for_backend,
     ragged_paged_attention,
     ragged_paged_attention_pallas,
     ref_ragged_paged_attention,
@@ -183,29 +183,6 @@ def test_validation_names_the_value() -> None:
                                       interpret=True)
 
 
-def test_backend_selection() -> None:
-    assert attention_fn_for_backend("reference") is ragged_paged_attention
-    assert attention_fn_for_backend("pallas", platform="gpu") is ragged_paged_attention_pallas
-    with pytest.raises(ValueError, match="runs on GPUs only, not on 'cpu'"):
-        attention_fn_for_backend("pallas", platform="cpu")
-    with pytest.raises(ValueError, match="must be one of"):
-        attention_fn_for_backend("flash")
-    assert attention_fn_for_backend("auto", platform="gpu") is ragged_paged_attention_pallas
-    auto_cpu = attention_fn_for_backend("auto", platform="cpu")  # native where it builds
-    assert auto_cpu is ragged_paged_attention or auto_cpu.keywords == {
-        "native_decode": True, "native_prefill": True}
-    f = attention_fn_for_backend("pallas-interpret")
-    assert f.func is ragged_paged_attention_pallas and f.keywords == {"interpret": True}
-    with pytest.raises(ValueError, match="'triton'"):
-        attention_fn_for_backend("triton")
-
-    from jaxserve.config import EngineConfig
-
-    assert EngineConfig(attention_backend="pallas").attention_backend == "pallas"
-    with pytest.raises(ValueError, match="attention_backend='triton'"):
-        EngineConfig(attention_backend="triton")
-
-
 # -- lowering for an H200, no GPU needed -----------------------------------------------------------
 H200 = jax.sharding.AbstractMesh(
     (1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
@@ -278,7 +255,7 @@ def _greedy_tokens(backend: str, prompts: list[list[int]]) -> list[list[int]]:
         LoadConfig(model="tiny", load_format="dummy"))
     fn = engine.model.module.attention_fn
     want_fn = ragged_paged_attention_pallas if backend == "pallas-interpret" else (
-        attention_fn_for_backend(backend))
+        attention_fn(backend))
     assert getattr(fn, "func", fn) is want_fn, backend
     engine.warmup(progress=False)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -227,7 +227,7 @@ def test_chunked_prefill_matches_one_shot(
 
 
 # bfloat16 weights under float32 activations with a bfloat16 KV cache: what ``--dtype auto``
-# serves on a CPU with a bfloat16 dot (jaxserve.loading.load.resolve_dtype). Measured against
+# serves on a CPU with a bfloat16 dot (jaxserve.platform.cpu). Measured against
 # the float32 goldens: max |first-step logit diff| 0.12-0.20 per prompt (logit scale ~20-30);
 # the teacher-forced argmax equal to the golden at all 6 x 48 positions. The tolerance is 2x;
 # argmax flips are allowed only at golden top-2 margins below 0.2.
@@ -269,7 +269,7 @@ def _assert_bf16_near_goldens(bf16_model: _Model, goldens: dict) -> None:
 def test_packed_bfloat16_weights_stay_near_the_goldens(engine, bf16_model: _Model,
                                                        goldens: dict) -> None:
     """The layer weights and the tied LM head packed for the native CPU kernel
-    (``--bf16-matmul-backend native``, the default on CPUs with AVX512-BF16) meet the plain
+    (``--cpu-kernels auto``, on CPUs with AVX512-BF16) meet the plain
     bfloat16 model's bounds. Each matmul equals XLA's bfloat16 dot bit for bit
     (tests/kernels/test_cpu_bf16_matmul.py), but XLA fuses the code around a custom call
     differently, and a last-bit change flips later roundings of activations to bfloat16, so

@@ -5,7 +5,7 @@ The server (SmolLM2-135M-Instruct, ``--max-model-len 1024 --num-kv-blocks 300 --
 once for the module, its bound port parsed from uvicorn's "Uvicorn running on http://..." line, and
 /ready polled until 200 (at most 180 s). It is terminated (then killed) at the end, also when a
 test fails. Generation on the 2-core CPU runs at roughly 10 tokens/s, so every request is short and
-greedy (``temperature=0``). Notation as in /work/shared/serving-cases.md: S = concatenated streamed
+greedy (``temperature=0``). Notation: S = concatenated streamed
 deltas, NS = the text of the same request with ``stream=false``.
 
 Semantics asserted where a case leaves a choice:

@@ -8,7 +8,7 @@ must be refused. Properties: every request gets an answer (none lost silently); 
 get 503 with ``Retry-After`` and an OpenAI-style body, none gets a 5xx other than 503; once the
 step is released every admitted request completes with its full output; afterwards the engine is
 idle with every KV block free and serves a normal request. The measured figures under real
-overload (no held step) come from ``experiments/2026-12-01-overload/overload.py``.
+overload (no held step) come from ``docs/decisions/0013-overload.md``.
 """
 
 from __future__ import annotations

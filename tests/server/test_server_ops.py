@@ -502,7 +502,7 @@ def test_gate_counts_admitted_requests_not_yet_queued() -> None:
     """A simultaneous burst: requests the gate let in that are still reading their body or
     tokenising (not yet handed to the engine) count against --max-waiting-requests, so the
     burst cannot all pass before any of it reaches the engine (found by
-    experiments/2026-12-01-overload: 200 simultaneous requests against a cap of 8 were all
+    docs/decisions/0013-overload.md: 200 simultaneous requests against a cap of 8 were all
     admitted)."""
     from jaxserve.server.gate import Gate, RequestBudget
     from jaxserve.server.lifecycle import Lifecycle

@@ -1,0 +1,97 @@
+"""What every platform answers: the questions the engine asks about the machine it runs on.
+
+The engine never learns why: it asks ``platform.resolve_dtype``, ``attention``,
+``prepare_weights``, ``buckets`` and ``step_overhead_tokens`` and uses the answers. The CPU's
+answers are in ``jaxserve.platform.cpu``, the accelerators' in ``jaxserve.platform.gpu``.
+"""
+
+from __future__ import annotations
+
+import functools
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import EngineConfig
+from models.quant import QuantTargets
+from pallas_kernels import ragged_paged_attention, ragged_paged_attention_pallas
+
+
+@dataclass(frozen=True)
+class BucketSet:
+    """Which step shapes beyond the powers of two a platform compiles
+    (``jaxserve.device.buckets.token_buckets``).
+
+    Fields:
+      small: token buckets below 8, ascending (each costs a model and a sampler program).
+      mid_up_to: compile the buckets ``3 * 2**k`` from 24 up to this many tokens (0: none).
+    """
+
+    small: tuple[int, ...] = ()
+    mid_up_to: int = 0
+
+
+def attention_fn(backend: str) -> Callable[..., jax.Array]:
+    """The attention op (signature: ``pallas_kernels.ragged_paged_attention``) of a resolved
+    backend: "reference" the pure-jnp op; "native" the jnp op with its decode and prefill rows in
+    the native CPU kernel; "pallas" the Pallas Triton kernel; "pallas-interpret" that kernel in
+    the Pallas interpreter (CPU tests; minutes for a few tokens).
+
+    Raises:
+      ValueError: an unresolved ("auto") or unknown backend.
+    """
+    if backend == "reference":
+        return ragged_paged_attention
+    if backend == "native":
+        return functools.partial(ragged_paged_attention, native_decode=True, native_prefill=True)
+    if backend == "pallas":
+        return ragged_paged_attention_pallas
+    if backend == "pallas-interpret":
+        return functools.partial(ragged_paged_attention_pallas, interpret=True)
+    raise ValueError(f"attention backend {backend!r} is not a resolved backend")
+
+
+class Platform(ABC):
+    """One backend's policy. ``name`` is jax's platform name ("cpu", "gpu", ...)."""
+
+    name: str
+    step_overhead_tokens: int
+    """A step's fixed cost in prompt tokens of compute (``SchedulerConfig.step_overhead_tokens``,
+    which weighs padding a step against running another)."""
+
+    @abstractmethod
+    def resolve_dtype(self, name: str) -> jnp.dtype:
+        """The weights' dtype for a ``--dtype`` value ("auto" resolved; others as they are)."""
+
+    @abstractmethod
+    def compute_dtype(self, dtype: jnp.dtype) -> jnp.dtype:
+        """The activations' dtype for weights stored in ``dtype``."""
+
+    @abstractmethod
+    def attention_backend(self, config: EngineConfig) -> str:
+        """``config.attention_backend`` with "auto" resolved, checked against this platform and
+        ``config.cpu_kernels``.
+
+        Raises:
+          ValueError: a backend or a ``cpu_kernels`` setting this platform cannot run (the
+            message names the field).
+          RuntimeError: ``cpu_kernels="on"`` where the native CPU kernels cannot be loaded.
+        """
+
+    @abstractmethod
+    def prepare_weights(self, params, config: EngineConfig, dtype: jnp.dtype,
+                        targets: QuantTargets | None):
+        """``params`` made ready for this platform's kernels (e.g. packed for a native matmul);
+        ``targets``: the architecture's quantisable leaves (None: it has none)."""
+
+    @abstractmethod
+    def buckets(self, config: EngineConfig) -> BucketSet:
+        """The step shapes worth compiling beyond the powers of two."""
+
+    def check(self, config: EngineConfig) -> None:
+        """Refuse settings this platform cannot run, before any weight is read (the errors of
+        ``attention_backend``)."""
+        self.attention_backend(config)

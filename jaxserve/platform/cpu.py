@@ -1,0 +1,113 @@
+"""The CPU: bfloat16 weights where the CPU has a bfloat16 dot, the native C++ kernels where they
+load, and the extra step shapes that pay for themselves on XLA:CPU.
+
+**dtype.** "auto" is bfloat16 on CPUs with a native bfloat16 dot (``CPU_BF16_FLAGS``), float32
+elsewhere; bfloat16 weights compute with float32 activations (XLA:CPU runs bfloat16 elementwise
+work through float32 conversions, slower than float32 itself, while a bfloat16 dot with float32
+accumulation runs at up to twice the float32 rate). On an AVX512-BF16 CPU bfloat16 weights are
+as good as float32 on the eval set (perplexity -0.03%, top-1 agreement 0.99) and the step is
+20-40% faster: docs/configuration.md#dtype.
+
+**Native kernels** (``EngineConfig.cpu_kernels``): "auto" runs each native CPU kernel where it
+applies and loads — attention's decode and prefill rows (``pallas_kernels.cpu_attention``),
+bfloat16 matmuls over packed weights on CPUs with AVX512-BF16 (``cpu_bf16_matmul``), int4
+matmuls of up to ``NATIVE_INT4_MAX_ROWS`` rows (``cpu_int4_matmul``); "on" the same, an error
+where they cannot load; "off" XLA's paths only. The matmul kernels are custom calls XLA cannot
+partition: with tensor parallelism only attention runs natively.
+
+**Buckets.** ``SMALL_BUCKETS``, 1 and 4 tokens, for one to four requests decoding: XLA:CPU runs
+a 1-row weight matmul as a matrix-vector product, and a step's attention gathers every slot's
+pages (padding slots' too). SmolLM2-135M, bfloat16 weights, context 300 (``jaxserve bench
+step``): one decode 24 ms in the 1-token bucket against 32 ms in the 8-token one; four decodes
+30-32 ms in the 4-token bucket against 36 ms. A 2-token bucket was no faster for two decodes.
+The mid buckets ``3 * 2**k`` from 24 up to ``max_num_seqs``: a decode step's cost grows with its
+padded rows and slots, so a step of 33 decodes padded to 64 cost what 64 do. Measured in one
+process, decode steps interleaved (SmolLM2-135M, bfloat16, context 300;
+docs/decisions/0024-decode-mid-buckets.md): 48 live sequences 100.3 ms a step with the powers of
+two against 86.9 ms with the 48 bucket, 33 live 127.4 against 95.7, 24 live 90.0 against 77.2, 12
+live 51.4 against 40.6 (a 12 bucket); 64 live the same. Each bucket costs a model and a sampler
+program, about 2 s each of a cold start's compile: few steps run 9-12 decodes, so a 12 bucket
+would not repay it.
+
+**Step cost.** ~30 ms a step against ~0.75 ms a prompt token (SmolLM2-135M, 2 cores;
+docs/decisions/0005-bucket-fit.md): ``step_overhead_tokens`` 32.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxserve.config import EngineConfig
+from jaxserve.platform.base import BucketSet, Platform
+from models.quant import NATIVE_INT4_MAX_ROWS, QuantTargets, use_native_int4, use_packed_bf16
+from pallas_kernels import cpu_attention, cpu_bf16_matmul, cpu_int4_matmul
+
+SMALL_BUCKETS = (1, 4)  # token buckets below 8 compiled on the CPU
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+"""/proc/cpuinfo flags of x86 CPUs with a native bfloat16 dot (XLA:CPU's YNNPACK dots use
+it); without one a bfloat16 dot is converted to float32 and gains nothing."""
+
+
+def cpu_has_bf16_dot(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has a native bfloat16 dot (``CPU_BF16_FLAGS``); False where
+    ``cpuinfo`` cannot be read (not Linux)."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return bool(set(line.split(":", 1)[-1].split()) & set(CPU_BF16_FLAGS))
+    except OSError:
+        pass
+    return False
+
+
+class CpuPlatform(Platform):
+    """XLA:CPU (the module docstring gives the measurements behind each answer)."""
+
+    name = "cpu"
+    step_overhead_tokens = 32
+
+    def resolve_dtype(self, name: str) -> jnp.dtype:
+        if name == "auto":
+            return jnp.dtype(jnp.bfloat16 if cpu_has_bf16_dot() else jnp.float32)
+        return jnp.dtype(name)
+
+    def compute_dtype(self, dtype: jnp.dtype) -> jnp.dtype:
+        dtype = jnp.dtype(dtype)
+        return jnp.dtype(jnp.float32) if dtype == jnp.bfloat16 else dtype
+
+    def attention_backend(self, config: EngineConfig) -> str:
+        backend = config.attention_backend
+        if backend == "pallas":
+            raise ValueError("attention_backend='pallas' (the compiled Triton kernel) runs on "
+                             "GPUs only, not on 'cpu'; use 'auto' or 'reference' there "
+                             "('pallas-interpret' runs the kernel in the Pallas interpreter, "
+                             "for tests, too slow to serve: minutes for a few tokens)")
+        if config.cpu_kernels == "on" and not cpu_attention.available():
+            raise RuntimeError("cpu_kernels='on' needs the native CPU kernels, which could not "
+                               "be built (see the log; set CXX to a C++17 compiler)")
+        if backend != "auto":
+            return backend
+        native = config.cpu_kernels != "off" and cpu_attention.available()
+        return "native" if native else "reference"
+
+    def prepare_weights(self, params, config: EngineConfig, dtype: jnp.dtype,
+                        targets: QuantTargets | None):
+        """int4 weights marked for the native int4 matmul, bfloat16 weights packed for the
+        native bfloat16 one (the module docstring says where each applies).
+
+        Raises:
+          RuntimeError: ``cpu_kernels="on"`` where a kernel that applies cannot load.
+        """
+        if config.cpu_kernels == "off" or config.tensor_parallel_size > 1:
+            return params
+        on = config.cpu_kernels == "on"
+        if config.quantization == "int4" and (on or cpu_int4_matmul.available()):
+            params = use_native_int4(params, NATIVE_INT4_MAX_ROWS)
+        if (config.quantization == "none" and jnp.dtype(dtype) == jnp.bfloat16
+                and targets is not None and (on or cpu_bf16_matmul.vectorized())):
+            params = use_packed_bf16(params, targets)
+        return params
+
+    def buckets(self, config: EngineConfig) -> BucketSet:
+        return BucketSet(small=SMALL_BUCKETS, mid_up_to=config.max_num_seqs)

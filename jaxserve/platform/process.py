@@ -1,0 +1,98 @@
+"""Process settings for serving: applied by the entry points (``jaxserve`` commands, ``LLM()``),
+never by ``import jaxserve``.
+
+``configure_process()`` is the one function that changes the process: a researcher who imports
+jaxserve into their own program keeps their ``XLA_FLAGS``, malloc and allocator settings until
+they build an ``LLM`` or run a ``jaxserve`` command. It applies, each only where the user has not
+set it already:
+
+- ``XLA_FLAGS``: ``CPU_XLA_FLAGS`` (XLA reads the variable once, when jax opens its first
+  backend: a process that ran jax code before keeps XLA's own; docs/configuration.md#xla-cpu-flags);
+- ``XLA_PYTHON_CLIENT_MEM_FRACTION`` 0.95: JAX preallocates 75% of accelerator memory by
+  default; the KV budget (``kv_cache_memory_fraction`` of the free memory after weights) needs
+  the rest;
+- on the CPU backend (no jax GPU plugin installed, or ``JAX_PLATFORMS`` naming cpu first): one
+  glibc malloc arena for the threads created from now on, and raised mmap/trim thresholds
+  (``host_malloc``), so XLA:CPU's per-step temporaries stay paged in
+  (docs/configuration.md#host-malloc-on-the-cpu).
+
+This module imports no jax: it must be able to run before jax starts its threads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import pkgutil
+from dataclasses import dataclass
+
+from jaxserve.platform.host_malloc import keep_freed_blocks, single_malloc_arena
+
+log = logging.getLogger(__name__)
+
+# XLA:CPU's concurrency-optimised HLO scheduler (its default) made every step program of
+# SmolLM2-135M slower on a 2-core CPU: decode 12-19% and 512-token prefill 6% (wall and CPU
+# seconds alike), with the same tokens (docs/configuration.md#xla-cpu-flags).
+CPU_XLA_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
+ACCELERATOR_MEM_FRACTION = "0.95"
+
+
+@dataclass(frozen=True)
+class ProcessSettings:
+    """What ``configure_process`` changed (False / empty: left as it was)."""
+
+    xla_flags_added: tuple[str, ...]  # flags appended to XLA_FLAGS
+    mem_fraction_set: bool  # XLA_PYTHON_CLIENT_MEM_FRACTION set to ACCELERATOR_MEM_FRACTION
+    single_malloc_arena: bool  # glibc M_ARENA_MAX 1 for threads created from now on
+    malloc_thresholds: bool  # glibc mmap/trim thresholds raised (host_malloc)
+
+
+_applied: ProcessSettings | None = None
+
+
+def add_cpu_xla_flags() -> tuple[str, ...]:
+    """Append ``CPU_XLA_FLAGS`` to ``XLA_FLAGS``, each only where ``XLA_FLAGS`` does not name that
+    flag already (a value the user set wins); returns the flags added."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    extra = tuple(f for f in CPU_XLA_FLAGS if f.split("=")[0] not in flags)
+    if extra:
+        os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
+    return extra
+
+
+def gpu_plugin_installed() -> bool:
+    """Whether a jax GPU plugin (``jax_plugins.xla_cuda*`` / ``xla_rocm*``) is installed, found
+    without importing jax."""
+    spec = importlib.util.find_spec("jax_plugins")
+    return spec is not None and spec.submodule_search_locations is not None and any(
+        m.name.startswith(("xla_cuda", "xla_rocm"))
+        for m in pkgutil.iter_modules(list(spec.submodule_search_locations)))
+
+
+def expects_cpu_backend() -> bool:
+    """Whether jax will run on the CPU, judged before it starts: ``JAX_PLATFORMS`` names cpu
+    first, or no GPU plugin is installed."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip()
+    if platforms:
+        return platforms.split(",")[0].strip() == "cpu"
+    return not gpu_plugin_installed()
+
+
+def configure_process() -> ProcessSettings:
+    """Apply jaxserve's process settings (the module docstring lists them) once per process;
+    later calls return the first call's record. Logs what it changed, once."""
+    global _applied
+    if _applied is not None:
+        return _applied
+    on_cpu = expects_cpu_backend()
+    mem = "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ
+    if mem:
+        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = ACCELERATOR_MEM_FRACTION
+    _applied = ProcessSettings(
+        xla_flags_added=add_cpu_xla_flags(),
+        mem_fraction_set=mem,
+        single_malloc_arena=on_cpu and single_malloc_arena(),
+        malloc_thresholds=on_cpu and keep_freed_blocks())
+    log.info("process settings: %s", _applied)
+    return _applied

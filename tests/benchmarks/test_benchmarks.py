@@ -1,0 +1,125 @@
+"""Every harness in ``benchmarks/`` imports, parses its flags and runs in a tiny mode.
+
+The harnesses are measuring tools, not timed tests: these only check that each still runs on
+the current public API (a tiny dummy model, a few steps) and writes its JSON, so that none
+rots between the sessions that measure with it. One engine is built for the module and shared.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import pkgutil
+from pathlib import Path
+
+import pytest
+
+import benchmarks
+from benchmarks import attention_ab, common, engine_ab, op_profile
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+HARNESSES = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__)
+                   if m.name != "common")
+TINY_ENGINE = {"max_num_seqs": 2, "max_num_batched_tokens": 32, "max_model_len": 96,
+               "compilation_cache_dir": str(REPO_ROOT / ".jax_cache")}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """One warmed-up engine of the built-in ``tiny`` config with dummy weights."""
+    return common.build_engine("tiny", "dummy", TINY_ENGINE)
+
+
+def test_the_harness_list_is_what_the_tests_run() -> None:
+    assert HARNESSES == ["attention_ab", "engine_ab", "op_profile"]
+
+
+@pytest.mark.parametrize("name", HARNESSES)
+def test_each_harness_imports_and_answers_help(name: str, capsys) -> None:
+    module = importlib.import_module(f"benchmarks.{name}")
+    assert module.__doc__ and callable(module.main)
+    with pytest.raises(SystemExit) as exc:
+        module.main(["--help"])
+    assert exc.value.code == 0
+    assert "--json" in capsys.readouterr().out
+
+
+def _imports(path: Path) -> list[tuple[str, list[str]]]:
+    tree = ast.parse(path.read_text())
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.append((node.module, [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            out += [(a.name, []) for a in node.names]
+    return out
+
+
+def test_harnesses_use_only_public_names() -> None:
+    """No private module or name of the product packages, and no product code that imports
+    the harnesses (they sit on top of the public API)."""
+    for path in sorted((REPO_ROOT / "benchmarks").glob("*.py")):
+        for module, names in _imports(path):
+            if module.split(".")[0] in ("jaxserve", "models", "pallas_kernels"):
+                assert not any(p.startswith("_") for p in module.split(".")), (path, module)
+                assert not any(n.startswith("_") for n in names), (path, module, names)
+    for pkg in ("jaxserve", "models", "pallas_kernels"):
+        for path in sorted((REPO_ROOT / pkg).rglob("*.py")):
+            for module, _ in _imports(path):
+                assert module.split(".")[0] != "benchmarks", path
+
+
+def test_settings_parse_into_engine_config_values() -> None:
+    assert common.parse_settings("dtype=float32,max-num-seqs=16,x=0.5,y=true") == {
+        "dtype": "float32", "max_num_seqs": 16, "x": 0.5, "y": True}
+    assert engine_ab.parse_config("bf16:kv_cache_dtype=bfloat16") == (
+        "bf16", {"kv_cache_dtype": "bfloat16"})
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        common.parse_settings("dtype")
+    with pytest.raises(ValueError, match="NAME"):
+        engine_ab.parse_config(":dtype=float32")
+
+
+def test_format_table_aligns_columns() -> None:
+    text = common.format_table(["a", "bb"], [("x", 1.25), ("yyy", 10)])
+    assert text.splitlines() == ["a    bb ", "---  ---", "x    1.2", "yyy   10"]
+
+
+def test_engine_ab_runs_two_settings_interleaved(engine, tmp_path: Path) -> None:
+    out = tmp_path / "ab.json"
+    ns = engine_ab.build_parser().parse_args([
+        "--model", "tiny", "--load-format", "dummy", "--config", "a:seed=0",
+        "--config", "b:seed=0", "--batches", "1", "--context", "16", "--prefill-lens", "16",
+        "--rounds", "1", "--steps", "2", "--json", str(out)])
+    result = engine_ab.run(ns, engines={"a": engine, "b": engine})
+    saved = json.loads(out.read_text())
+    assert set(saved["decode"]["1"]) == {"a", "b"} == set(result["prefill"][16])
+    assert all(v["median_ms"] > 0 for v in result["decode"][1].values())
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_op_profile_sums_op_events(engine, phase: str, tmp_path: Path) -> None:
+    out = tmp_path / "ops.json"
+    ns = op_profile.build_parser().parse_args([
+        "--phase", phase, "--batch", "2", "--context", "16", "--steps", "2", "--top", "5",
+        "--json", str(out)])
+    result = op_profile.run(ns, engine=engine)
+    assert result["traced_steps"] >= 1 and result["op_ms_per_step"] > 0
+    assert 0 < len(json.loads(out.read_text())["ops"]) <= 5
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_attention_ab_compares_the_paths(phase: str, tmp_path: Path) -> None:
+    out = tmp_path / "attn.json"
+    assert attention_ab.main([
+        "--phase", phase, "--seqs", "2", "--context", "20", "--layers", "2", "--rounds", "1",
+        "--repeats", "1", "--ceiling-mib", "4", "--ceiling-n", "128", "--json", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    paths = saved["paths"]
+    assert saved["ceiling"] > 0 and all(p["fraction_of_ceiling"] > 0 for p in paths.values())
+    assert paths["jnp"]["max_rel_diff"] == 0.0
+    if attention_ab.native_available():  # the kernel and the jnp op agree
+        assert paths["native"]["max_rel_diff"] < 1e-2

@@ -1,0 +1,111 @@
+"""The platform's answers (jaxserve/platform/): attention op, weight preparation for the native
+CPU kernels under ``cpu_kernels``, buckets and step cost, per backend."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxserve.config import EngineConfig
+from jaxserve.platform import cpu, current_platform
+from jaxserve.platform.base import attention_fn
+from jaxserve.platform.gpu import GpuPlatform
+from models.architectures import DECODER_QUANT_TARGETS
+from pallas_kernels import ragged_paged_attention, ragged_paged_attention_pallas
+
+CPU = cpu.CpuPlatform()
+NATIVE = {"native_decode": True, "native_prefill": True}
+
+
+def test_this_machine_is_the_cpu_platform() -> None:
+    assert jax.default_backend() == "cpu" and isinstance(current_platform(), cpu.CpuPlatform)
+    assert current_platform() is current_platform()
+
+
+def test_the_attention_fn_of_each_backend() -> None:
+    assert attention_fn("reference") is ragged_paged_attention
+    assert attention_fn("pallas") is ragged_paged_attention_pallas
+    native = attention_fn("native")
+    assert native.func is ragged_paged_attention and native.keywords == NATIVE
+    f = attention_fn("pallas-interpret")
+    assert f.func is ragged_paged_attention_pallas and f.keywords == {"interpret": True}
+    for unresolved in ("auto", "triton"):
+        with pytest.raises(ValueError, match=repr(unresolved)):
+            attention_fn(unresolved)
+
+
+@pytest.mark.parametrize("available", [True, False])
+def test_cpu_attention_follows_cpu_kernels(monkeypatch, available: bool) -> None:
+    monkeypatch.setattr(cpu.cpu_attention, "available", lambda: available)
+    want = "native" if available else "reference"
+    assert CPU.attention_backend(EngineConfig()) == want
+    assert CPU.attention_backend(EngineConfig(cpu_kernels="off")) == "reference"
+    assert CPU.attention_backend(EngineConfig(attention_backend="reference")) == "reference"
+    assert CPU.attention_backend(EngineConfig(attention_backend="pallas-interpret")
+                                 ) == "pallas-interpret"
+    if available:
+        assert CPU.attention_backend(EngineConfig(cpu_kernels="on")) == "native"
+    else:
+        with pytest.raises(RuntimeError, match="cpu_kernels='on' needs the native CPU kernels"):
+            CPU.check(EngineConfig(cpu_kernels="on"))
+    with pytest.raises(ValueError, match="attention_backend='pallas'.*GPUs only, not on 'cpu'"):
+        CPU.check(EngineConfig(attention_backend="pallas"))
+
+
+def test_gpu_answers() -> None:
+    gpu = GpuPlatform("gpu")
+    assert gpu.attention_backend(EngineConfig()) == "pallas"
+    assert gpu.attention_backend(EngineConfig(attention_backend="reference")) == "reference"
+    with pytest.raises(ValueError, match="cpu_kernels='on'.*CPUs only, not on 'gpu'"):
+        gpu.check(EngineConfig(cpu_kernels="on"))
+    other = GpuPlatform("tpu")  # another accelerator: the jnp op, no Triton kernel
+    assert other.attention_backend(EngineConfig()) == "reference"
+    with pytest.raises(ValueError, match="GPUs only, not on 'tpu'"):
+        other.check(EngineConfig(attention_backend="pallas"))
+    assert gpu.resolve_dtype("auto") == jnp.bfloat16
+    assert gpu.compute_dtype(jnp.bfloat16) == jnp.bfloat16
+    assert gpu.buckets(EngineConfig()) == type(gpu.buckets(EngineConfig()))()  # powers of two
+    assert gpu.step_overhead_tokens > CPU.step_overhead_tokens
+    params = {"w": jnp.ones((2, 2), jnp.bfloat16)}
+    assert gpu.prepare_weights(params, EngineConfig(), jnp.bfloat16, DECODER_QUANT_TARGETS
+                               ) is params
+
+
+def test_cpu_buckets_add_small_and_mid_shapes() -> None:
+    b = CPU.buckets(EngineConfig(max_num_seqs=48))
+    assert b.small == cpu.SMALL_BUCKETS == (1, 4) and b.mid_up_to == 48
+
+
+def _prepared(monkeypatch, *, vectorized: bool = True, int4: bool = True, **config) -> list:
+    """Which weight preparations ``CpuPlatform.prepare_weights`` asks for under ``config``."""
+    calls = []
+    monkeypatch.setattr(cpu.cpu_bf16_matmul, "vectorized", lambda: vectorized)
+    monkeypatch.setattr(cpu.cpu_int4_matmul, "available", lambda: int4)
+    monkeypatch.setattr(cpu, "use_packed_bf16", lambda p, t: calls.append("bf16") or p)
+    monkeypatch.setattr(cpu, "use_native_int4", lambda p, rows: calls.append(f"int4/{rows}") or p)
+    dtype = jnp.dtype(config.pop("dtype", "bfloat16"))
+    CPU.prepare_weights({}, EngineConfig(**config), dtype, DECODER_QUANT_TARGETS)
+    return calls
+
+
+def test_cpu_weight_preparation(monkeypatch) -> None:
+    rows = f"int4/{cpu.NATIVE_INT4_MAX_ROWS}"
+    assert _prepared(monkeypatch) == ["bf16"]
+    assert _prepared(monkeypatch, vectorized=False) == []  # no AVX512-BF16: XLA's dot
+    assert _prepared(monkeypatch, vectorized=False, cpu_kernels="on") == ["bf16"]
+    assert _prepared(monkeypatch, dtype="float32") == []
+    assert _prepared(monkeypatch, cpu_kernels="off") == []
+    assert _prepared(monkeypatch, tensor_parallel_size=2) == []  # custom calls XLA can't split
+    assert _prepared(monkeypatch, quantization="int8") == []
+    assert _prepared(monkeypatch, quantization="int4") == [rows]
+    assert _prepared(monkeypatch, quantization="int4", int4=False) == []
+    assert _prepared(monkeypatch, quantization="int4", int4=False, cpu_kernels="on") == [rows]
+    assert _prepared(monkeypatch, quantization="int4", cpu_kernels="off") == []
+
+
+def test_cpu_kernels_setting_is_checked() -> None:
+    with pytest.raises(ValueError, match="cpu_kernels='fast' must be one of"):
+        EngineConfig(cpu_kernels="fast")
+    with pytest.raises(ValueError, match="attention_backend='native'"):
+        EngineConfig(attention_backend="native")  # now cpu_kernels' to choose

@@ -1,0 +1,93 @@
+"""Process settings: applied by ``configure_process`` (the entry points), never by importing
+jaxserve (jaxserve/platform/process.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from jaxserve.platform import process
+
+FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler"
+
+# In a fresh process: the environment and glibc's arena limit before and after `import jaxserve`
+# and a walk over its subpackages' imports that need no configuration.
+_IMPORT_CHANGES_NOTHING = r"""
+import json, os
+import prometheus_client.metrics as pm
+before = dict(os.environ)
+import jaxserve, jaxserve.config, jaxserve.platform, jaxserve.engine.llm_engine, jaxserve.llm
+import jaxserve.engine.metrics, jaxserve.server.app, jaxserve.cli.main
+changed = {k: (before.get(k), v) for k, v in os.environ.items() if before.get(k) != v}
+changed.update({k: (v, None) for k, v in before.items() if k not in os.environ})
+print(json.dumps({"changed": changed, "applied": jaxserve.platform.process._applied is not None,
+                  "created_series": pm._use_created}))
+"""
+
+
+def test_importing_jaxserve_changes_no_process_setting() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",
+                                                            "XLA_PYTHON_CLIENT_MEM_FRACTION")}
+    out = subprocess.run([sys.executable, "-c", _IMPORT_CHANGES_NOTHING], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    got = json.loads(out.splitlines()[-1])
+    # prometheus-client's process-wide switch stays on (jaxserve filters its own scrape)
+    assert got == {"changed": {}, "applied": False, "created_series": True}
+
+
+_CONFIGURE = r"""
+import json, os
+from jaxserve.platform import configure_process
+first = configure_process()
+again = configure_process()
+print(json.dumps({"xla": os.environ.get("XLA_FLAGS"), "frac":
+                  os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), "same": first is again,
+                  "arena": first.single_malloc_arena, "thresholds": first.malloc_thresholds}))
+"""
+
+
+def _configure(env_extra: dict[str, str]) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "GLIBC_TUNABLES",
+                                                            "XLA_PYTHON_CLIENT_MEM_FRACTION")}
+    env.update(env_extra)
+    out = subprocess.run([sys.executable, "-c", _CONFIGURE], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+def test_configure_process_applies_each_setting_once() -> None:
+    got = _configure({"JAX_PLATFORMS": "cpu"})
+    assert got["xla"] == " ".join(process.CPU_XLA_FLAGS)
+    assert f"{FLAG}=false" in process.CPU_XLA_FLAGS
+    assert got["frac"] == process.ACCELERATOR_MEM_FRACTION and got["same"]
+    assert got["arena"] and got["thresholds"]  # glibc, the CPU backend
+
+
+def test_configure_process_keeps_what_the_user_set() -> None:
+    mine = f"--xla_force_host_platform_device_count=8 {FLAG}=true"
+    got = _configure({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": mine,
+                      "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5",
+                      "GLIBC_TUNABLES": "glibc.malloc.arena_max=4:glibc.malloc.mmap_threshold=1"})
+    assert got["xla"] == mine and got["frac"] == "0.5"
+    assert not got["arena"] and not got["thresholds"]
+
+
+def test_cpu_flags_are_appended_to_other_flags(monkeypatch) -> None:
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert process.add_cpu_xla_flags() == process.CPU_XLA_FLAGS
+    assert os.environ["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=8",
+                                               *process.CPU_XLA_FLAGS]
+
+
+def test_jax_platforms_decides_the_cpu_settings(monkeypatch) -> None:
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
+    assert not process.expects_cpu_backend()
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert process.expects_cpu_backend()
+
+
+def test_this_test_process_runs_with_them() -> None:
+    """tests/conftest.py applies them before jax opens its backend, as the entry points do."""
+    assert f"{FLAG}=false" in os.environ["XLA_FLAGS"].split()
