@@ -16,9 +16,9 @@ import typing
 
 import jax
 
-from jaxserve.cli.args import engine_config_from_args, limits_from_args, server_config_from_args
 from jaxserve.cli.multihost import initialize
 from jaxserve.config import EngineConfig, LoadConfig
+from jaxserve.config_args import engine_config_from_args, limits_from_args, server_config_from_args
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.data_parallel import DataParallelEngine, build_data_parallel
 from jaxserve.engine.llm_engine import LLMEngine
