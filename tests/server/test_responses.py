@@ -20,9 +20,9 @@ from jaxserve.config import RequestLimits, ServerConfig
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.server import protocol as p
 from jaxserve.server import responses, tools
-from jaxserve.server.app import build_app
 from jaxserve.server.responses_output import ResponseBuilder
 from jaxserve.server.responses_protocol import InputItem, ResponseObject, ResponsesRequest
+from jaxserve.server.routes import build_app
 from tests.support.fake_engine import FakeEngine
 from tests.support.http_server import serve_app
 from tests.support.tool_templates import HERMES_TEMPLATE
