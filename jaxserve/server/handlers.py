@@ -12,9 +12,9 @@ either
     disconnect cancels the task (closing the engine's generator aborts the request) and the
     reply is 499;
   - stream=true: ``streaming.start_stream``.
-``POST /v1/responses`` takes the chat path (``server.responses`` turns the request into a chat
+``POST /v1/responses`` takes the chat path (``server.responses.handler`` turns the request into a chat
 request); its reply is a response object, or Responses API events, built by
-``responses_output.ResponseBuilder``. The other endpoints read the model card and the
+``responses.output.ResponseBuilder``. The other endpoints read the model card and the
 tokenizer.
 """
 
@@ -33,7 +33,7 @@ from starlette.responses import Response
 from jaxserve.config import RequestLimits
 from jaxserve.errors import InvalidRequest
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.server import decode, encode, responses, tools
+from jaxserve.server import decode, encode, tools
 from jaxserve.server import protocol as p
 from jaxserve.server.gate import RequestBudget
 from jaxserve.server.gate import error_response as _error
@@ -44,7 +44,8 @@ from jaxserve.server.jobs import (
     gather_or_cancel,
     run_prompt,
 )
-from jaxserve.server.responses_protocol import DeletedResponse, ResponseObject
+from jaxserve.server.responses import handler as responses
+from jaxserve.server.responses.protocol import DeletedResponse, ResponseObject
 from jaxserve.server.streaming import ClientGone, start_stream, unless_disconnected
 
 logger = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ class OpenAIServer:
 
     async def prepare_response(self, body: bytes) -> GenerationJob:
         """Decode and check a ``/v1/responses`` body, prepend the stored conversation of
-        ``previous_response_id``, and prepare it as a chat request (``server.responses``).
+        ``previous_response_id``, and prepare it as a chat request (``server.responses.handler``).
 
         Raises:
           protocol.RequestError: as ``prepare``, naming chat's fields (``responses.

@@ -21,8 +21,9 @@ from jaxserve.engine.metrics import EngineMetrics
 from jaxserve.errors import InvalidRequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.server import encode, responses, tools
+from jaxserve.server import encode, tools
 from jaxserve.server import protocol as p
+from jaxserve.server.responses import handler as responses
 
 
 class Tokenizer(Protocol):
@@ -106,7 +107,7 @@ class GenerationJob:
         (``response_format``, ``structured_outputs``, ``guided_json``, ..., ``tools`` for a
         tool choice), which the engine's errors about it name; None without one.
       tools: how a chat request's replies become tool calls (``server.tools``), or None.
-      response: a Responses request's part (``server.responses``): its reply is a response
+      response: a Responses request's part (``server.responses.handler``): its reply is a response
         object or Responses events, not a chat completion; None for the other endpoints.
     """
 

@@ -33,7 +33,6 @@ from starlette.routing import Route
 
 from jaxserve.config import RequestLimits, ServerConfig
 from jaxserve.server import protocol as p
-from jaxserve.server import responses
 from jaxserve.server.gate import Gate, GateMiddleware
 from jaxserve.server.gate import error_response as _error
 from jaxserve.server.handlers import OpenAIServer
@@ -42,6 +41,7 @@ from jaxserve.server.lifecycle import Lifecycle
 from jaxserve.server.logs import install_request_id
 from jaxserve.server.openapi import openapi_document
 from jaxserve.server.probes import Probes
+from jaxserve.server.responses import handler as responses
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ prompts' outputs as they arrive, each through a formatter:
     ``usage: null`` and one extra chunk with ``choices: []`` and the usage follows the finish
     chunk; without it no chunk has a ``usage`` key. An engine fault mid-stream sends
     ``data: {"error": {...}}`` then ``data: [DONE]``;
-  - ``/v1/responses`` (``responses_output.ResponseBuilder``): Responses API events
+  - ``/v1/responses`` (``responses.output.ResponseBuilder``): Responses API events
     (``event: <type>``, an ``error`` event on a fault, no ``[DONE]``).
 On disconnect Starlette cancels the stream; the body iterator is always closed, and the
 response then closes the generators of the prompts the engine has not finished, which aborts
@@ -36,7 +36,7 @@ from jaxserve.outputs import RequestOutput
 from jaxserve.server import encode
 from jaxserve.server.gate import RequestBudget
 from jaxserve.server.jobs import EngineClient, GenerationJob, first_outputs
-from jaxserve.server.responses_output import ResponseBuilder
+from jaxserve.server.responses.output import ResponseBuilder
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ One request's path:
   ``max_tokens``─> ``ChatCompletionRequest``, which the server prepares as any chat request
   (chat template, tool plan, structured output); errors on that path name chat's fields, and
   ``request_error`` renames them (``messages`` -> ``input``, ...).
-The reply's text goes through a ``responses_output.ResponseBuilder`` (through
+The reply's text goes through a ``responses.output.ResponseBuilder`` (through
 ``tools.ToolCallParser`` under a tool plan), which makes the output items and, for a stream, the
 events; a non-streamed reply is built by the same code from the whole text, so both agree.
 A finished response with ``store`` goes to the ``ResponseStore`` (the last N, oldest dropped
@@ -27,8 +27,8 @@ import msgspec
 from jaxserve.config import RequestLimits
 from jaxserve.server import decode
 from jaxserve.server import protocol as p
-from jaxserve.server.responses_output import ResponseBuilder
-from jaxserve.server.responses_protocol import (
+from jaxserve.server.responses.output import ResponseBuilder
+from jaxserve.server.responses.protocol import (
     FunctionChoice,
     InputContentPart,
     InputItem,
