@@ -2,18 +2,18 @@
 
 A generation request's path through them: the body (at most
 ``RequestLimits.max_request_body_bytes``, else 413) ─``prepare``: msgspec decode and checks
-(protocol.py, decode.py), model check, SamplingParams, token ids (completions: the prompt's ids
-or ``tokenizer.encode(prompt)``, for each prompt of a batched prompt; chat: the chat template,
-encoded without special tokens)─> ``jobs.GenerationJob`` ─> ``engine.generate(ids, params,
-request_id)`` per prompt, all at once (a batch's engine ids are ``<request_id>-<i>``). Then
-either
+(protocol.py, request_parsing.py), model check, SamplingParams, token ids (completions: the
+prompt's ids or ``tokenizer.encode(prompt)``, for each prompt of a batched prompt; chat: the chat
+template, encoded without special tokens)─> ``jobs.GenerationJob`` ─> ``engine.generate(ids,
+params, request_id)`` per prompt, all at once (a batch's engine ids are ``<request_id>-<i>``).
+Then either
   - stream=false: ``respond`` (GenerationJob -> response body, the path that ``jaxserve
     run-batch`` shares) runs in a task raced against the client's ``http.disconnect``; a
     disconnect cancels the task (closing the engine's generator aborts the request) and the
     reply is 499;
   - stream=true: ``streaming.start_stream``.
-``POST /v1/responses`` takes the chat path (``server.responses.handler`` turns the request into a chat
-request); its reply is a response object, or Responses API events, built by
+``POST /v1/responses`` takes the chat path (``server.responses.handler`` turns the request into a
+chat request); its reply is a response object, or Responses API events, built by
 ``responses.output.ResponseBuilder``. The other endpoints read the model card and the
 tokenizer.
 """
@@ -33,8 +33,8 @@ from starlette.responses import Response
 from jaxserve.config import RequestLimits
 from jaxserve.errors import InvalidRequest
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.server import decode, encode, tools
 from jaxserve.server import protocol as p
+from jaxserve.server import request_parsing, response_bodies, tools
 from jaxserve.server.gate import RequestBudget
 from jaxserve.server.gate import error_response as _error
 from jaxserve.server.jobs import (
@@ -122,23 +122,23 @@ class OpenAIServer:
         """
         tok = self.engine.tokenizer
         if not chat:
-            req = decode.decode_completion_request(body, self.limits)
+            req = request_parsing.decode_completion_request(body, self.limits)
             self._check_model(req.model)
-            params = decode.to_sampling_params(req)
-            prompts = decode.completion_prompts(req)
+            params = request_parsing.to_sampling_params(req)
+            prompts = request_parsing.completion_prompts(req)
             texts = [q for q in prompts if isinstance(q, str)]
             encoded = iter(await asyncio.to_thread(lambda: [tok.encode(t) for t in texts]))
-            echo, prompt_only = bool(req.echo), decode.scores_prompt_only(req)
+            echo, prompt_only = bool(req.echo), request_parsing.scores_prompt_only(req)
             engine_prompts = []
             for q in prompts:
                 ids, text = (next(encoded), q) if isinstance(q, str) else (q, None)
                 fmt = self._logprob_format(params, echo, text, ids, prompt_only)
                 engine_prompts.append(EnginePrompt(ids, text, fmt))
         else:
-            return await self._prepare_chat(decode.decode_chat_request(body, self.limits))
+            return await self._prepare_chat(request_parsing.decode_chat_request(body, self.limits))
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         return GenerationJob(chat, engine_prompts, params, bool(req.stream), include_usage,
-                             decode.constraint_field(req))
+                             request_parsing.constraint_field(req))
 
     async def _prepare_chat(self, req: p.ChatCompletionRequest) -> GenerationJob:
         """A checked chat request's job: sampling parameters, tool plan and the rendered,
@@ -146,15 +146,15 @@ class OpenAIServer:
         tok = self.engine.tokenizer
         self._check_model(req.model)
         self._check_chat_template()
-        params = decode.to_sampling_params(req)
+        params = request_parsing.to_sampling_params(req)
         plan = tools.tool_plan(req, tok.chat_template)
-        constraint_field = decode.constraint_field(req)
+        constraint_field = request_parsing.constraint_field(req)
         if plan is not None:
             params, constraint_field = _with_tools(params, plan, constraint_field)
         render = tok.apply_chat_template if plan is None else functools.partial(
             tok.apply_chat_template, template_kwargs={"tools": plan.template_tools()})
         try:
-            text = await asyncio.to_thread(render, decode.chat_messages(req),
+            text = await asyncio.to_thread(render, request_parsing.chat_messages(req),
                                            req.add_generation_prompt)
         except ValueError as exc:
             raise p.RequestError(f"invalid messages: {exc}", param="messages") from exc
@@ -184,13 +184,14 @@ class OpenAIServer:
 
     def _logprob_format(self, params: SamplingParams, echo: bool = False,
                         echo_text: str | None = None, ids: list[int] | None = None,
-                        prompt_only: bool = False) -> encode.LogprobFormat:
+                        prompt_only: bool = False) -> response_bodies.LogprobFormat:
         tok = self.engine.tokenizer
         skip = params.skip_special_tokens
         if echo and echo_text is None:  # a token-id prompt is echoed as its text
             echo_text = tok.decode(ids or [], skip_special_tokens=skip)
-        return encode.LogprobFormat(params.logprobs, lambda t: tok.token_bytes(t, skip), echo=echo,
-                                    echo_text=echo_text or "", prompt_only=prompt_only)
+        return response_bodies.LogprobFormat(
+            params.logprobs, lambda t: tok.token_bytes(t, skip), echo=echo,
+            echo_text=echo_text or "", prompt_only=prompt_only)
 
     async def respond(
         self, job: GenerationJob, request_id: str
@@ -212,8 +213,8 @@ class OpenAIServer:
         if job.response is not None:
             builder = job.response.builder(request_id, created, self.model, job.tools)
             return builder.complete(outs[0])
-        return encode.final_response(job.chat, request_id, created, self.model, outs,
-                                     [q.fmt for q in job.prompts], job.tools)
+        return response_bodies.final_response(job.chat, request_id, created, self.model, outs,
+                                              [q.fmt for q in job.prompts], job.tools)
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, await self.prepare(False, await self._body(request)))
@@ -244,7 +245,7 @@ class OpenAIServer:
             return _json(DeletedResponse(id=response_id))
         if request.query_params.get("stream", "false").lower() not in ("false", "0"):
             raise p.RequestError("retrieving a response as a stream is not supported",
-                                 param="stream", code=decode.UNSUPPORTED)
+                                 param="stream", code=request_parsing.UNSUPPORTED)
         return _json(entry.response)
 
     async def _serve(self, request: Request, job: GenerationJob) -> Response:
@@ -290,14 +291,15 @@ class OpenAIServer:
             chat_template=tok.chat_template if tok.has_chat_template else None))
 
     async def tokenize(self, request: Request) -> Response:
-        req = decode.decode_tokenize_request(await self._body(request), self.limits)
+        req = request_parsing.decode_tokenize_request(await self._body(request), self.limits)
         self._check_model(req.model)
         tok = self.engine.tokenizer
         try:
             if req.messages is not None:
                 self._check_chat_template()
                 text = tok.apply_chat_template(
-                    decode.chat_messages(req), add_generation_prompt=req.add_generation_prompt
+                    request_parsing.chat_messages(req),
+                    add_generation_prompt=req.add_generation_prompt,
                 )
                 special = bool(req.add_special_tokens)
             else:
@@ -312,7 +314,7 @@ class OpenAIServer:
                                         max_model_len=self.engine.max_model_len))
 
     async def detokenize(self, request: Request) -> Response:
-        req = decode.decode_detokenize_request(await self._body(request))
+        req = request_parsing.decode_detokenize_request(await self._body(request))
         self._check_model(req.model)
         vocab = self.engine.tokenizer.vocab_size
         for i, t in enumerate(req.tokens):

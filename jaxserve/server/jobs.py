@@ -21,8 +21,8 @@ from jaxserve.engine.metrics import EngineMetrics
 from jaxserve.errors import InvalidRequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.server import encode, tools
 from jaxserve.server import protocol as p
+from jaxserve.server import response_bodies, tools
 from jaxserve.server.responses import handler as responses
 
 
@@ -89,7 +89,7 @@ class EnginePrompt:
 
     ids: list[int]
     text: str | None
-    fmt: encode.LogprobFormat
+    fmt: response_bodies.LogprobFormat
 
 
 @dataclass

@@ -5,9 +5,9 @@ running request (a disconnect cancels it).
 deadline, are still plain error replies before any byte is sent), then hands the engine
 generators to a ``ClosingStreamingResponse`` whose body (``sse_events``) interleaves the
 prompts' outputs as they arrive, each through a formatter:
-  - completions and chat (``encode.StreamFormatter``): events ``data: <json>\\n\\n``, ending
-    with ``data: [DONE]\\n\\n``. Completions: one chunk per text delta; the last content chunk
-    carries finish_reason; a batch's prompts interleave as their outputs arrive. Chat: a role
+  - completions and chat (``response_bodies.StreamFormatter``): events ``data: <json>\\n\\n``,
+    ending with ``data: [DONE]\\n\\n``. Completions: one chunk per text delta; the last content
+    chunk carries finish_reason; a batch's prompts interleave as their outputs arrive. Chat: a role
     chunk ``{"role": "assistant", "content": ""}``, content deltas, then a chunk with an empty
     delta and the finish_reason. With ``stream_options.include_usage``, every chunk has
     ``usage: null`` and one extra chunk with ``choices: []`` and the usage follows the finish
@@ -33,7 +33,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from jaxserve.outputs import RequestOutput
-from jaxserve.server import encode
+from jaxserve.server import response_bodies
 from jaxserve.server.gate import RequestBudget
 from jaxserve.server.jobs import EngineClient, GenerationJob, first_outputs
 from jaxserve.server.responses.output import ResponseBuilder
@@ -125,13 +125,13 @@ async def start_stream(
     try:
         firsts = await unless_disconnected(request, budget.bound(first_outputs(gens, job)))
         created = int(time.time())
-        fmt: encode.StreamFormatter | ResponseBuilder
+        fmt: response_bodies.StreamFormatter | ResponseBuilder
         if job.response is not None:
             fmt = job.response.builder(rid, created, model, job.tools)
         else:
-            fmt = encode.StreamFormatter(job.chat, rid, created, model,
-                                         job.include_usage, n=job.params.n,
-                                         fmts=[q.fmt for q in job.prompts], tools=job.tools)
+            fmt = response_bodies.StreamFormatter(
+                job.chat, rid, created, model, job.include_usage, n=job.params.n,
+                fmts=[q.fmt for q in job.prompts], tools=job.tools)
         handed_over = True  # the response owns the generators from here
         return ClosingStreamingResponse(
             sse_events(gens, firsts, fmt, state, budget),
@@ -147,7 +147,7 @@ async def start_stream(
 async def sse_events(
     gens: list[AsyncIterator[RequestOutput]],
     firsts: list[RequestOutput],
-    fmt: encode.StreamFormatter | ResponseBuilder,
+    fmt: response_bodies.StreamFormatter | ResponseBuilder,
     state: StreamState,
     budget: RequestBudget,
 ) -> AsyncIterator[bytes]:

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import msgspec
 
 from jaxserve.config import RequestLimits
-from jaxserve.server import decode
 from jaxserve.server import protocol as p
+from jaxserve.server import request_parsing
 from jaxserve.server.responses.output import ResponseBuilder
 from jaxserve.server.responses.protocol import (
     FunctionChoice,
@@ -53,14 +53,14 @@ _UNKNOWN = re.compile(r"unknown field `([^`]*)`(?: - at `([^`]*)`)?")
 
 
 def _unsupported(message: str, param: str) -> p.RequestError:
-    return p.RequestError(message, param=param, code=decode.UNSUPPORTED)
+    return p.RequestError(message, param=param, code=request_parsing.UNSUPPORTED)
 
 
 def decode_request(body: bytes) -> ResponsesRequest:
     """Decode a ``/v1/responses`` body and refuse the fields that would change the reply and
     are not built; raises RequestError naming the field."""
     try:
-        req = decode.decode_body(_decoder, body)
+        req = request_parsing.decode_body(_decoder, body)
     except p.RequestError as exc:
         unknown = _UNKNOWN.search(exc.message)
         if unknown is None:
@@ -242,7 +242,7 @@ def to_chat_request(req: ResponsesRequest, history: list[InputItem], chat_templa
         parallel_tool_calls=req.parallel_tool_calls, max_tokens=req.max_output_tokens,
         temperature=req.temperature, top_p=req.top_p, stream=bool(req.stream),
         response_format=_response_format(req.text.format if req.text else None))
-    return decode.check_chat_request(chat, limits), items
+    return request_parsing.check_chat_request(chat, limits), items
 
 
 # ---- the store --------------------------------------------------------------------------------
