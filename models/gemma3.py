@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.causal_lm import FlaxCausalLM
 from models.config import Gemma3Config
 from models.llama import (
     AttentionFn,
@@ -42,7 +43,7 @@ from models.llama import (
     kv_scale_kwargs,
 )
 from models.loader import gguf_tensor_getter, stack_layers
-from models.quant import embed_lookup, qmatmul, split_packed, weight
+from models.quant import embed_lookup, qmatmul, weight
 from pallas_kernels import KVCache, ragged_paged_attention, write_kv
 
 GLOBAL_WINDOW = 1 << 30
@@ -152,36 +153,10 @@ class Gemma3Model(nn.Module):
         return qmatmul(hidden.astype(self.dtype), self.embed, transpose=True).astype(jnp.float32)
 
 
-class Gemma3ForCausalLM:
-    """``models/interface.py:CausalLM`` over a ``Gemma3Model`` (as ``LlamaForCausalLM``)."""
+class Gemma3ForCausalLM(FlaxCausalLM):
+    """``models/interface.py:CausalLM`` over a ``Gemma3Model`` (``models.causal_lm``)."""
 
-    def __init__(self, cfg: Gemma3Config, dtype: jnp.dtype = jnp.float32,
-                 attention_fn: AttentionFn = ragged_paged_attention) -> None:
-        self.cfg = cfg
-        self.dtype = jnp.dtype(dtype)
-        self.module = Gemma3Model(cfg, self.dtype, attention_fn)
-
-    def forward(self, params, token_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
-                md: AttentionMetadata) -> tuple[jax.Array, KVCache]:
-        """``(hidden [T, hidden], kv_cache)`` for one ragged step of ``T`` tokens."""
-        return self.module.apply(split_packed(params), token_ids, positions, kv_cache, md)
-
-    def compute_logits(self, params, hidden: jax.Array) -> jax.Array:
-        """``f32[L, vocab]`` from ``hidden [L, hidden]``."""
-        return self.module.apply(split_packed(params), hidden, method=Gemma3Model.logits)
-
-    def param_shapes(self):
-        """The params pytree as ``jax.ShapeDtypeStruct`` leaves (nothing allocated)."""
-        cfg = self.cfg
-        kv = KVCache(*(jax.ShapeDtypeStruct((cfg.num_layers, 2, 1, cfg.num_kv_heads,
-                                             cfg.head_dim), self.dtype) for _ in range(2)))
-        md = AttentionMetadata(jnp.zeros((1,), jnp.int32), jnp.zeros((1, 1), jnp.int32),
-                               jnp.ones((1,), jnp.int32), jnp.array([0, 1], jnp.int32),
-                               jnp.ones((1,), jnp.int32))
-        shapes = jax.eval_shape(
-            lambda kv: self.module.init(jax.random.PRNGKey(0), jnp.zeros((1,), jnp.int32),
-                                        jnp.zeros((1,), jnp.int32), kv, md), kv)
-        return shapes["params"]
+    module_class = Gemma3Model
 
 
 # -- GGUF ------------------------------------------------------------------------------------------

@@ -28,9 +28,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from models.causal_lm import FlaxCausalLM
 from models.config import ModelConfig
 from models.interface import AttentionFn, AttentionMetadata
-from models.quant import embed_lookup, qmatmul, split_packed, weight
+from models.quant import embed_lookup, qmatmul, weight
 from pallas_kernels import KVCache, ragged_paged_attention, write_kv
 
 
@@ -166,38 +167,7 @@ class LlamaModel(nn.Module):
         return qmatmul(h, self.lm_head).astype(jnp.float32)
 
 
-class LlamaForCausalLM:
-    """``models/interface.py:CausalLM`` over a ``LlamaModel``.
+class LlamaForCausalLM(FlaxCausalLM):
+    """``models/interface.py:CausalLM`` over a ``LlamaModel`` (``models.causal_lm``)."""
 
-    ``forward(params, token_ids i32[T], positions i32[T], kv_cache, md) -> (hidden [T, hidden],
-    kv_cache)`` and ``compute_logits(params, hidden [L, hidden]) -> f32[L, vocab]``. Any Flax
-    model with these two methods that calls the paged-attention op can be served.
-    """
-
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype = jnp.float32,
-                 attention_fn: AttentionFn = ragged_paged_attention) -> None:
-        self.cfg = cfg
-        self.dtype = jnp.dtype(dtype)
-        self.module = LlamaModel(cfg, self.dtype, attention_fn)
-
-    def forward(self, params, token_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
-                md: AttentionMetadata) -> tuple[jax.Array, KVCache]:
-        return self.module.apply(split_packed(params), token_ids, positions, kv_cache, md)
-
-    def compute_logits(self, params, hidden: jax.Array) -> jax.Array:
-        return self.module.apply(split_packed(params), hidden, method=LlamaModel.logits)
-
-    def param_shapes(self):
-        """The params pytree as ``jax.ShapeDtypeStruct`` leaves (nothing allocated)."""
-        t = 1
-        kv = KVCache(jnp.zeros((self.cfg.num_layers, 2, 1, self.cfg.num_kv_heads,
-                                self.cfg.head_dim), self.dtype),
-                     jnp.zeros((self.cfg.num_layers, 2, 1, self.cfg.num_kv_heads,
-                                self.cfg.head_dim), self.dtype))
-        md = AttentionMetadata(jnp.zeros((t,), jnp.int32), jnp.zeros((1, 1), jnp.int32),
-                               jnp.ones((1,), jnp.int32), jnp.array([0, 1], jnp.int32),
-                               jnp.ones((1,), jnp.int32))
-        shapes = jax.eval_shape(
-            lambda: self.module.init(jax.random.PRNGKey(0), jnp.zeros((t,), jnp.int32),
-                                     jnp.zeros((t,), jnp.int32), kv, md))
-        return shapes["params"]
+    module_class = LlamaModel
