@@ -12,6 +12,7 @@ import argparse
 import hashlib
 import json
 import platform
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,16 @@ def parse_args(description: str, gguf_help: str) -> argparse.Namespace:
     ap.add_argument("--gguf", help=gguf_help)
     ap.add_argument("--out-dir", default="tests/goldens")
     return ap.parse_args()
+
+
+def open_reference(description: str, gguf_help: str, find_gguf: Callable[[str | None], Path]
+                   ) -> tuple[argparse.Namespace, Path, Any, Any]:
+    """Parse the command line (``parse_args``), find the GGUF (``find_gguf(args.gguf)``) and
+    load transformers' reference of it: ``(args, path, tokenizer, model)``."""
+    args = parse_args(description, gguf_help)
+    path = find_gguf(args.gguf)
+    tok, model = load_gguf_reference(path)
+    return args, path, tok, model
 
 
 def gguf_fields(path: Path) -> dict[str, Any]:

@@ -29,15 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from golden_reference import (
-    LONG_PROSE,
-    gguf_fields,
-    greedy_record,
-    load_gguf_reference,
-    parse_args,
-    tokenizer_cases,
-    write_json,
-)
+import golden_reference as ref
 
 N_GREEDY = 32
 
@@ -60,7 +52,7 @@ def _inventory() -> str:
 
 PROMPTS: list[dict[str, Any]] = [
     {"name": "france_text", "text": "The capital city of France is"},
-    {"name": "long_prose", "text": LONG_PROSE},
+    {"name": "long_prose", "text": ref.LONG_PROSE},
     {"name": "mixed_unicode", "text": "Repeat exactly: A 世ab 😀 x 🌶 y"},
     {"name": "alphabet_text", "text": "Here is the English alphabet: ABC"},
     {"name": "inventory_long", "text": _inventory()},
@@ -79,9 +71,8 @@ def find_gguf(arg: str | None) -> Path:
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0], "path to gemma-3-270m-q4_k_m.gguf")
-    path = find_gguf(args.gguf)
-    tok, model = load_gguf_reference(path)
+    args, path, tok, model = ref.open_reference(__doc__.splitlines()[0], "path to gemma-3-270m-q4_k_m.gguf",
+                                                find_gguf)
     cfg = model.config
 
     prompts_out: list[dict[str, Any]] = []
@@ -89,7 +80,7 @@ def main() -> None:
         rec: dict[str, Any] = dict(p)
         ids = tok(p["text"]).input_ids
         rec["tokenization"] = "tokenizer(text).input_ids (default add_special_tokens=True)"
-        greedy_record(rec, tok, model, ids, N_GREEDY)
+        ref.greedy_record(rec, tok, model, ids, N_GREEDY)
         prompts_out.append(rec)
         print(f"{p['name']}: {len(ids)} prompt tokens, min margin {min(rec['top2_margins']):.4f}"
               f"\n  {rec['greedy_text']!r}")
@@ -98,7 +89,7 @@ def main() -> None:
     golden = {
         "description": "Gemma 3 270M GGUF goldens from HF transformers, float32, CPU, eager "
                        "attention; produced by scripts/make_gemma3_goldens.py",
-        **gguf_fields(path),
+        **ref.gguf_fields(path),
         "config": {
             "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
             "num_hidden_layers": cfg.num_hidden_layers,
@@ -118,9 +109,9 @@ def main() -> None:
                       "chat_template": tok.chat_template},
         "n_greedy": N_GREEDY,
         "prompts": prompts_out,
-        "tokenizer_cases": tokenizer_cases(tok, with_tokens=False),
+        "tokenizer_cases": ref.tokenizer_cases(tok, with_tokens=False),
     }
-    out = write_json(args.out_dir, "gemma3.json", golden)
+    out = ref.write_json(args.out_dir, "gemma3.json", golden)
     print("gemma3.json", os.path.getsize(out / "gemma3.json"), "bytes")
 
 

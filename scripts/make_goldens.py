@@ -32,23 +32,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+import golden_reference as ref
 import numpy as np
-from golden_reference import (
-    LONG_PROSE,
-    gguf_fields,
-    greedy_record,
-    load_gguf_reference,
-    parse_args,
-    tokenizer_cases,
-    write_json,
-)
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 N_GREEDY = 48
 
 PROMPTS: list[dict[str, Any]] = [
     {"name": "france_text", "kind": "text", "text": "The capital city of France is"},
-    {"name": "long_prose", "kind": "text", "text": LONG_PROSE},
+    {"name": "long_prose", "kind": "text", "text": ref.LONG_PROSE},
     {"name": "mixed_unicode", "kind": "text", "text": "Repeat exactly: A 世ab 😀 x 🌶 y"},
     {"name": "france_chat", "kind": "chat",
      "messages": [{"role": "user", "content": "What is the capital of France?"}]},
@@ -77,9 +69,8 @@ def find_gguf(arg: str | None) -> Path:
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0], "path to SmolLM2-135M-Instruct.Q4_1.gguf")
-    path = find_gguf(args.gguf)
-    tok, model = load_gguf_reference(path)
+    args, path, tok, model = ref.open_reference(__doc__.splitlines()[0], "path to SmolLM2-135M-Instruct.Q4_1.gguf",
+                                                find_gguf)
     cfg = model.config
 
     prompts_out: list[dict[str, Any]] = []
@@ -97,7 +88,7 @@ def main() -> None:
             rec["rendered"] = rendered
             rec["tokenization"] = "tokenizer(rendered, add_special_tokens=False).input_ids"
             rec["bos_added"] = False
-        rows = greedy_record(rec, tok, model, ids, N_GREEDY)
+        rows = ref.greedy_record(rec, tok, model, ids, N_GREEDY)
         full_logits[p["name"]] = rows[0].numpy().astype(np.float32)
         prompts_out.append(rec)
         print(f"{p['name']}: {len(ids)} prompt tokens, min margin {min(rec['top2_margins']):.4f}, "
@@ -106,7 +97,7 @@ def main() -> None:
     golden = {
         "description": "SmolLM2-135M-Instruct GGUF goldens from HF transformers, float32, CPU, eager "
                        "attention; produced by scripts/make_goldens.py",
-        **gguf_fields(path),
+        **ref.gguf_fields(path),
         "config": {
             "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
             "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
@@ -126,9 +117,9 @@ def main() -> None:
         "n_greedy": N_GREEDY,
         "logits_npz": "smollm2_logits.npz (key = prompt name, float32 [vocab] first-step row)",
         "prompts": prompts_out,
-        "tokenizer_cases": tokenizer_cases(tok, with_tokens=True),
+        "tokenizer_cases": ref.tokenizer_cases(tok, with_tokens=True),
     }
-    out = write_json(args.out_dir, "smollm2.json", golden)
+    out = ref.write_json(args.out_dir, "smollm2.json", golden)
     np.savez_compressed(out / "smollm2_logits.npz", **full_logits)
     for f in ("smollm2.json", "smollm2_logits.npz"):
         print(f, os.path.getsize(out / f), "bytes")
