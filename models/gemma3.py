@@ -41,6 +41,7 @@ from models.llama import (
     apply_rope,
     cache_scales,
     kv_scale_kwargs,
+    setup_decoder,
 )
 from models.loader import gguf_tensor_getter, stack_layers
 from models.quant import embed_lookup, qmatmul, weight
@@ -125,14 +126,7 @@ class Gemma3Model(nn.Module):
     attention_fn: AttentionFn = ragged_paged_attention
 
     def setup(self) -> None:
-        cfg = self.cfg
-        self.embed = weight(self, "embed", nn.initializers.normal(0.02),
-                            (cfg.vocab_size, cfg.hidden_size), self.dtype)
-        scanned = nn.scan(Gemma3DecoderLayer, variable_axes={"params": 0},
-                          variable_broadcast="packed", split_rngs={"params": True},
-                          in_axes=(nn.broadcast, 0), length=cfg.num_layers)
-        self.layers = scanned(cfg, self.dtype, self.attention_fn)
-        self.final_norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
+        setup_decoder(self, Gemma3DecoderLayer, (nn.broadcast, 0))
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
                  md: AttentionMetadata) -> tuple[jax.Array, KVCache]:

@@ -130,6 +130,21 @@ class DecoderLayer(nn.Module):
         return (x, k_cache, v_cache, layer + 1), None
 
 
+def setup_decoder(module: nn.Module, layer: type[nn.Module], in_axes: object) -> None:
+    """The ``setup`` every decoder here starts with, for a module with fields ``cfg``, ``dtype``
+    and ``attention_fn``: ``embed [vocab, hidden]``, ``layers`` (``layer(cfg, dtype,
+    attention_fn)`` under ``nn.scan`` over ``cfg.num_layers``: params stacked on axis 0, the
+    ``packed`` collection broadcast, the scanned inputs ``in_axes``) and ``final_norm``."""
+    cfg = module.cfg
+    module.embed = weight(module, "embed", nn.initializers.normal(0.02),
+                          (cfg.vocab_size, cfg.hidden_size), module.dtype)
+    scanned = nn.scan(layer, variable_axes={"params": 0},
+                      variable_broadcast="packed", split_rngs={"params": True},
+                      in_axes=in_axes, length=cfg.num_layers)
+    module.layers = scanned(cfg, module.dtype, module.attention_fn)
+    module.final_norm = RMSNorm(cfg.rms_norm_eps, module.dtype)
+
+
 class LlamaModel(nn.Module):
     """The decoder. Params: ``embed [vocab, hidden]``, ``layers/*`` stacked ``[num_layers, ...]``,
     ``final_norm/weight [hidden]``, ``lm_head [hidden, vocab]`` when untied."""
@@ -140,13 +155,7 @@ class LlamaModel(nn.Module):
 
     def setup(self) -> None:
         cfg = self.cfg
-        self.embed = weight(self, "embed", nn.initializers.normal(0.02),
-                            (cfg.vocab_size, cfg.hidden_size), self.dtype)
-        scanned = nn.scan(DecoderLayer, variable_axes={"params": 0},
-                          variable_broadcast="packed", split_rngs={"params": True},
-                          in_axes=nn.broadcast, length=cfg.num_layers)
-        self.layers = scanned(cfg, self.dtype, self.attention_fn)
-        self.final_norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
+        setup_decoder(self, DecoderLayer, nn.broadcast)
         if not cfg.tie_word_embeddings:
             self.lm_head = weight(self, "lm_head", nn.initializers.normal(0.02),
                                   (cfg.hidden_size, cfg.vocab_size), self.dtype)
