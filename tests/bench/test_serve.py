@@ -42,7 +42,7 @@ from jaxserve.bench.metrics import (
 )
 from jaxserve.bench.serve import result_path
 from jaxserve.cli.main import main
-from jaxserve.server.app import build_app
+from jaxserve.server.routes import build_app
 from tests.support.fake_engine import FakeEngine
 from tests.support.http_server import serve_app
 

@@ -127,7 +127,7 @@ def test_sweep_real_server_real_model(engine, tmp_path: Path) -> None:  # type: 
     """The HTTP server over the shared SmolLM2 engine (with metrics attached for the test):
     three concurrency steps, occupancy from /metrics, JSON, plots and both configurations."""
     from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.server.app import build_app
+    from jaxserve.server.routes import build_app
     from tests.support.http_server import serve_app
 
     metrics = EngineMetrics(engine.model_name)

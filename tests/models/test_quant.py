@@ -443,7 +443,7 @@ def test_quantised_smollm2_serves_through_engine_and_http(goldens) -> None:
 
 
 def _build_app(aeng, name):
-    from jaxserve.server.app import build_app
+    from jaxserve.server.routes import build_app
 
     return build_app(aeng, name)
 

@@ -112,7 +112,7 @@ def decode_chat_request(
 def check_chat_request(
     req: ChatCompletionRequest, limits: RequestLimits = _DEFAULT_LIMITS
 ) -> ChatCompletionRequest:
-    """Check a decoded (or built: ``server.responses``) chat request against ``limits`` and
+    """Check a decoded (or built: ``server.responses.handler``) chat request against ``limits`` and
     the fields not built; returns it; raises RequestError."""
     _check_limits(req, limits)
     unsupported_chat = {

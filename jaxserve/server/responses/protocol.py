@@ -2,8 +2,8 @@
 
 Requests decode strictly into ``ResponsesRequest`` (no type coercion; unknown fields ignored,
 known fields that would change the reply and are not built are decoded only to be refused:
-``server.responses.decode_request``). An input item is one Struct for every item type (a
-message may come without ``type``); ``server.responses`` checks each type's fields. Output
+``server.responses.handler.decode_request``). An input item is one Struct for every item type (a
+message may come without ``type``); ``server.responses.handler`` checks each type's fields. Output
 items, the response object and the stream events are what the openai SDK's
 ``openai.types.responses`` models read (the tests validate them against those models): every
 event carries ``type`` and ``sequence_number``.

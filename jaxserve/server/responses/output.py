@@ -1,7 +1,7 @@
 """A Responses API reply's output, built from the generated text as it arrives: the output items
 (a ``message`` with one ``output_text`` part, ``function_call`` items) and, for a stream, the
 events, so that a streamed and a non-streamed reply hold the same output
-(``ResponseBuilder``). ``server.responses`` makes the builder of each request.
+(``ResponseBuilder``). ``server.responses.handler`` makes the builder of each request.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from msgspec import UNSET
 
 from jaxserve.outputs import RequestOutput
 from jaxserve.server.protocol import DeltaToolCall
-from jaxserve.server.responses_protocol import (
+from jaxserve.server.responses.protocol import (
     ArgumentsDeltaEvent,
     ArgumentsDoneEvent,
     ContentPartEvent,

@@ -9,7 +9,7 @@ One request's path:
   ``max_tokens``─> ``ChatCompletionRequest``, which the server prepares as any chat request
   (chat template, tool plan, structured output); errors on that path name chat's fields, and
   ``request_error`` renames them (``messages`` -> ``input``, ...).
-The reply's text goes through a ``responses_output.ResponseBuilder`` (through
+The reply's text goes through a ``responses.output.ResponseBuilder`` (through
 ``tools.ToolCallParser`` under a tool plan), which makes the output items and, for a stream, the
 events; a non-streamed reply is built by the same code from the whole text, so both agree.
 A finished response with ``store`` goes to the ``ResponseStore`` (the last N, oldest dropped
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import msgspec
 
 from jaxserve.config import RequestLimits
-from jaxserve.server import decode
 from jaxserve.server import protocol as p
-from jaxserve.server.responses_output import ResponseBuilder
-from jaxserve.server.responses_protocol import (
+from jaxserve.server import request_parsing
+from jaxserve.server.responses.output import ResponseBuilder
+from jaxserve.server.responses.protocol import (
     FunctionChoice,
     InputContentPart,
     InputItem,
@@ -53,14 +53,14 @@ _UNKNOWN = re.compile(r"unknown field `([^`]*)`(?: - at `([^`]*)`)?")
 
 
 def _unsupported(message: str, param: str) -> p.RequestError:
-    return p.RequestError(message, param=param, code=decode.UNSUPPORTED)
+    return p.RequestError(message, param=param, code=request_parsing.UNSUPPORTED)
 
 
 def decode_request(body: bytes) -> ResponsesRequest:
     """Decode a ``/v1/responses`` body and refuse the fields that would change the reply and
     are not built; raises RequestError naming the field."""
     try:
-        req = decode.decode_body(_decoder, body)
+        req = request_parsing.decode_body(_decoder, body)
     except p.RequestError as exc:
         unknown = _UNKNOWN.search(exc.message)
         if unknown is None:
@@ -242,7 +242,7 @@ def to_chat_request(req: ResponsesRequest, history: list[InputItem], chat_templa
         parallel_tool_calls=req.parallel_tool_calls, max_tokens=req.max_output_tokens,
         temperature=req.temperature, top_p=req.top_p, stream=bool(req.stream),
         response_format=_response_format(req.text.format if req.text else None))
-    return decode.check_chat_request(chat, limits), items
+    return request_parsing.check_chat_request(chat, limits), items
 
 
 # ---- the store --------------------------------------------------------------------------------
