@@ -3,6 +3,8 @@
 A request's id comes from the client (``X-Request-Id``), the server (``random_id``) or the
 engine (``IdCounter``, for offline callers that give none). From it:
 
+- the engine keeps one stream per id: a second request under an id in use gets ``<id>#<n>``
+  (``unique``);
 - a prompt of a multi-prompt completions request is ``<id>-<i>`` (``prompt_ids``);
 - a choice of an ``n > 1`` request is the scheduler sequence ``<id>[<i>]`` (``choice_ids``;
   with ``n == 1`` the sequence id is the request id);
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import uuid
+from collections.abc import Container
 
 
 def random_id() -> str:
@@ -38,6 +41,15 @@ def choice_ids(request_id: str, n: int) -> list[str]:
     """The scheduler sequence id of each of a request's ``n`` choices: ``request_id`` for one,
     else ``<request_id>[<i>]``."""
     return [request_id] if n == 1 else [f"{request_id}[{i}]" for i in range(n)]
+
+
+def unique(request_id: str, in_use: Container[str]) -> str:
+    """``request_id``, or ``<request_id>#<n>`` with the smallest n >= 1 not ``in_use``."""
+    out, n = request_id, 0
+    while out in in_use:
+        n += 1
+        out = f"{request_id}#{n}"
+    return out
 
 
 class IdCounter:

@@ -12,11 +12,11 @@ which closes their engine generators and aborts their requests (``gather_or_canc
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Protocol
 
+from jaxserve import request_ids
 from jaxserve.engine.metrics import EngineMetrics
 from jaxserve.errors import InvalidRequest
 from jaxserve.outputs import RequestOutput
@@ -126,15 +126,12 @@ class GenerationJob:
         stored responses are looked up by id, so it must not repeat when clients reuse an
         ``X-Request-Id`` (which stays the id of the log lines)."""
         if self.response is not None:
-            return f"resp_{uuid.uuid4().hex}"
+            return request_ids.item_id("resp")
         return f"{'chatcmpl' if self.chat else 'cmpl'}-{request_id}"
 
     def engine_ids(self, request_id: str) -> list[str]:
-        """The engine request id of each prompt: ``request_id`` itself for one prompt, else
-        ``<request_id>-<i>``."""
-        if len(self.prompts) == 1:
-            return [request_id]
-        return [f"{request_id}-{i}" for i in range(len(self.prompts))]
+        """The engine request id of each prompt (``request_ids.prompt_ids``)."""
+        return request_ids.prompt_ids(request_id, len(self.prompts))
 
 
 async def first_output(gen: AsyncIterator[RequestOutput], job: GenerationJob, index: int

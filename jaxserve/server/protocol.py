@@ -10,11 +10,12 @@ is a ``RequestError``, which the server turns into an OpenAI-style error body wi
 
 from __future__ import annotations
 
-import uuid
 from typing import Any, Literal
 
 import msgspec
 from msgspec import UNSET, UnsetType
+
+from jaxserve import request_ids
 
 
 class RequestError(Exception):
@@ -308,8 +309,8 @@ class DetokenizeResponse(msgspec.Struct, kw_only=True):
 
 
 def random_id() -> str:
-    """A fresh request id (32 hex digits)."""
-    return uuid.uuid4().hex
+    """A fresh request id (``request_ids.random_id``: 32 hex digits)."""
+    return request_ids.random_id()
 
 
 # ---- responses ------------------------------------------------------------------------------

@@ -6,12 +6,12 @@ events, so that a streamed and a non-streamed reply hold the same output
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 
 import msgspec
 from msgspec import UNSET
 
+from jaxserve import request_ids
 from jaxserve.outputs import RequestOutput
 from jaxserve.server.protocol import DeltaToolCall
 from jaxserve.server.responses.protocol import (
@@ -44,8 +44,7 @@ def _usage(out: RequestOutput) -> ResponseUsage:
                          total_tokens=num_in + num_out)
 
 
-def _item_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
+_item_id = request_ids.item_id
 
 
 class ResponseBuilder:
