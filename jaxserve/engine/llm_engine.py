@@ -6,9 +6,8 @@ the KV cache plan and cache, the ``ModelRunner``. ``add_request`` checks a reque
   ``scheduler.schedule()`` (host Python plan) -> the plan's host-tier copies
   (``runner.copy_blocks``) -> ``StepDispatcher.dispatch`` (sampling rows, the packed buffer,
   grammar masks; one compiled XLA program started, KV cache donated, sampling on device) ->
-  once its ids are on the host, ``_complete``: ``scheduler.update`` (token-id stop checks,
-  block frees), grammars advanced, incremental detokenisation and stop strings, one
-  ``RequestOutput`` per request that changed (``request_state``).
+  once its ids are on the host, ``OutputProcessor.complete``: ``scheduler.update``, grammars,
+  detokenisation and stop strings, one ``RequestOutput`` per request that changed.
 With async scheduling (``EngineConfig.async_scheduling``, the default) a call plans, packs
 and dispatches step N+1 first and then reads step N, which ran on the device meanwhile; step
 N+1's tokens that step N samples are gathered on the device (docs/architecture.md#async-scheduling).
@@ -30,16 +29,9 @@ import numpy as np
 from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.core.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.kv_budget import weights_summary
+from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.penalty_slots import PenaltySlots
-from jaxserve.engine.request_state import (
-    Choice,
-    RequestGroup,
-    emit,
-    group_output,
-    open_request,
-    record_logprobs,
-    record_prompt_logprobs,
-)
+from jaxserve.engine.request_state import Choice, RequestGroup, open_request
 from jaxserve.engine.startup import assemble
 from jaxserve.engine.step_inputs import InflightStep, StepDispatcher
 from jaxserve.engine.step_trace import StepTimes, StepTrace
@@ -103,6 +95,8 @@ class LLMEngine:
                                         config.grammar_compile_timeout_s)
         self.dispatcher = StepDispatcher(self.runner, self.slots, self.grammars,
                                          self.tokenizer.vocab_size)
+        self.outputs = OutputProcessor(self.scheduler, self.requests, self.groups, self.slots,
+                                       self.tokenizer, metrics)
         self.step_trace = StepTrace(config.step_trace_file) if config.step_trace_file else None
         self._inflight: InflightStep | None = None  # async scheduling: the step on the device
         self._rng = np.random.default_rng(config.seed)
@@ -157,15 +151,19 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams | None = None, prompt: str | None = None,
-                    arrival_time: float | None = None, grammar: Grammar | None = None) -> None:
+                    arrival_time: float | None = None, grammar: Grammar | None = None,
+                    max_tokens: int | None = None) -> None:
         """Queue a request (``params.n`` sequences); ``grammar``: its
-        ``compile_grammar(params)``, compiled here when None. Raises ValueError (see
-        ``validate`` and ``compile_grammar``; also a duplicate id)."""
+        ``compile_grammar(params)``, compiled here when None; ``max_tokens``: what
+        ``validate`` returned for it, where the caller validated it already (None: validated
+        here). Raises ValueError (see ``validate`` and ``compile_grammar``; also a duplicate
+        id)."""
         params = params or SamplingParams()
         seq_ids = choice_ids(request_id, params.n)
         if request_id in self.groups or any(i in self.requests for i in seq_ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        max_tokens = self.validate(prompt_token_ids, params)
+        if max_tokens is None:
+            max_tokens = self.validate(prompt_token_ids, params)
         if grammar is None:
             grammar = self.compile_grammar(params)
         prompt_token_ids = [int(t) for t in truncate_prompt(prompt_token_ids, params,
@@ -193,12 +191,8 @@ class LLMEngine:
         aborted = self.scheduler.abort(seq_ids)
         for sid in seq_ids:
             self.slots.release(self.requests.pop(sid))
-        if self.metrics is not None:
-            for g in groups:
-                self.metrics.record_finished(
-                    "abort", time.monotonic() - g.arrival_time,
-                    num_prompt_tokens=len(g.prompt_token_ids),
-                    num_generation_tokens=sum(len(c.output_token_ids) for c in g.choices))
+        for g in groups:
+            self.outputs.record_finished(g, "abort", time.monotonic())
         if aborted:
             self._record_step()  # the gauges must show the freed blocks even if no step follows
         return aborted
@@ -286,7 +280,7 @@ class LLMEngine:
                 done.out.ids  # noqa: B018 (waits for the step's sampled ids)
                 done.t_ready = time.perf_counter()
                 times.wait_s += done.t_ready - t_wait
-                n, outs = self._complete(done)
+                n, outs = self.outputs.complete(done)
                 num_generated += n
                 outputs += outs
         if new is not None and new.t_ready is None:
@@ -302,95 +296,6 @@ class LLMEngine:
         scheduling, and for a step with a constrained row (its next token mask needs this
         step's token on the host)."""
         return not self.async_scheduling or step.constrained
-
-    def _complete(self, step: InflightStep) -> tuple[int, list[RequestOutput]]:
-        """Read a dispatched step's results into the scheduler and the requests; returns the
-        number of tokens kept and the outputs. A row whose choice finished or was aborted
-        since the step was planned (async scheduling) is dropped."""
-        plan, out = step.plan, step.out
-        live = [self.requests.get(s.request_id) is c for s, c in zip(plan.scheduled,
-                                                                       step.choices)]
-        lp_rows = [i for i in step.prompt_lp_rows if live[i]]
-        if lp_rows:
-            record_prompt_logprobs(self.tokenizer, plan.scheduled, self.requests, step.rows,
-                                   lp_rows, out.prompt_logprobs())
-        lp = out.logprobs() if step.want_lp else None
-        sampled = [int(out.ids[i]) if s.sample else None for i, s in enumerate(plan.scheduled)]
-        result = self.scheduler.update(plan, sampled)
-        if self.metrics is not None:  # the ids are on the host: the step's device work is done
-            self.metrics.record_prefill_rate(step.num_prompt_tokens,
-                                             step.t_ready - step.t_dispatch)
-        now = time.monotonic()
-        touched: dict[str, RequestGroup] = {}
-        for rid, tok in result.new_token_ids.items():
-            req = self.requests[rid]
-            if req.logprobs is not None and lp is not None:
-                record_logprobs(self.tokenizer, req, tok, lp, step.row_of[rid])
-            finish = result.finished.get(rid)
-            if req.grammar is not None:
-                finish = self._advance_grammar(req, tok, finish)
-            if self._process(req, tok, finish, now):
-                touched[req.group.request_id] = req.group
-        return len(result.new_token_ids), [self._group_output(g, now) for g in touched.values()]
-
-    def _advance_grammar(self, req: Choice, token: int, finish: str | None) -> str | None:
-        """Feed a sampled token to the choice's grammar; returns its finish reason, "stop"
-        once the grammar has taken an EOS the request does not stop at (``ignore_eos``)."""
-        if not req.grammar.advance(token):
-            log.warning("request %s: the structured-output grammar refused token %d (%s); it "
-                        "allows only EOS from here", req.request_id, token, req.grammar.error)
-        if finish is None and req.grammar.done and token in self.tokenizer.eos_token_ids:
-            self.scheduler.finish([req.request_id])
-            return "stop"
-        return finish
-
-    def _process(self, req: Choice, token: int, finish: str | None, now: float) -> bool:
-        """Advance one choice by a sampled token; True if it has a new output."""
-        rid, g, m = req.request_id, req.group, self.metrics
-        req.output_token_ids.append(token)
-        if g.first_token_time is None:
-            g.first_token_time = now
-            if m is not None:
-                m.record_first_token(now - g.arrival_time,
-                                     (g.first_scheduled_time or now) - g.arrival_time)
-        elif m is not None and req.last_token_time is not None:
-            m.record_inter_token(now - req.last_token_time)
-        req.last_token_time = now
-        stop_reason: str | int | None = None
-        if finish == "stop":
-            # a stop token's own text is not part of the output (as vLLM)
-            delta = ""
-            if token not in self.tokenizer.eos_token_ids or token in req.params.stop_token_ids:
-                stop_reason = token
-        else:
-            delta = req.detok.add_tokens([token])
-            if req.detok.stopped:
-                finish, stop_reason = "stop", req.detok.stop_reason
-                self.scheduler.finish([rid])
-        if finish is not None and not req.detok.stopped:
-            delta += req.detok.finish()
-        if not delta and finish is None:
-            return False  # text held back (partial UTF-8 or a possible stop string)
-        emit(req, delta, finish, stop_reason)
-        if finish is not None:
-            req.finished = True
-            g.num_finished += 1
-            del self.requests[rid]
-            self.slots.release(req)
-        return True
-
-    def _group_output(self, g: RequestGroup, now: float) -> RequestOutput:
-        """The request's output after a step in which some choice changed; a finished request
-        is forgotten."""
-        out = group_output(g, now)
-        if out.finished:
-            del self.groups[g.request_id]
-            if self.metrics is not None:
-                self.metrics.record_finished(
-                    g.choices[0].output.finish_reason, now - g.arrival_time,
-                    num_prompt_tokens=len(g.prompt_token_ids),
-                    num_generation_tokens=sum(len(c.output_token_ids) for c in g.choices))
-        return out
 
     def next_request_id(self) -> str:
         """A fresh id for callers that have none."""
