@@ -283,7 +283,8 @@ def check_engine(rep: Report, model_name: str, batch: int, context: int, backend
                  dtype, steps: int, kv_dtype: str | None = None) -> None:
     from jaxserve.config import EngineConfig
     from jaxserve.device.buckets import make_buckets
-    from jaxserve.device.runner import Chunk, ModelRunner, RowParams
+    from jaxserve.device.runner import ModelRunner
+    from jaxserve.device.step_buffer import Chunk, RowParams
     from jaxserve.platform import current_platform
     from jaxserve.platform.base import attention_fn
     from models.config import builtin_config

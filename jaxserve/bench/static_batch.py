@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 
 from jaxserve.core.sequence import cdiv
-from jaxserve.device.runner import Chunk, RowParams
+from jaxserve.device.step_buffer import Chunk, RowParams
 from jaxserve.engine.llm_engine import LLMEngine
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxserve.core.scheduler import ScheduledSeq
 from jaxserve.core.sequence import SeqState
-from jaxserve.device.runner import RowParams
+from jaxserve.device.step_buffer import RowParams
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.structured_output import Grammar, GrammarState
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs

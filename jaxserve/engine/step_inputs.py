@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 from jaxserve.core.scheduler import PLACEHOLDER_TOKEN, SchedulerOutput
 from jaxserve.device.buckets import Bucket
-from jaxserve.device.runner import ModelRunner, RowParams, StepOutput
+from jaxserve.device.runner import ModelRunner, StepOutput
+from jaxserve.device.step_buffer import RowParams
 from jaxserve.engine.penalty_slots import PenaltySlots
 from jaxserve.engine.request_state import Choice
 from jaxserve.engine.structured_output import GrammarCompiler
