@@ -175,15 +175,16 @@ class LLM:
                 raise ValueError(f"sampling_params has {len(params)} entries for "
                                  f"{len(reqs)} prompts")
         eng = self.engine
+        max_tokens = []  # every prompt is checked before any is queued
         for i, ((_, ids), p) in enumerate(zip(reqs, params)):
             try:
-                eng.validate(ids, p)
+                max_tokens.append(eng.validate(ids, p))
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
         ids_of = []
-        for (text, ids), p in zip(reqs, params):
+        for (text, ids), p, m in zip(reqs, params, max_tokens):
             rid = eng.next_request_id()
-            eng.add_request(rid, ids, p, text)
+            eng.add_request(rid, ids, p, text, max_tokens=m)
             ids_of.append(rid)
         done: dict[str, RequestOutput] = {}
         bar = None

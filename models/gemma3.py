@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.causal_lm import FlaxCausalLM
 from models.config import Gemma3Config
 from models.llama import (
     AttentionFn,
@@ -40,9 +41,10 @@ from models.llama import (
     apply_rope,
     cache_scales,
     kv_scale_kwargs,
+    setup_decoder,
 )
 from models.loader import gguf_tensor_getter, stack_layers
-from models.quant import embed_lookup, qmatmul, split_packed, weight
+from models.quant import embed_lookup, qmatmul, weight
 from pallas_kernels import KVCache, ragged_paged_attention, write_kv
 
 GLOBAL_WINDOW = 1 << 30
@@ -124,14 +126,7 @@ class Gemma3Model(nn.Module):
     attention_fn: AttentionFn = ragged_paged_attention
 
     def setup(self) -> None:
-        cfg = self.cfg
-        self.embed = weight(self, "embed", nn.initializers.normal(0.02),
-                            (cfg.vocab_size, cfg.hidden_size), self.dtype)
-        scanned = nn.scan(Gemma3DecoderLayer, variable_axes={"params": 0},
-                          variable_broadcast="packed", split_rngs={"params": True},
-                          in_axes=(nn.broadcast, 0), length=cfg.num_layers)
-        self.layers = scanned(cfg, self.dtype, self.attention_fn)
-        self.final_norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
+        setup_decoder(self, Gemma3DecoderLayer, (nn.broadcast, 0))
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
                  md: AttentionMetadata) -> tuple[jax.Array, KVCache]:
@@ -152,36 +147,10 @@ class Gemma3Model(nn.Module):
         return qmatmul(hidden.astype(self.dtype), self.embed, transpose=True).astype(jnp.float32)
 
 
-class Gemma3ForCausalLM:
-    """``models/interface.py:CausalLM`` over a ``Gemma3Model`` (as ``LlamaForCausalLM``)."""
+class Gemma3ForCausalLM(FlaxCausalLM):
+    """``models/interface.py:CausalLM`` over a ``Gemma3Model`` (``models.causal_lm``)."""
 
-    def __init__(self, cfg: Gemma3Config, dtype: jnp.dtype = jnp.float32,
-                 attention_fn: AttentionFn = ragged_paged_attention) -> None:
-        self.cfg = cfg
-        self.dtype = jnp.dtype(dtype)
-        self.module = Gemma3Model(cfg, self.dtype, attention_fn)
-
-    def forward(self, params, token_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
-                md: AttentionMetadata) -> tuple[jax.Array, KVCache]:
-        """``(hidden [T, hidden], kv_cache)`` for one ragged step of ``T`` tokens."""
-        return self.module.apply(split_packed(params), token_ids, positions, kv_cache, md)
-
-    def compute_logits(self, params, hidden: jax.Array) -> jax.Array:
-        """``f32[L, vocab]`` from ``hidden [L, hidden]``."""
-        return self.module.apply(split_packed(params), hidden, method=Gemma3Model.logits)
-
-    def param_shapes(self):
-        """The params pytree as ``jax.ShapeDtypeStruct`` leaves (nothing allocated)."""
-        cfg = self.cfg
-        kv = KVCache(*(jax.ShapeDtypeStruct((cfg.num_layers, 2, 1, cfg.num_kv_heads,
-                                             cfg.head_dim), self.dtype) for _ in range(2)))
-        md = AttentionMetadata(jnp.zeros((1,), jnp.int32), jnp.zeros((1, 1), jnp.int32),
-                               jnp.ones((1,), jnp.int32), jnp.array([0, 1], jnp.int32),
-                               jnp.ones((1,), jnp.int32))
-        shapes = jax.eval_shape(
-            lambda kv: self.module.init(jax.random.PRNGKey(0), jnp.zeros((1,), jnp.int32),
-                                        jnp.zeros((1,), jnp.int32), kv, md), kv)
-        return shapes["params"]
+    module_class = Gemma3Model
 
 
 # -- GGUF ------------------------------------------------------------------------------------------

@@ -28,9 +28,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from models.causal_lm import FlaxCausalLM
 from models.config import ModelConfig
 from models.interface import AttentionFn, AttentionMetadata
-from models.quant import embed_lookup, qmatmul, split_packed, weight
+from models.quant import embed_lookup, qmatmul, weight
 from pallas_kernels import KVCache, ragged_paged_attention, write_kv
 
 
@@ -129,6 +130,21 @@ class DecoderLayer(nn.Module):
         return (x, k_cache, v_cache, layer + 1), None
 
 
+def setup_decoder(module: nn.Module, layer: type[nn.Module], in_axes: object) -> None:
+    """The ``setup`` every decoder here starts with, for a module with fields ``cfg``, ``dtype``
+    and ``attention_fn``: ``embed [vocab, hidden]``, ``layers`` (``layer(cfg, dtype,
+    attention_fn)`` under ``nn.scan`` over ``cfg.num_layers``: params stacked on axis 0, the
+    ``packed`` collection broadcast, the scanned inputs ``in_axes``) and ``final_norm``."""
+    cfg = module.cfg
+    module.embed = weight(module, "embed", nn.initializers.normal(0.02),
+                          (cfg.vocab_size, cfg.hidden_size), module.dtype)
+    scanned = nn.scan(layer, variable_axes={"params": 0},
+                      variable_broadcast="packed", split_rngs={"params": True},
+                      in_axes=in_axes, length=cfg.num_layers)
+    module.layers = scanned(cfg, module.dtype, module.attention_fn)
+    module.final_norm = RMSNorm(cfg.rms_norm_eps, module.dtype)
+
+
 class LlamaModel(nn.Module):
     """The decoder. Params: ``embed [vocab, hidden]``, ``layers/*`` stacked ``[num_layers, ...]``,
     ``final_norm/weight [hidden]``, ``lm_head [hidden, vocab]`` when untied."""
@@ -139,13 +155,7 @@ class LlamaModel(nn.Module):
 
     def setup(self) -> None:
         cfg = self.cfg
-        self.embed = weight(self, "embed", nn.initializers.normal(0.02),
-                            (cfg.vocab_size, cfg.hidden_size), self.dtype)
-        scanned = nn.scan(DecoderLayer, variable_axes={"params": 0},
-                          variable_broadcast="packed", split_rngs={"params": True},
-                          in_axes=nn.broadcast, length=cfg.num_layers)
-        self.layers = scanned(cfg, self.dtype, self.attention_fn)
-        self.final_norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
+        setup_decoder(self, DecoderLayer, nn.broadcast)
         if not cfg.tie_word_embeddings:
             self.lm_head = weight(self, "lm_head", nn.initializers.normal(0.02),
                                   (cfg.hidden_size, cfg.vocab_size), self.dtype)
@@ -166,38 +176,7 @@ class LlamaModel(nn.Module):
         return qmatmul(h, self.lm_head).astype(jnp.float32)
 
 
-class LlamaForCausalLM:
-    """``models/interface.py:CausalLM`` over a ``LlamaModel``.
+class LlamaForCausalLM(FlaxCausalLM):
+    """``models/interface.py:CausalLM`` over a ``LlamaModel`` (``models.causal_lm``)."""
 
-    ``forward(params, token_ids i32[T], positions i32[T], kv_cache, md) -> (hidden [T, hidden],
-    kv_cache)`` and ``compute_logits(params, hidden [L, hidden]) -> f32[L, vocab]``. Any Flax
-    model with these two methods that calls the paged-attention op can be served.
-    """
-
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype = jnp.float32,
-                 attention_fn: AttentionFn = ragged_paged_attention) -> None:
-        self.cfg = cfg
-        self.dtype = jnp.dtype(dtype)
-        self.module = LlamaModel(cfg, self.dtype, attention_fn)
-
-    def forward(self, params, token_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
-                md: AttentionMetadata) -> tuple[jax.Array, KVCache]:
-        return self.module.apply(split_packed(params), token_ids, positions, kv_cache, md)
-
-    def compute_logits(self, params, hidden: jax.Array) -> jax.Array:
-        return self.module.apply(split_packed(params), hidden, method=LlamaModel.logits)
-
-    def param_shapes(self):
-        """The params pytree as ``jax.ShapeDtypeStruct`` leaves (nothing allocated)."""
-        t = 1
-        kv = KVCache(jnp.zeros((self.cfg.num_layers, 2, 1, self.cfg.num_kv_heads,
-                                self.cfg.head_dim), self.dtype),
-                     jnp.zeros((self.cfg.num_layers, 2, 1, self.cfg.num_kv_heads,
-                                self.cfg.head_dim), self.dtype))
-        md = AttentionMetadata(jnp.zeros((t,), jnp.int32), jnp.zeros((1, 1), jnp.int32),
-                               jnp.ones((1,), jnp.int32), jnp.array([0, 1], jnp.int32),
-                               jnp.ones((1,), jnp.int32))
-        shapes = jax.eval_shape(
-            lambda: self.module.init(jax.random.PRNGKey(0), jnp.zeros((t,), jnp.int32),
-                                     jnp.zeros((t,), jnp.int32), kv, md))
-        return shapes["params"]
+    module_class = LlamaModel

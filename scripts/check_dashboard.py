@@ -13,6 +13,9 @@ scrapes a real ``jaxserve serve``, once each, and print the results (scripts/che
 
 Exit status 1 if a query fails to evaluate or a rule is unhealthy (an empty result is reported,
 not an error: a panel for the host tier is empty without one).
+
+``--dry-run`` needs no Prometheus: it reads every query, runs steps 1 and 3 and stops (the
+suite's smoke test, with a tiny dummy model after ``--``).
 """
 
 from __future__ import annotations
@@ -110,6 +113,19 @@ def stop(proc: subprocess.Popen | None, name: str) -> None:
     print(f"{name} exited {proc.returncode} {time.monotonic() - t0:.1f} s after SIGTERM")
 
 
+def load(jaxserve: list[str], base: str, num_prompts: int) -> int:
+    """``jaxserve bench serve`` against ``base``: ``num_prompts`` requests, 4 at once; prints
+    and returns its exit status."""
+    done = subprocess.run(
+        [*jaxserve, "bench", "serve", "--base-url", base, "--dataset-name", "random",
+         "--random-input-len", "64", "--random-output-len", "16",
+         "--num-prompts", str(num_prompts), "--max-concurrency", "4",
+         "--num-warmups", "0", "--seed", "0"],
+        capture_output=True, text=True, timeout=900, check=False, cwd=ROOT)
+    print(f"load: {num_prompts} requests, exit {done.returncode}")
+    return done.returncode
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-prompts", type=int, default=24)
@@ -117,13 +133,16 @@ def main() -> int:
                     help="seconds of scrapes after the load, before the queries")
     ap.add_argument("--ready-timeout-s", type=float, default=600.0)
     ap.add_argument("--prometheus", default=shutil.which("prometheus") or "prometheus")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="no Prometheus: start jaxserve, wait for /ready, send the load, stop")
     ap.add_argument("serve_args", nargs="*", help="after --: arguments of jaxserve serve")
     ns = ap.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # a line per query as it is evaluated
-    if shutil.which(ns.prometheus) is None:
+    if not ns.dry_run and shutil.which(ns.prometheus) is None:
         print("prometheus not found (Debian: apt-get install prometheus)", file=sys.stderr)
         return 2
-    jaxserve = str(Path(sys.executable).with_name("jaxserve"))
+    print(f"{len(queries())} queries and rules to evaluate")
+    jaxserve = [sys.executable, "-m", "jaxserve.cli.main"]  # this interpreter's jaxserve
     serve_port, prom_port = free_port(), free_port()
     base = f"http://127.0.0.1:{serve_port}"
     prom_url = f"http://127.0.0.1:{prom_port}"
@@ -136,12 +155,16 @@ def main() -> int:
         try:
             t0 = time.monotonic()
             server = subprocess.Popen(
-                [jaxserve, "serve", *(ns.serve_args or DEFAULT_SERVE_ARGS), "--host",
+                [*jaxserve, "serve", *(ns.serve_args or DEFAULT_SERVE_ARGS), "--host",
                  "127.0.0.1", "--port", str(serve_port)],
-                stdout=serve_log, stderr=subprocess.STDOUT)
+                stdout=serve_log, stderr=subprocess.STDOUT, cwd=ROOT)
             wait_for("jaxserve /ready", lambda: get(base + "/ready")[0] == 200,
                      ns.ready_timeout_s, server)
             print(f"jaxserve ready after {time.monotonic() - t0:.1f} s on {base}")
+            if ns.dry_run:
+                status = load(jaxserve, base, ns.num_prompts)
+                print("dry run: no Prometheus, no queries evaluated")
+                return 1 if status else 0
             config = {
                 "global": {"scrape_interval": "2s", "evaluation_interval": "5s"},
                 "rule_files": [str(RULES)],
@@ -156,13 +179,7 @@ def main() -> int:
                 stdout=prom_log, stderr=subprocess.STDOUT)
             wait_for("prometheus", lambda: get(prom_url + "/-/ready")[0] == 200, 60, prom)
             time.sleep(5)  # a couple of scrapes before the load, so rates have a start
-            load = subprocess.run(
-                [jaxserve, "bench", "serve", "--base-url", base, "--dataset-name", "random",
-                 "--random-input-len", "64", "--random-output-len", "16",
-                 "--num-prompts", str(ns.num_prompts), "--max-concurrency", "4",
-                 "--num-warmups", "0", "--seed", "0"],
-                capture_output=True, text=True, timeout=900, check=False)
-            print(f"load: {ns.num_prompts} requests, exit {load.returncode}")
+            load(jaxserve, base, ns.num_prompts)
             time.sleep(ns.settle_s)
             for where, expr in queries():
                 q = urllib.parse.urlencode({"query": expr})

@@ -15,6 +15,8 @@
 #   LM_EVAL_VENV     a venv to use, created there if it has no lm_eval (default: a throwaway one)
 #   SERVE_ARGS       extra `jaxserve serve` flags (default: --max-model-len 1024)
 #   KEEP=1           keep the work directory (venv, tasks, logs, results) and print its path
+#   DRY_RUN=1        no lm-eval: write the tasks, start the server, wait for /ready, read
+#                    /tokenizer_info, stop (the suite's smoke test, with a tiny dummy model)
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -36,12 +38,16 @@ cleanup() {
 }
 trap cleanup EXIT
 
-echo "== lm-eval venv $VENV"
-if [[ ! -x $VENV/bin/lm_eval ]]; then
-  "$LM_EVAL_PYTHON" -m venv "$VENV"
-  "$VENV/bin/pip" install --quiet --disable-pip-version-check "$LM_EVAL_SPEC"
+if [[ ${DRY_RUN:-0} == 1 ]]; then
+  echo "== dry run: no lm-eval venv"
+else
+  echo "== lm-eval venv $VENV"
+  if [[ ! -x $VENV/bin/lm_eval ]]; then
+    "$LM_EVAL_PYTHON" -m venv "$VENV"
+    "$VENV/bin/pip" install --quiet --disable-pip-version-check "$LM_EVAL_SPEC"
+  fi
+  "$VENV/bin/python" -c 'import importlib.metadata as m; print("lm-eval", m.version("lm-eval"))'
 fi
-"$VENV/bin/python" -c 'import importlib.metadata as m; print("lm-eval", m.version("lm-eval"))'
 
 echo "== tasks in $WORK/tasks"
 mkdir -p "$WORK/tasks"
@@ -117,16 +123,26 @@ cd "$ROOT"
 PYTHONPATH=$ROOT "$PYTHON" -m jaxserve.cli.main serve --port "$PORT" $SERVE_ARGS \
   >"$WORK/serve.log" 2>&1 &
 SERVER_PID=$!
+# /ready, not /health: /health answers as soon as the port is bound, /tokenizer_info and the
+# completions answer 503 until the model is loaded and compiled
+READY=
 for _ in $(seq 600); do
-  if "$PYTHON" -c "import sys, urllib.request as u; sys.exit(u.urlopen('http://127.0.0.1:$PORT/health', timeout=2).status != 200)" 2>/dev/null; then
-    break
+  if "$PYTHON" -c "import sys, urllib.request as u; sys.exit(u.urlopen('http://127.0.0.1:$PORT/ready', timeout=2).status != 200)" 2>/dev/null; then
+    READY=1; break
   fi
   if ! kill -0 "$SERVER_PID" 2>/dev/null; then
     echo "the server exited:"; tail -30 "$WORK/serve.log"; exit 1
   fi
   sleep 1
 done
+if [[ -z $READY ]]; then
+  echo "the server was not ready after 600 s:"; tail -30 "$WORK/serve.log"; exit 1
+fi
 "$PYTHON" -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$PORT/tokenizer_info').read().decode()[:300])"
+if [[ ${DRY_RUN:-0} == 1 ]]; then
+  echo "== dry run: the server is ready; lm_eval skipped"
+  exit 0
+fi
 
 echo "== lm_eval"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false

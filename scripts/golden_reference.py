@@ -1,4 +1,5 @@
-"""What the GGUF golden generators share: the common prompts, and transformers' greedy decode.
+"""What the GGUF golden generators share: the command line, the common prompts, transformers'
+greedy decode, each prompt's record, the tokenizer cases and the JSON file.
 
 Imported by make_goldens.py and make_gemma3_goldens.py, which run in the goldens venv (torch,
 transformers, gguf; see make_goldens.py); torch and transformers are imported inside the
@@ -7,7 +8,11 @@ functions, so the constants import anywhere.
 
 from __future__ import annotations
 
+import argparse
+import hashlib
+import json
 import platform
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -25,6 +30,9 @@ LONG_PROSE = (
     "chest half buried in the sand. Its brass lock was green with age, and carved into the lid was a "
     "name he had never seen before. He carried it home, set it on the kitchen table, and"
 )
+
+TOP_K_FIRST = 64  # the first step's top logits kept per prompt ("first_step_top64")
+TOP_K_STEP = 5  # the top logits kept per greedy step ("step_top5")
 
 TOKENIZER_CASES: list[str] = [
     "", "hello", " hello", "   three leading spaces", "two  spaces   three    four",
@@ -92,3 +100,86 @@ def versions() -> dict[str, str]:
     return {"transformers": transformers.__version__, "torch": torch.__version__,
             "gguf": metadata.version("gguf"), "tokenizers": tokenizers.__version__,
             "numpy": np.__version__, "python": platform.python_version()}
+
+
+def parse_args(description: str, gguf_help: str) -> argparse.Namespace:
+    """The generators' command line: ``--gguf PATH`` (help ``gguf_help``) and ``--out-dir``
+    (default tests/goldens)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--gguf", help=gguf_help)
+    ap.add_argument("--out-dir", default="tests/goldens")
+    return ap.parse_args()
+
+
+def open_reference(description: str, gguf_help: str, find_gguf: Callable[[str | None], Path]
+                   ) -> tuple[argparse.Namespace, Path, Any, Any]:
+    """Parse the command line (``parse_args``), find the GGUF (``find_gguf(args.gguf)``) and
+    load transformers' reference of it: ``(args, path, tokenizer, model)``."""
+    args = parse_args(description, gguf_help)
+    path = find_gguf(args.gguf)
+    tok, model = load_gguf_reference(path)
+    return args, path, tok, model
+
+
+def gguf_fields(path: Path) -> dict[str, Any]:
+    """The golden's source fields: the GGUF's file name and SHA-256, and ``versions()``."""
+    return {"gguf_file": path.name,
+            "gguf_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+            "versions": versions()}
+
+
+def greedy_record(rec: dict[str, Any], tok: Any, model: Any, ids: list[int], num_tokens: int
+                  ) -> list[Any]:
+    """Run ``num_tokens`` greedy steps from prompt ``ids`` and add to ``rec``, in this order:
+    ``prompt_token_ids``, ``first_step_top64``, ``greedy_token_ids``, ``greedy_text``,
+    ``eos_positions``, ``top2_margins``, ``step_top5`` and
+    ``cached_vs_full_forward_max_abs_diff``; returns each step's float32 logits row ``[vocab]``.
+
+    Raises:
+      AssertionError: one full forward over prompt + generated tokens picks other argmaxes
+        than the cached decode.
+    """
+    import torch
+
+    rec["prompt_token_ids"] = ids
+    gen, rows = greedy(model, ids, num_tokens)
+    with torch.no_grad():  # one full forward over prompt + generated: the same argmaxes
+        tf = model(torch.tensor([ids + gen[:-1]])).logits[0, len(ids) - 1:].float()
+    assert tf.argmax(-1).tolist() == gen, f"{rec['name']}: cached vs full-forward argmax differ"
+    eos_id = int(tok.eos_token_id)
+    rec["first_step_top64"] = topk_pairs(rows[0], TOP_K_FIRST)
+    rec["greedy_token_ids"] = gen
+    rec["greedy_text"] = tok.decode(gen, skip_special_tokens=False)
+    rec["eos_positions"] = [i for i, t in enumerate(gen) if t == eos_id]
+    rec["top2_margins"] = [float(r.topk(2).values[0] - r.topk(2).values[1]) for r in rows]
+    rec["step_top5"] = [topk_pairs(r, TOP_K_STEP) for r in rows]
+    rec["cached_vs_full_forward_max_abs_diff"] = float((tf - torch.stack(rows)).abs().max())
+    return rows
+
+
+def tokenizer_cases(tok: Any, *, with_tokens: bool) -> list[dict[str, Any]]:
+    """``TOKENIZER_CASES`` through ``tok`` without special tokens: each case's ``text``,
+    ``token_ids``, (``tokens``,) ``decoded`` (special tokens kept) (and ``roundtrip``: decoded
+    == text); the bracketed keys only ``with_tokens``."""
+    cases = []
+    for s in TOKENIZER_CASES:
+        ids = tok(s, add_special_tokens=False).input_ids
+        dec = tok.decode(ids, skip_special_tokens=False)
+        case: dict[str, Any] = {"text": s, "token_ids": ids}
+        if with_tokens:
+            case["tokens"] = tok.convert_ids_to_tokens(ids)
+        case["decoded"] = dec
+        if with_tokens:
+            case["roundtrip"] = dec == s
+        cases.append(case)
+    return cases
+
+
+def write_json(out_dir: str, name: str, golden: dict[str, Any]) -> Path:
+    """Write ``golden`` as ``out_dir/name`` (UTF-8, indent 1, a final newline); returns the
+    directory (made if missing)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(json.dumps(golden, ensure_ascii=False, indent=1) + "\n",
+                            encoding="utf-8")
+    return out

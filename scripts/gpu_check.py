@@ -283,7 +283,8 @@ def check_engine(rep: Report, model_name: str, batch: int, context: int, backend
                  dtype, steps: int, kv_dtype: str | None = None) -> None:
     from jaxserve.config import EngineConfig
     from jaxserve.device.buckets import make_buckets
-    from jaxserve.device.runner import ModelRunner, RowParams
+    from jaxserve.device.runner import ModelRunner
+    from jaxserve.device.step_buffer import Chunk, RowParams
     from jaxserve.platform import current_platform
     from jaxserve.platform.base import attention_fn
     from models.config import builtin_config
@@ -319,7 +320,7 @@ def check_engine(rep: Report, model_name: str, batch: int, context: int, backend
     blocks = [list(range(1 + i * bps, 1 + (i + 1) * bps)) for i in range(batch)]
     times = []
     for i in range(steps + 2):
-        b, packed = runner.pack_step([[100 + i]] * batch, [context - 1] * batch, blocks, rows)
+        b, packed = runner.pack_step([Chunk((100 + i,), context - 1, blk) for blk in blocks], rows)
         t = time.perf_counter()
         runner.execute(b, packed).ids  # noqa: B018 (execute returns at dispatch; wait)
         times.append(time.perf_counter() - t)

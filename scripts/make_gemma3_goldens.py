@@ -22,9 +22,6 @@ Nothing is downloaded from the Hugging Face hub.
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import json
 import os
 import subprocess
 import sys
@@ -32,18 +29,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from golden_reference import (
-    LONG_PROSE,
-    TOKENIZER_CASES,
-    greedy,
-    load_gguf_reference,
-    topk_pairs,
-    versions,
-)
+import golden_reference as ref
 
 N_GREEDY = 32
-TOP_K_FIRST = 64
-TOP_K_STEP = 5
 
 
 def _inventory() -> str:
@@ -64,7 +52,7 @@ def _inventory() -> str:
 
 PROMPTS: list[dict[str, Any]] = [
     {"name": "france_text", "text": "The capital city of France is"},
-    {"name": "long_prose", "text": LONG_PROSE},
+    {"name": "long_prose", "text": ref.LONG_PROSE},
     {"name": "mixed_unicode", "text": "Repeat exactly: A 世ab 😀 x 🌶 y"},
     {"name": "alphabet_text", "text": "Here is the English alphabet: ABC"},
     {"name": "inventory_long", "text": _inventory()},
@@ -83,52 +71,25 @@ def find_gguf(arg: str | None) -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gguf", help="path to gemma-3-270m-q4_k_m.gguf")
-    ap.add_argument("--out-dir", default="tests/goldens")
-    args = ap.parse_args()
-
-    import torch
-
-    path = find_gguf(args.gguf)
-    tok, model = load_gguf_reference(path)
+    args, path, tok, model = ref.open_reference(__doc__.splitlines()[0], "path to gemma-3-270m-q4_k_m.gguf",
+                                                find_gguf)
     cfg = model.config
-    eos_id = int(tok.eos_token_id)
 
     prompts_out: list[dict[str, Any]] = []
     for p in PROMPTS:
         rec: dict[str, Any] = dict(p)
         ids = tok(p["text"]).input_ids
         rec["tokenization"] = "tokenizer(text).input_ids (default add_special_tokens=True)"
-        rec["prompt_token_ids"] = ids
-        gen, rows = greedy(model, ids, N_GREEDY)
-        with torch.no_grad():  # one full forward over prompt + generated: the same argmaxes
-            tf = model(torch.tensor([ids + gen[:-1]])).logits[0, len(ids) - 1:].float()
-        assert tf.argmax(-1).tolist() == gen, f"{p['name']}: cached vs full-forward argmax differ"
-        rec["first_step_top64"] = topk_pairs(rows[0], TOP_K_FIRST)
-        rec["greedy_token_ids"] = gen
-        rec["greedy_text"] = tok.decode(gen, skip_special_tokens=False)
-        rec["eos_positions"] = [i for i, t in enumerate(gen) if t == eos_id]
-        rec["top2_margins"] = [float(r.topk(2).values[0] - r.topk(2).values[1]) for r in rows]
-        rec["step_top5"] = [topk_pairs(r, TOP_K_STEP) for r in rows]
-        rec["cached_vs_full_forward_max_abs_diff"] = float((tf - torch.stack(rows)).abs().max())
+        ref.greedy_record(rec, tok, model, ids, N_GREEDY)
         prompts_out.append(rec)
         print(f"{p['name']}: {len(ids)} prompt tokens, min margin {min(rec['top2_margins']):.4f}"
               f"\n  {rec['greedy_text']!r}")
-
-    cases = []
-    for s in TOKENIZER_CASES:
-        ids = tok(s, add_special_tokens=False).input_ids
-        dec = tok.decode(ids, skip_special_tokens=False)
-        cases.append({"text": s, "token_ids": ids, "decoded": dec})
 
     rope = getattr(cfg, "rope_parameters", None) or {}
     golden = {
         "description": "Gemma 3 270M GGUF goldens from HF transformers, float32, CPU, eager "
                        "attention; produced by scripts/make_gemma3_goldens.py",
-        "gguf_file": path.name,
-        "gguf_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-        "versions": versions(),
+        **ref.gguf_fields(path),
         "config": {
             "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
             "num_hidden_layers": cfg.num_hidden_layers,
@@ -148,12 +109,9 @@ def main() -> None:
                       "chat_template": tok.chat_template},
         "n_greedy": N_GREEDY,
         "prompts": prompts_out,
-        "tokenizer_cases": cases,
+        "tokenizer_cases": ref.tokenizer_cases(tok, with_tokens=False),
     }
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gemma3.json").write_text(json.dumps(golden, ensure_ascii=False, indent=1) + "\n",
-                                     encoding="utf-8")
+    out = ref.write_json(args.out_dir, "gemma3.json", golden)
     print("gemma3.json", os.path.getsize(out / "gemma3.json"), "bytes")
 
 

@@ -26,33 +26,21 @@ It takes about a minute. Nothing is downloaded from the Hugging Face hub.
 
 from __future__ import annotations
 
-import argparse
 import glob
-import hashlib
 import importlib.util
-import json
 import os
 from pathlib import Path
 from typing import Any
 
+import golden_reference as ref
 import numpy as np
-from golden_reference import (
-    LONG_PROSE,
-    TOKENIZER_CASES,
-    greedy,
-    load_gguf_reference,
-    topk_pairs,
-    versions,
-)
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 N_GREEDY = 48
-TOP_K_FIRST = 64
-TOP_K_STEP = 5
 
 PROMPTS: list[dict[str, Any]] = [
     {"name": "france_text", "kind": "text", "text": "The capital city of France is"},
-    {"name": "long_prose", "kind": "text", "text": LONG_PROSE},
+    {"name": "long_prose", "kind": "text", "text": ref.LONG_PROSE},
     {"name": "mixed_unicode", "kind": "text", "text": "Repeat exactly: A 世ab 😀 x 🌶 y"},
     {"name": "france_chat", "kind": "chat",
      "messages": [{"role": "user", "content": "What is the capital of France?"}]},
@@ -81,17 +69,9 @@ def find_gguf(arg: str | None) -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gguf", help="path to SmolLM2-135M-Instruct.Q4_1.gguf")
-    ap.add_argument("--out-dir", default="tests/goldens")
-    args = ap.parse_args()
-
-    import torch
-
-    path = find_gguf(args.gguf)
-    tok, model = load_gguf_reference(path)
+    args, path, tok, model = ref.open_reference(__doc__.splitlines()[0], "path to SmolLM2-135M-Instruct.Q4_1.gguf",
+                                                find_gguf)
     cfg = model.config
-    eos_id = int(tok.eos_token_id)
 
     prompts_out: list[dict[str, Any]] = []
     full_logits: dict[str, np.ndarray] = {}
@@ -108,42 +88,16 @@ def main() -> None:
             rec["rendered"] = rendered
             rec["tokenization"] = "tokenizer(rendered, add_special_tokens=False).input_ids"
             rec["bos_added"] = False
-        rec["prompt_token_ids"] = ids
-        gen, rows = greedy(model, ids, N_GREEDY)
+        rows = ref.greedy_record(rec, tok, model, ids, N_GREEDY)
         full_logits[p["name"]] = rows[0].numpy().astype(np.float32)
-        # Cross-check: one full forward over prompt+generated must give the same argmaxes.
-        with torch.no_grad():
-            tf = model(torch.tensor([ids + gen[:-1]])).logits[0, len(ids) - 1:].float()
-        inc = torch.stack(rows)
-        assert tf.argmax(-1).tolist() == gen, f"{p['name']}: cached vs full-forward argmax differ"
-        margins = []
-        for row in rows:
-            top2 = row.topk(2).values
-            margins.append(float(top2[0] - top2[1]))
-        rec["first_step_top64"] = topk_pairs(rows[0], TOP_K_FIRST)
-        rec["greedy_token_ids"] = gen
-        rec["greedy_text"] = tok.decode(gen, skip_special_tokens=False)
-        rec["eos_positions"] = [i for i, t in enumerate(gen) if t == eos_id]
-        rec["top2_margins"] = margins
-        rec["step_top5"] = [topk_pairs(r, TOP_K_STEP) for r in rows]
-        rec["cached_vs_full_forward_max_abs_diff"] = float((tf - inc).abs().max())
         prompts_out.append(rec)
-        print(f"{p['name']}: {len(ids)} prompt tokens, min margin {min(margins):.4f}, "
+        print(f"{p['name']}: {len(ids)} prompt tokens, min margin {min(rec['top2_margins']):.4f}, "
               f"eos at {rec['eos_positions']}\n  {rec['greedy_text']!r}")
-
-    cases = []
-    for s in TOKENIZER_CASES:
-        ids = tok(s, add_special_tokens=False).input_ids
-        dec = tok.decode(ids, skip_special_tokens=False)
-        cases.append({"text": s, "token_ids": ids, "tokens": tok.convert_ids_to_tokens(ids),
-                      "decoded": dec, "roundtrip": dec == s})
 
     golden = {
         "description": "SmolLM2-135M-Instruct GGUF goldens from HF transformers, float32, CPU, eager "
                        "attention; produced by scripts/make_goldens.py",
-        "gguf_file": path.name,
-        "gguf_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-        "versions": versions(),
+        **ref.gguf_fields(path),
         "config": {
             "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
             "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
@@ -163,12 +117,9 @@ def main() -> None:
         "n_greedy": N_GREEDY,
         "logits_npz": "smollm2_logits.npz (key = prompt name, float32 [vocab] first-step row)",
         "prompts": prompts_out,
-        "tokenizer_cases": cases,
+        "tokenizer_cases": ref.tokenizer_cases(tok, with_tokens=True),
     }
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "smollm2.json").write_text(json.dumps(golden, ensure_ascii=False, indent=1) + "\n",
-                                      encoding="utf-8")
+    out = ref.write_json(args.out_dir, "smollm2.json", golden)
     np.savez_compressed(out / "smollm2_logits.npz", **full_logits)
     for f in ("smollm2.json", "smollm2_logits.npz"):
         print(f, os.path.getsize(out / f), "bytes")

@@ -5,7 +5,9 @@ with ``models -> cpu_kernels -> pallas_kernels`` (the native CPU kernels build o
 package's jnp op and KV-cache layout, never the reverse), the shared vocabulary (the modules at
 the top of ``jaxserve/``) depending on none of the stages, and the platform layer
 (``jaxserve/platform/``, the only code that asks which backend runs) beside the kernels: the
-engine, ``LLM`` and the command ask it. Every
+engine, ``LLM`` and the command ask it. The tools the command dispatches to (``bench``,
+``eval``, ``autoscaling``) sit beside ``cli``: it imports them, they import the stages below it
+but not the server, and nothing below imports them. Every
 import counts, including those inside functions and under ``TYPE_CHECKING``
 (docs/architecture.md#imports-run-one-way).
 """
@@ -34,11 +36,17 @@ ALLOWED: dict[str, set[str]] = {
     "server": {"vocabulary", "engine"},
     "llm": {"vocabulary", "engine", "platform"},
     "cli": {"vocabulary", "core", "device", "loading", "platform", "engine", "server", "llm",
-            "models", "cpu_kernels", "pallas_kernels"},
+            "models", "cpu_kernels", "pallas_kernels", "bench", "eval", "autoscaling"},
+    # the tools beside the command: what cli may import but the server and cli itself
+    "bench": {"vocabulary", "core", "device", "loading", "platform", "engine", "llm", "models",
+              "cpu_kernels", "pallas_kernels"},
+    "eval": {"vocabulary", "core", "device", "loading", "platform", "engine", "llm", "models",
+             "cpu_kernels", "pallas_kernels"},
+    "autoscaling": {"vocabulary", "bench"},  # bench's arrival times and metric parsing
     "init": set(),  # jaxserve/__init__.py names its exports as strings, imports none
 }
 ENTRY_MODULES = {"jaxserve.llm": "llm", "jaxserve": "init"}
-NO_JAX_LAYERS = ("core",)
+NO_JAX_LAYERS = ("core", "autoscaling")
 JAX_MODULES = ("jax", "jaxlib", "flax", "orbax")
 
 
@@ -162,6 +170,9 @@ def test_layering_check_catches_a_bad_import(tmp_path: Path) -> None:
     assert "cpu_kernels" not in ALLOWED["pallas_kernels"] and layer_of("cpu_kernels.build") == \
         "cpu_kernels"
     assert layer_of("jaxserve.config") == "vocabulary" and layer_of("jaxserve.llm") == "llm"
+    assert layer_of("jaxserve.bench.serve") == "bench" and layer_of("jaxserve.eval.quality") == "eval"
+    assert not any(tool in ALLOWED[layer] for tool in ("bench", "eval", "autoscaling")
+                   for layer in ("server", "engine", "llm", "vocabulary"))
 
 
 def _write(tmp_path: Path, text: str) -> Path:

@@ -13,14 +13,16 @@ same way, then runs an OpenAI Batch file through the engine (``jaxserve.server.b
 also when some lines failed (each failure is its own output line).
 
 ``jaxserve plan-autoscaling SWEEP --slo ttft:MS --time-to-ready-s S --growth-rps R`` turns a
-sweep into KEDA / HPA thresholds (``jaxserve.cli.autoscaling``); it needs no jax.
+sweep into KEDA / HPA thresholds (``jaxserve.autoscaling``); it needs no jax.
 
 ``jaxserve build-kernels [--force] [--variant NAME ...]`` compiles the native CPU kernels ahead of
 serving, one library per ISA variant (``cpu_kernels.build``); serving never runs a compiler.
 
 ``jaxserve eval [--model MODEL] [--compare int8,kv-fp8,...] [--flags]`` scores a corpus and a
-prompt set with the unquantised model and with each configuration (``jaxserve.cli.eval``), prints
-one table row per configuration and, with ``--output``, writes them as JSON.
+prompt set with the unquantised model and with each configuration (``jaxserve.eval``), prints one
+table row per configuration and, with ``--output``, writes them as JSON.
+
+``jaxserve bench ...`` and ``jaxserve sweep`` run the measuring tools of ``jaxserve.bench``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxserve.cli.args import (
+from jaxserve.autoscaling import command as plan_cmd
+from jaxserve.bench import serve as bench_serve_cmd
+from jaxserve.bench import startup
+from jaxserve.bench import step_trace as step_trace_cmd
+from jaxserve.bench import sweep as sweep_cmd
+from jaxserve.config import KV_8BIT_DTYPES, LoadConfig
+from jaxserve.config_args import (
     HelpFormatter,
     add_engine_args,
     add_limit_args,
@@ -36,12 +44,7 @@ from jaxserve.cli.args import (
     add_server_args,
     engine_config_from_args,
 )
-from jaxserve.cli.autoscaling import command as plan_cmd
-from jaxserve.cli.bench import serve as bench_serve_cmd
-from jaxserve.cli.bench import startup
-from jaxserve.cli.bench import step_trace as step_trace_cmd
-from jaxserve.cli.bench import sweep as sweep_cmd
-from jaxserve.config import KV_8BIT_DTYPES, LoadConfig
+from jaxserve.extras import MissingExtraError
 from jaxserve.platform import configure_process
 
 # Importing this module imports no jax: build_parser and main import the subcommand modules
@@ -50,9 +53,9 @@ from jaxserve.platform import configure_process
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``jaxserve`` argument parser."""
+    from jaxserve.bench import prefix_cache, step, throughput  # jax
     from jaxserve.cli import convert as convert_cmd  # jax
-    from jaxserve.cli import eval as eval_cmd  # jax
-    from jaxserve.cli.bench import prefix_cache, step, throughput  # jax
+    from jaxserve.eval import quality as eval_cmd  # jax
 
     p = argparse.ArgumentParser(prog="jaxserve", description="JAX/XLA LLM serving engine")
     sub = p.add_subparsers(dest="command", required=True)
@@ -142,10 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jaxserve`` command; returns the exit status."""
     ns = build_parser().parse_args(argv)
     configure_process()  # XLA flags, allocator and malloc settings; before jax starts
+    from jaxserve.bench import prefix_cache, step, throughput  # jax
     from jaxserve.cli import convert as convert_cmd  # jax
-    from jaxserve.cli import eval as eval_cmd  # jax
     from jaxserve.cli import serve as serve_cmd  # jax
-    from jaxserve.cli.bench import prefix_cache, step, throughput  # jax
+    from jaxserve.eval import quality as eval_cmd  # jax
 
     try:
         if ns.command in ("serve", "run-batch"):
@@ -178,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return kernels_build.main(force=ns.force,
                                       names=tuple(ns.variant) if ns.variant else None)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, MissingExtraError) as e:
         print(f"jaxserve: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -16,20 +16,21 @@ import typing
 
 import jax
 
-from jaxserve.cli.args import engine_config_from_args, limits_from_args, server_config_from_args
 from jaxserve.cli.multihost import initialize
 from jaxserve.config import EngineConfig, LoadConfig
+from jaxserve.config_args import engine_config_from_args, limits_from_args, server_config_from_args
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.data_parallel import DataParallelEngine, build_data_parallel
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.metrics import EngineMetrics
 from jaxserve.loading.load import served_name
 from jaxserve.platform import current_platform
-from jaxserve.server.app import OpenAIServer, build_app
 from jaxserve.server.batch import read_lines, run_batch_file
 from jaxserve.server.gate import run_server
+from jaxserve.server.handlers import OpenAIServer
 from jaxserve.server.lifecycle import Lifecycle
 from jaxserve.server.logs import configure_logging
+from jaxserve.server.routes import build_app
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -50,7 +50,7 @@ PREEMPTION_POLICIES = ("newest", "least_progress")
 PLACEHOLDER_TOKEN = -1  # in a plan's token_ids: the token the in-flight step samples
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerConfig:
     """Limits of one step and of the KV cache (see EngineConfig for the meaning of each)."""
 
@@ -198,33 +198,21 @@ class Scheduler:
     def add(self, seq: SeqState) -> None:
         """Queue a fresh sequence (no computed tokens, no blocks) at the back of ``waiting``.
 
-        Raises:
-          ValueError: an empty or non-fresh prompt, ``max_tokens < 1``, prompt + max_tokens >
-            max_model_len, more blocks than the pool holds, or a ``request_id`` already present.
+        The caller has validated the request (the engine's ``validate_request``: a non-empty
+        prompt, ``max_tokens >= 1``, prompt + max_tokens within max_model_len and the pool, a
+        new id); these are asserted here, not checked again for users.
         """
-        cfg, n = self.config, len(seq.token_ids)
-        rid = seq.request_id
-        if n == 0:
-            raise ValueError(f"request {rid!r}: empty prompt (len(token_ids)=0)")
-        if seq.num_prompt_tokens != n or seq.num_computed_tokens or seq.block_ids:
-            raise ValueError(
-                f"request {rid!r}: not fresh ({seq.num_prompt_tokens=}, len(token_ids)={n}, "
-                f"{seq.num_computed_tokens=}, {seq.block_ids=})"
-            )
-        if seq.max_tokens < 1:
-            raise ValueError(f"request {rid!r}: {seq.max_tokens=} must be >= 1")
-        if n + seq.max_tokens > cfg.max_model_len:
-            raise ValueError(
-                f"request {rid!r}: prompt length {n} + {seq.max_tokens=} > {cfg.max_model_len=}"
-            )
-        need = cdiv(n + seq.max_tokens, cfg.block_size)
-        if need > self.block_pool.num_usable_blocks:
-            raise ValueError(
-                f"request {rid!r} needs {need} blocks of {cfg.block_size=} but the pool has only "
-                f"{self.block_pool.num_usable_blocks} usable (num_blocks={cfg.num_blocks})"
-            )
-        if any(s.request_id == rid for s in (*self.waiting, *self.running)):
-            raise ValueError(f"request_id {rid!r} is already present")
+        cfg, n, rid = self.config, len(seq.token_ids), seq.request_id
+        assert n > 0, f"request {rid!r}: empty prompt"
+        assert seq.num_prompt_tokens == n and not seq.num_computed_tokens and \
+            not seq.block_ids, f"request {rid!r}: not fresh"
+        assert seq.max_tokens >= 1, f"request {rid!r}: {seq.max_tokens=} must be >= 1"
+        assert n + seq.max_tokens <= cfg.max_model_len, \
+            f"request {rid!r}: prompt length {n} + {seq.max_tokens=} > {cfg.max_model_len=}"
+        assert cdiv(n + seq.max_tokens, cfg.block_size) <= self.block_pool.num_usable_blocks, \
+            f"request {rid!r} needs more blocks than the pool's usable ones"
+        assert not any(s.request_id == rid for s in (*self.waiting, *self.running)), \
+            f"request_id {rid!r} is already present"
         seq.arrival_index = self._next_arrival_index
         self._next_arrival_index += 1
         self.waiting.append(seq)

@@ -39,15 +39,15 @@ import gc
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxserve.device.buckets import Bucket, make_buckets, pick_bucket
+from jaxserve.device.buckets import Bucket, make_buckets
 from jaxserve.device.executable_cache import ExecutableCache
+from jaxserve.device.host_tier import HostKVTier
 from jaxserve.device.sampler import (
     Logprobs,
     PenaltyState,
@@ -60,43 +60,21 @@ from jaxserve.device.sampler import (
     suppress_tokens,
     zero_logprobs,
 )
+from jaxserve.device.step_buffer import (
+    FLAG_ALLOWED,
+    FLAG_LOGPROBS,
+    FLAG_PROMPT_LOGPROBS,
+    Chunk,
+    Layout,
+    RowParams,
+    StepChunk,
+    StepPacker,
+)
 from jaxserve.sampling_params import MAX_LOGPROBS, MAX_MIN_TOKENS_STOP_IDS
 from models.interface import AttentionMetadata, CausalLM
 from pallas_kernels import KVCache
-from pallas_kernels.kv_cache import PADDING_SLOT
 
 LM_HEAD_MIN_ROWS = 2  # rows the LM head is padded to (_lm_head)
-
-
-@dataclass(frozen=True)
-class RowParams:
-    """Host-side sampling inputs of one scheduled sequence.
-
-    temperature (0 = greedy), top_k (<= 0 off), top_p, seed (u64: the full 64 bits key the
-    stream), sample_pos (output index of the token this step samples), min_p (0 off).
-    Penalties: slot (the request's penalty-state slot, -1 = none; see jaxserve.device.sampler),
-    repetition / presence / frequency penalty, reset (restart the slot's history: the chunk
-    starts at position 0), num_prompt_tokens (tokens of the request at positions below it are
-    prompt tokens). prompt_targets: for prompt logprobs, per token of this step's chunk the
-    prompt token id that follows it (-1: none); None when the request does not ask.
-    suppress_ids: ids this step must not sample (EOS and stop ids while the request is short of
-    min_tokens), at most ``MAX_MIN_TOKENS_STOP_IDS``.
-    """
-
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    sample_pos: int
-    min_p: float = 0.0
-    slot: int = -1
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    reset: bool = False
-    num_prompt_tokens: int = 0
-    prompt_targets: Sequence[int] | None = None
-    suppress_ids: Sequence[int] = ()
 
 
 class StepOutput:
@@ -132,44 +110,8 @@ class StepOutput:
         return Logprobs(*(np.asarray(x) for x in self._plp))
 
 
-def _sampler_fields(s: int) -> list[tuple[str, int]]:
-    """The packed fields the sampler program reads, in order: the buffer's tail, laid out the
-    same for every bucket of ``s`` rows."""
-    return [("temperature", s), ("top_k", s), ("top_p", s), ("seed_hi", s), ("seed_lo", s),
-            ("sample_pos", s), ("min_p", s), ("slot", s), ("repetition_penalty", s),
-            ("presence_penalty", s), ("frequency_penalty", s),
-            ("suppress_ids", s * MAX_MIN_TOKENS_STOP_IDS), ("flags", 1)]
-
-
-def _offsets(sizes: list[tuple[str, int]], start: int = 0) -> tuple[dict[str, slice], int]:
-    out, off = {}, start
-    for name, n in sizes:
-        out[name] = slice(off, off + n)
-        off += n
-    return out, off
-
-
-class _Layout:
-    """Offsets of each field in the packed ``i32`` step buffer of one bucket: the model
-    program's fields, then the sampler's (``sampler_start`` on; ``sampler_slices`` relative
-    to it, the same for every bucket with as many rows)."""
-
-    def __init__(self, bucket: Bucket, max_blocks: int) -> None:
-        t, s = bucket.num_tokens, bucket.num_seqs
-        model = [("token_ids", t), ("positions", t), ("slot_mapping", t),
-                 ("block_tables", s * max_blocks), ("seq_lens", s), ("query_start_loc", s + 1),
-                 ("num_seqs", 1), ("logits_indices", s), ("reset_slot", s),
-                 ("tok_slot", t), ("tok_is_output", t), ("tok_target", t), ("src_row", t)]
-        self.slices, self.sampler_start = _offsets(model)
-        tail, self.size = _offsets(_sampler_fields(s), self.sampler_start)
-        self.slices.update(tail)
-        self.sampler_slices = _offsets(_sampler_fields(s))[0]
-        self.bucket = bucket
-        self.max_blocks = max_blocks
-
-
 class ModelRunner:
-    """Owns params, the KV cache and the compiled step programs.
+    """Owns params, the KV cache (with its host tier) and the compiled step programs.
 
     Args:
       model: the model (``models/interface.py:CausalLM``).
@@ -193,11 +135,13 @@ class ModelRunner:
         every one; jaxserve.device.executable_cache), keyed with ``program_description``,
         which must name everything about ``model`` that its programs depend on and their
         arguments' avals do not show (its class, config, dtype, attention op).
+      host_tier: the KV cache's host tier (``HostKVTier``, built over ``kv_cache``), whose
+        copies ``copy_blocks`` runs; None: no host tier.
     """
 
-    FLAG_LOGPROBS = 1
-    FLAG_PROMPT_LOGPROBS = 2
-    FLAG_ALLOWED = 4  # set by execute when a mask is sent
+    FLAG_LOGPROBS = FLAG_LOGPROBS
+    FLAG_PROMPT_LOGPROBS = FLAG_PROMPT_LOGPROBS
+    FLAG_ALLOWED = FLAG_ALLOWED
 
     def __init__(self, model: CausalLM, params, kv_cache: KVCache, *,
                  max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
@@ -206,8 +150,9 @@ class ModelRunner:
                  num_penalty_slots: int | None = None,
                  mesh: jax.sharding.Mesh | None = None,
                  executable_cache: ExecutableCache | None = None,
-                 program_description: str = "") -> None:
+                 program_description: str = "", host_tier: HostKVTier | None = None) -> None:
         self.model = model
+        self.host_tier = host_tier
         self.executable_cache = executable_cache
         self.program_description = program_description
         self.params = params
@@ -216,18 +161,15 @@ class ModelRunner:
         self.max_blocks = max_blocks_per_seq
         self.buckets = make_buckets(max_num_batched_tokens, max_num_seqs, small_buckets,
                                     mid_buckets_up_to)
-        self.layouts = {b: _Layout(b, max_blocks_per_seq) for b in self.buckets}
-        # two buffers per bucket, used in turn: a dispatched step may still read its buffer
-        # (on the CPU the program can alias the numpy memory) while the next one is packed
-        self.buffers = {b: (np.zeros(lay.size, np.int32), np.zeros(lay.size, np.int32))
-                        for b, lay in self.layouts.items()}
-        self._num_packed = 0
+        self.num_penalty_slots = num_penalty_slots or max_num_seqs
+        self.packer = StepPacker(self.buckets, max_blocks_per_seq, self.block_size,
+                                 self.num_penalty_slots)
+        self.layouts = self.packer.layouts
         self.vocab_limit = vocab_limit
         self.mesh = mesh
         self._replicated = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
                             if mesh is not None else None)
         self._multiprocess = mesh is not None and jax.process_count() > 1
-        self.num_penalty_slots = num_penalty_slots or max_num_seqs
         self.penalty_state: PenaltyState = jax.jit(
             lambda: new_penalty_state(self.num_penalty_slots, model.cfg.vocab_size),
             out_shardings=self._replicated)()
@@ -250,7 +192,7 @@ class ModelRunner:
             return logits
         return jax.lax.with_sharding_constraint(logits, self._replicated)
 
-    def _model_fn(self, layout: _Layout):
+    def _model_fn(self, layout: Layout):
         """The bucket's model program: ``(params, kv_cache, pen, packed, prev_ids) ->
         (kv_cache, pen, logits f32[S, vocab] of the sampled rows, prompt logprobs,
         sampler_inputs i32[...])``, the last the packed buffer's sampler tail."""
@@ -284,7 +226,7 @@ class ModelRunner:
 
         return step
 
-    def _sampler_fn(self, layout: _Layout):
+    def _sampler_fn(self, layout: Layout):
         """The sampler program of ``layout``'s row count ``S``, shared by every bucket with as
         many: ``(logits f32[S, vocab], pen, sampler_inputs, allowed) -> (ids
         i32[max_bucket_seqs], logprobs)``. Apart from the model programs so that it compiles
@@ -322,7 +264,8 @@ class ModelRunner:
         """Compile every bucket's program (once; the persistent cache makes reruns cheap).
 
         Returns {"num_programs", "compile_s", "compile_cpu_s"} (wall and process CPU
-        seconds); the programs are one per bucket plus the logit_bias row writer. They compile
+        seconds); the programs are one per bucket plus the logit_bias row writer, and the host
+        tier's copy programs (``HostKVTier.warmup``). They compile
         one after the other: XLA:CPU already spreads one compile over two threads, and on a
         shared 2-core CPU compiling two programs at once took 17-30% more CPU seconds and no
         less wall time (docs/configuration.md#compilation). ``on_compiled(done, total)`` is called before the first bucket
@@ -338,8 +281,24 @@ class ModelRunner:
         finally:
             if gc_was_on:
                 gc.enable()
-        return {"num_programs": float(len(self.compiled) + len(self.samplers) + 1),
-                "compile_s": time.perf_counter() - t0, "compile_cpu_s": _cpu_s() - c0}
+        stats = {"num_programs": float(len(self.compiled) + len(self.samplers) + 1),
+                 "compile_s": time.perf_counter() - t0, "compile_cpu_s": _cpu_s() - c0}
+        if self.host_tier is not None:  # its block-copy programs
+            host = self.host_tier.warmup()
+            stats = {k: stats[k] + host.get(k, 0.0) for k in stats}
+        return stats
+
+    def copy_blocks(self, offloads: Sequence[tuple[int, int]],
+                    loads: Sequence[tuple[int, int]]) -> None:
+        """Run a plan's host-tier copies, offloads (device block, host block) then loads (host
+        block, device block), before its forward pass; asynchronous. Raises RuntimeError when
+        there are copies and no host tier."""
+        if (offloads or loads) and self.host_tier is None:
+            raise RuntimeError("copy_blocks without a host tier")
+        if offloads:
+            self.host_tier.offload(self.kv_cache, offloads)
+        if loads:
+            self.kv_cache = self.host_tier.load(self.kv_cache, loads)
 
     def _warmup_buckets(self, progress: bool,
                         on_compiled: Callable[[int, int], None] | None) -> None:
@@ -382,7 +341,7 @@ class ModelRunner:
         (block 0, which no request holds) and wait for the sampled id; returns the seconds it
         took. Proves that a compiled program runs, not only that it compiled."""
         t0 = time.perf_counter()
-        bucket, packed = self.pack_step([[0]], [0], [[0]], [RowParams(0.0, 0, 1.0, 0, 0)])
+        bucket, packed = self.pack_step([Chunk((0,), 0, (0,))], [RowParams(0.0, 0, 1.0, 0, 0)])
         self.execute(bucket, packed).ids  # noqa: B018 (waits for the step)
         return time.perf_counter() - t0
 
@@ -465,123 +424,13 @@ class ModelRunner:
         self.penalty_state = self._set_bias(self.penalty_state, np.int32(slot), row)
 
     # -- host side -----------------------------------------------------------------------------
-    def pack_step(self, token_ids: Sequence[Sequence[int]], start_pos: Sequence[int],
-                  block_ids: Sequence[Sequence[int]], rows: Sequence[RowParams],
+    def pack_step(self, chunks: Sequence[StepChunk], rows: Sequence[RowParams], *,
                   sample_index: Sequence[int] | None = None, want_logprobs: bool = False,
                   src_rows: Sequence[int] | None = None) -> tuple[Bucket, np.ndarray]:
-        """Fill the bucket's buffer for a ragged batch.
-
-        Args (one entry per scheduled sequence, in batch order): token_ids (this step's tokens),
-        start_pos (position of the first of them), block_ids (the whole block table), rows
-        (sampling inputs), sample_index (which of this step's tokens each sequence samples
-        from, in ``[0, len(token_ids[i]))``; default: its last token; the static-batching
-        baseline samples a right-padded prompt at its last real token); want_logprobs: compute
-        the sampled rows' logprobs (any row asks); src_rows: per sequence, -1 or the row of
-        the previous ``execute`` whose sampled id is this sequence's last token (its value in
-        ``token_ids`` is then ignored). Prompt logprobs are computed when any row has
-        ``prompt_targets``.
-        Returns the bucket and its packed ``i32`` buffer (reused every other call: a step
-        dispatched with it must have finished by then).
-        Raises ValueError if no bucket fits, or a block table is wider than max_blocks_per_seq.
-        """
-        q_lens = [len(t) for t in token_ids]
-        num_tokens, num_seqs = sum(q_lens), len(q_lens)
-        b = pick_bucket(self.buckets, num_tokens, num_seqs)
-        lay, buf = self.layouts[b], self.buffers[b][self._num_packed % 2]
-        self._num_packed += 1
-        sl = lay.slices
-        buf[:] = 0
-        tok = np.fromiter((x for t in token_ids for x in t), np.int32, num_tokens)
-        buf[sl["token_ids"]][:num_tokens] = tok
-        qsl = np.zeros(b.num_seqs + 1, np.int32)
-        np.cumsum(q_lens, out=qsl[1:num_seqs + 1])
-        qsl[num_seqs + 1:] = num_tokens
-        buf[sl["query_start_loc"]] = qsl
-        pos = np.arange(num_tokens, dtype=np.int32) - np.repeat(qsl[:num_seqs], q_lens) + \
-            np.repeat(np.asarray(start_pos, np.int32), q_lens)
-        buf[sl["positions"]][:num_tokens] = pos
-        tables = buf[sl["block_tables"]].reshape(b.num_seqs, lay.max_blocks)
-        for i, blocks in enumerate(block_ids):
-            if len(blocks) > lay.max_blocks:
-                raise ValueError(f"block table of {len(blocks)} blocks exceeds "
-                                 f"max_blocks_per_seq={lay.max_blocks}")
-            tables[i, :len(blocks)] = blocks
-        seq_of_tok = np.repeat(np.arange(num_seqs), q_lens)
-        blk = tables[seq_of_tok, pos // self.block_size]
-        slots = buf[sl["slot_mapping"]]
-        slots[:] = PADDING_SLOT
-        slots[:num_tokens] = blk * self.block_size + pos % self.block_size
-        buf[sl["seq_lens"]][:num_seqs] = np.asarray(start_pos, np.int32) + np.asarray(q_lens)
-        buf[sl["num_seqs"]] = num_seqs
-        if sample_index is None:
-            buf[sl["logits_indices"]][:num_seqs] = qsl[1:num_seqs + 1] - 1
-        else:
-            buf[sl["logits_indices"]][:num_seqs] = qsl[:num_seqs] + np.asarray(sample_index)
-        temp = np.zeros(b.num_seqs, np.float32)
-        top_p = np.ones(b.num_seqs, np.float32)
-        temp[:num_seqs] = [r.temperature for r in rows]
-        top_p[:num_seqs] = [r.top_p for r in rows]
-        buf[sl["temperature"]] = temp.view(np.int32)
-        buf[sl["top_p"]] = top_p.view(np.int32)
-        buf[sl["top_k"]][:num_seqs] = [r.top_k for r in rows]
-        seeds = np.array([r.seed for r in rows], np.uint64)
-        buf[sl["seed_hi"]][:num_seqs] = (seeds >> np.uint64(32)).astype(np.uint32).view(np.int32)
-        buf[sl["seed_lo"]][:num_seqs] = (seeds & np.uint64(0xFFFFFFFF)).astype(np.uint32) \
-            .view(np.int32)
-        buf[sl["sample_pos"]][:num_seqs] = [r.sample_pos for r in rows]
-        src = buf[sl["src_row"]]
-        src[:] = -1
-        if src_rows is not None:
-            for i, r in enumerate(src_rows):
-                if r >= 0:
-                    src[qsl[i + 1] - 1] = r
-                    buf[sl["token_ids"]][qsl[i + 1] - 1] = 0
-        self._pack_extras(lay, buf, rows, q_lens, qsl, pos, num_tokens, want_logprobs)
-        return b, buf
-
-    def _pack_extras(self, lay: _Layout, buf: np.ndarray, rows: Sequence[RowParams],
-                     q_lens: list[int], qsl: np.ndarray, pos: np.ndarray, num_tokens: int,
-                     want_logprobs: bool) -> None:
-        """min-p, penalties, suppressed ids and logprob fields (the cheap defaults when no row
-        uses them)."""
-        sl, s = lay.slices, lay.bucket.num_seqs
-        r = self.num_penalty_slots
-        f32 = lambda name, vals, fill: _put_f32(buf, sl[name], s, vals, fill)
-        f32("min_p", [x.min_p for x in rows], 0.0)
-        buf[sl["slot"]] = r
-        buf[sl["reset_slot"]] = r
-        buf[sl["tok_slot"]] = r
-        buf[sl["tok_target"]] = -1
-        buf[sl["suppress_ids"]] = -1
-        suppress = buf[sl["suppress_ids"]].reshape(s, MAX_MIN_TOKENS_STOP_IDS)
-        for i, x in enumerate(rows):
-            if x.suppress_ids:
-                suppress[i, :len(x.suppress_ids)] = x.suppress_ids
-        flags = self.FLAG_LOGPROBS if want_logprobs else 0
-        pen = [i for i, x in enumerate(rows) if x.slot >= 0]
-        if pen:
-            f32("repetition_penalty", [x.repetition_penalty for x in rows], 1.0)
-            f32("presence_penalty", [x.presence_penalty for x in rows], 0.0)
-            f32("frequency_penalty", [x.frequency_penalty for x in rows], 0.0)
-            slots, resets = buf[sl["slot"]], buf[sl["reset_slot"]]
-            tok_slot, tok_out = buf[sl["tok_slot"]], buf[sl["tok_is_output"]]
-            for i in pen:
-                x = rows[i]
-                slots[i] = x.slot
-                if x.reset:
-                    resets[i] = x.slot
-                a, e = qsl[i], qsl[i] + q_lens[i]
-                tok_slot[a:e] = x.slot
-                tok_out[a:e] = pos[a:e] >= x.num_prompt_tokens
-        else:
-            f32("repetition_penalty", [], 1.0)
-        plp = [i for i, x in enumerate(rows) if x.prompt_targets is not None]
-        if plp:
-            flags |= self.FLAG_PROMPT_LOGPROBS
-            tgt = buf[sl["tok_target"]]
-            for i in plp:
-                tgt[qsl[i]:qsl[i] + q_lens[i]] = rows[i].prompt_targets
-        buf[sl["flags"]] = flags
+        """Pack one ragged step into its bucket's buffer (``StepPacker.pack``, which documents
+        the arguments and errors); returns (bucket, buffer)."""
+        return self.packer.pack(chunks, rows, sample_index=sample_index,
+                                want_logprobs=want_logprobs, src_rows=src_rows)
 
     def execute(self, bucket: Bucket, packed: np.ndarray,
                 allowed: np.ndarray | None = None) -> StepOutput:
@@ -671,9 +520,3 @@ def _cpu_s() -> float:
     """This process's user + system CPU seconds so far (every thread)."""
     t = os.times()
     return t.user + t.system
-
-
-def _put_f32(buf: np.ndarray, where: slice, size: int, vals: list[float], fill: float) -> None:
-    out = np.full(size, fill, np.float32)
-    out[:len(vals)] = vals
-    buf[where] = out.view(np.int32)

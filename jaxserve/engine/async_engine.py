@@ -20,6 +20,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from jaxserve import request_ids
 from jaxserve.engine.compile_events import counting_compiles
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
@@ -109,20 +110,18 @@ class AsyncEngine:
           RuntimeError: if the engine failed while running this request.
         If the consumer stops early (``aclose()``, cancellation), the request is aborted.
         """
-        self.engine.validate(prompt_token_ids, sampling_params)
+        max_tokens = self.engine.validate(prompt_token_ids, sampling_params)
         grammar = None
         if sampling_params.structured_outputs is not None:
             grammar = await asyncio.to_thread(self.engine.compile_grammar, sampling_params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
-            base, n = request_id, 0
-            while request_id in self._streams:  # two clients sent the same X-Request-Id
-                n += 1
-                request_id = f"{base}#{n}"
+            # two clients may send the same X-Request-Id
+            request_id = request_ids.unique(request_id, self._streams)
             self._streams[request_id] = stream
             self._num_queued += 1
         self._cmds.put(("add", (request_id, list(prompt_token_ids), sampling_params, prompt,
-                                grammar)))
+                                grammar, max_tokens)))
         finished = False
         try:
             while True:
@@ -154,12 +153,13 @@ class AsyncEngine:
     def _apply(self, cmd: str, arg) -> None:
         eng = self.engine
         if cmd == "add":
-            rid, ids, params, prompt, grammar = arg
+            rid, ids, params, prompt, grammar, max_tokens = arg
             with self._lock:
                 live = rid in self._streams
             try:
                 if live:  # else the caller went away before the engine saw the request
-                    eng.add_request(rid, ids, params, prompt, grammar=grammar)
+                    eng.add_request(rid, ids, params, prompt, grammar=grammar,
+                                    max_tokens=max_tokens)
             except ValueError as e:
                 self._deliver(rid, e)
             finally:

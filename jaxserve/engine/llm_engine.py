@@ -1,17 +1,13 @@
 """The engine: requests in, one batched step at a time, outputs out.
 
-Start-up: ``load_model`` (weights onto one device or the tensor-parallel mesh, quantised if
-asked) -> ``plan_kv_cache`` (storage dtype, block count from the memory budget, 8-bit scales)
--> the paged KV cache, the host tier and the ``ModelRunner``.
-
-``add_request`` checks a request (``validate_request``) and queues one scheduler sequence per
-choice. ``step()`` then runs:
-  ``scheduler.schedule()`` (host Python plan) -> ``runner.pack_step`` (numpy, padded to a
-  bucket; constrained rows' allowed-token masks from their grammars) -> ``runner.execute``
-  (one compiled XLA program, KV cache donated, sampling on device) -> each grammar advanced
-  by its sampled token -> ``scheduler.update`` (token-id stop checks, block frees) -> incremental
-  detokenisation and stop strings -> one ``RequestOutput`` per request that changed
-  (``request_state``).
+Start-up (``jaxserve.engine.startup.assemble``): the platform's dtype and kernels, the weights,
+the KV cache plan and cache, the ``ModelRunner``. ``add_request`` checks a request once
+(``validate_request``) and queues one scheduler sequence per choice. ``step()`` then runs:
+  ``scheduler.schedule()`` (host Python plan) -> the plan's host-tier copies
+  (``runner.copy_blocks``) -> ``StepDispatcher.dispatch`` (sampling rows, the packed buffer,
+  grammar masks; one compiled XLA program started, KV cache donated, sampling on device) ->
+  once its ids are on the host, ``OutputProcessor.complete``: ``scheduler.update``, grammars,
+  detokenisation and stop strings, one ``RequestOutput`` per request that changed.
 With async scheduling (``EngineConfig.async_scheduling``, the default) a call plans, packs
 and dispatches step N+1 first and then reads step N, which ran on the device meanwhile; step
 N+1's tokens that step N samples are gathered on the device (docs/architecture.md#async-scheduling).
@@ -23,77 +19,30 @@ The async server (``AsyncEngine``) and the offline ``LLM`` both drive this objec
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import jax
 import numpy as np
 
-from jaxserve import sharding
 from jaxserve.config import EngineConfig, LoadConfig
-from jaxserve.core.scheduler import PLACEHOLDER_TOKEN, Scheduler, SchedulerConfig, SchedulerOutput
-from jaxserve.core.sequence import SeqState
-from jaxserve.device.buckets import Bucket
-from jaxserve.device.executable_cache import ExecutableCache
-from jaxserve.device.host_tier import HostKVTier
-from jaxserve.device.runner import ModelRunner, RowParams, StepOutput
-from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.engine.kv_budget import GIB, KVLayout, plan_kv_cache, weights_summary
+from jaxserve.core.scheduler import Scheduler, SchedulerOutput
+from jaxserve.engine.kv_budget import weights_summary
+from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.penalty_slots import PenaltySlots
-from jaxserve.engine.request_state import (
-    Choice,
-    RequestGroup,
-    emit,
-    group_output,
-    record_logprobs,
-    record_prompt_logprobs,
-)
-from jaxserve.engine.step_trace import StepTrace
+from jaxserve.engine.request_state import Choice, RequestGroup, open_request
+from jaxserve.engine.startup import assemble
+from jaxserve.engine.step_inputs import InflightStep, StepDispatcher
+from jaxserve.engine.step_trace import StepTimes, StepTrace
 from jaxserve.engine.structured_output import Grammar, GrammarCompiler
-from jaxserve.engine.validation import (
-    RequestBounds,
-    stop_ids_of,
-    truncate_prompt,
-    validate_request,
-)
-from jaxserve.loading.load import load_model, setup_compilation_cache
+from jaxserve.engine.validation import stop_ids_of, truncate_prompt, validate_request
 from jaxserve.outputs import RequestOutput
-from jaxserve.platform import current_platform
-from jaxserve.platform.base import attention_fn
+from jaxserve.request_ids import IdCounter, choice_ids
 from jaxserve.sampling_params import SamplingParams
-from models.quant import QuantConfig
-from models.registry import get_architecture
-from pallas_kernels import allocate_kv_cache, kv_cache_bytes_per_block
 
 log = logging.getLogger(__name__)
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads choice seeds (SplitMix64)
-
-
-@dataclass
-class _Step:
-    """A dispatched step: its plan, what the host needs to read its results, and times
-    (``time.perf_counter`` seconds)."""
-
-    plan: SchedulerOutput
-    choices: list[Choice]  # per scheduled row, the choice it ran for
-    rows: list[RowParams]
-    out: StepOutput
-    bucket: Bucket
-    want_lp: bool
-    prompt_lp_rows: list[int]
-    num_prompt_tokens: int
-    constrained: bool  # a row samples under a grammar
-    mask_s: float
-    t_dispatch: float
-    t_ready: float | None = None  # when its sampled ids were on the host
-    row_of: dict[str, int] = field(init=False)  # sequence id -> batch row
-
-    def __post_init__(self) -> None:
-        self.row_of = {s.request_id: i for i, s in enumerate(self.plan.scheduled)}
 
 
 class LLMEngine:
@@ -107,16 +56,14 @@ class LLMEngine:
         replica's group); None: the first ones. With a mesh (``tensor_parallel_size > 1`` or
         ``devices`` given) each device reads its own slice of the weights where the format
         allows, and ``load_report`` holds the per-device ``LoadReport``; otherwise it is None.
-    The KV cache (``kv_layout``) may hold fewer tokens than ``max_model_len``; a request that
-    can never fit in it is refused by ``validate``. ``load_s`` is the seconds this took and
-    ``startup_s`` its stages' seconds (load_weights, plan_kv, kv_cache, runner, engine);
-    ``attention_backend`` the attention backend in use (``config.attention_backend`` with
-    "auto" resolved).
+    The attributes built at start-up are ``startup.EngineParts``' fields (``platform``,
+    ``dtype``, ``attention_backend``, ``model``, ``tokenizer``, ``kv_layout``, ``runner``, ...).
+    The KV cache may hold fewer tokens than ``max_model_len``; a request that can never fit in
+    it is refused by ``validate``. ``load_s`` is the seconds start-up took and ``startup_s``
+    its stages' seconds.
 
     Raises:
-      ValueError: invalid settings (max_model_len above the model's, a host tier smaller than
-        one block, or one the device cannot place in pinned host memory), or a model the
-        settings cannot load (as ``load_model``).
+      ValueError: as ``startup.assemble``: invalid settings or a model they cannot load.
     """
 
     def __init__(self, config: EngineConfig | None = None, load: LoadConfig | None = None,
@@ -124,118 +71,38 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.load_config = load = load or LoadConfig()
         self.metrics = metrics
-        setup_compilation_cache(config.compilation_cache_dir)
         t0 = time.perf_counter()
-        self.platform = platform = current_platform()
-        self.dtype = platform.resolve_dtype(config.dtype)
-        self.attention_backend = platform.attention_backend(config)
-        attention = attention_fn(self.attention_backend)
-        tp = config.tensor_parallel_size
-        self.mesh = sharding.make_mesh(tp, devices) if tp > 1 or devices is not None else None
-        loaded = load_model(load, self.dtype, config.seed, self.mesh, quantization=QuantConfig(
-            config.quantization, config.quantization_group_size, config.quantize_embeddings))
-        t_load = time.perf_counter()
-        params, self.tokenizer, self.load_report = loaded.params, loaded.tokenizer, loaded.report
-        self.model_name = load.served_model_name or loaded.name
-        if metrics is not None and metrics.model_name != self.model_name:
-            raise ValueError(f"metrics are labelled model_name={metrics.model_name!r}; the "
-                             f"engine serves {self.model_name!r} (build them with "
-                             f"EngineMetrics(loading.served_name(load)))")
-        self.model_config = mc = loaded.model_config
-        kv_sharding = scale_sharding = None
-        if self.mesh is not None:
-            self.model_config = mc = sharding.sharded_config(mc, tp)
-            attention = sharding.shard_attention(attention, self.mesh)
-            kv_sharding = jax.sharding.NamedSharding(self.mesh, sharding.kv_cache_spec())
-            scale_sharding = jax.sharding.NamedSharding(self.mesh, sharding.kv_scale_spec())
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        if self.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's context "
-                             f"window of {mc.max_position_embeddings}")
-        self.compute_dtype = platform.compute_dtype(self.dtype)
-        arch = get_architecture(mc.architecture)
-        self.model = arch.model(mc, self.compute_dtype, attention_fn=attention)
-        params = platform.prepare_weights(params, config, self.dtype, arch.quant_targets)
-        self.kv_layout: KVLayout = plan_kv_cache(config, load, self.model, params, self.dtype,
-                                                 self.tokenizer, self.mesh, kv_sharding)
-        self.num_blocks = self.kv_layout.num_blocks
-        t_plan = time.perf_counter()
-        max_blocks = -(-self.max_model_len // config.block_size)
-        scales = {} if self.kv_layout.scales is None else {
-            "k_scale": self.kv_layout.scales[0], "v_scale": self.kv_layout.scales[1],
-            "scale_sharding": scale_sharding}
-        kv = allocate_kv_cache(mc.num_layers, self.num_blocks, config.block_size,
-                               mc.num_kv_heads, mc.head_dim, self.kv_layout.dtype,
-                               sharding=kv_sharding, **scales)
-        self.host_kv: HostKVTier | None = None
-        if config.kv_offloading_size is not None:
-            per_block = kv_cache_bytes_per_block(mc.num_layers, config.block_size,
-                                                 mc.num_kv_heads, mc.head_dim,
-                                                 self.kv_layout.dtype)
-            n = int(config.kv_offloading_size * GIB // per_block)
-            if n < 1:
-                raise ValueError(f"kv_offloading_size={config.kv_offloading_size} GiB is less "
-                                 f"than one KV block ({per_block} bytes)")
-            self.host_kv = HostKVTier(kv, n + 1, max_blocks_per_copy=max_blocks)
-        vocab_limit = self.tokenizer.vocab_size if self.tokenizer.vocab_size < mc.vocab_size \
-            else None
-        t_kv = time.perf_counter()
-        # programs over a mesh are not cached (their device assignment is the mesh's)
-        exe_cache = ExecutableCache(os.path.join(os.path.expanduser(
-            config.compilation_cache_dir), "jaxserve-executables")) \
-            if config.compilation_cache_dir and self.mesh is None else None
-        buckets = platform.buckets(config)
-        self.runner = ModelRunner(self.model, params, kv,
-                                  max_num_batched_tokens=config.max_num_batched_tokens,
-                                  max_num_seqs=config.max_num_seqs,
-                                  small_buckets=buckets.small,
-                                  mid_buckets_up_to=buckets.mid_up_to,
-                                  max_blocks_per_seq=max_blocks, vocab_limit=vocab_limit,
-                                  mesh=self.mesh, executable_cache=exe_cache,
-                                  program_description=repr((
-                                      type(self.model).__module__,
-                                      type(self.model).__qualname__, mc, str(self.dtype),
-                                      # where the caches live does not change a program
-                                      dataclasses.replace(config, compilation_cache_dir=""))))
-        t_runner = time.perf_counter()
-        if self.host_kv is not None and self.runner.multiprocess:
-            raise ValueError("kv_offloading_size is not supported when one model spans several "
-                             "processes (--num-processes > 1): the host-tier copies would run "
-                             "on process 0 alone")
-        self.bounds = RequestBounds(self.tokenizer.vocab_size, self.max_model_len,
-                                    self.num_blocks, config.block_size, self.runner.multiprocess,
-                                    self.tokenizer.eos_token_ids)
-        sched_config = dataclasses.replace(
-            SchedulerConfig.from_engine_config(
-                config, self.num_blocks, self.max_model_len,
-                self.host_kv.num_blocks if self.host_kv is not None else 0),
-            token_buckets=tuple(b.num_tokens for b in self.runner.buckets),
-            step_overhead_tokens=platform.step_overhead_tokens)
-        if self.runner.multiprocess:
-            sched_config.async_scheduling = False
-        self.scheduler = Scheduler(sched_config)
+        parts = assemble(config, load, devices, metrics.model_name if metrics else None)
+        self.platform, self.mesh = parts.platform, parts.mesh
+        self.dtype, self.compute_dtype = parts.dtype, parts.compute_dtype
+        self.attention_backend = parts.attention_backend
+        self.model_config, self.model, self.tokenizer = (parts.model_config, parts.model,
+                                                         parts.tokenizer)
+        self.model_name, self.load_report = parts.model_name, parts.load_report
+        self.max_model_len, self.kv_layout = parts.max_model_len, parts.kv_layout
+        self.num_blocks = parts.kv_layout.num_blocks
+        self.runner, self.bounds = parts.runner, parts.bounds
+        self.host_kv = self.runner.host_tier
+        self.scheduler = Scheduler(parts.scheduler_config)
+        self.async_scheduling = parts.scheduler_config.async_scheduling
         if metrics is not None:
             metrics.set_batch_limits(config.max_num_seqs, config.max_num_batched_tokens)
             metrics.set_cache_config(config.block_size, self.num_blocks)
         self.requests: dict[str, Choice] = {}  # by sequence id
         self.groups: dict[str, RequestGroup] = {}  # by request id
         self.slots = PenaltySlots(self.runner)
-        self.step_trace = StepTrace(config.step_trace_file) if config.step_trace_file else None
-        # one model over several processes: the followers replay the steps (runner.follow)
-        # without the engine's overlap, so the loop stays synchronous there
-        self.async_scheduling = config.async_scheduling and not self.runner.multiprocess
-        self._inflight: _Step | None = None  # async scheduling: the step on the device
-        self._last_dispatched: _Step | None = None  # step trace: for host_gap_ms
-        self.grammars = GrammarCompiler(self.tokenizer, mc.vocab_size,
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                         config.grammar_compile_timeout_s)
+        self.dispatcher = StepDispatcher(self.runner, self.slots, self.grammars,
+                                         self.tokenizer.vocab_size)
+        self.outputs = OutputProcessor(self.scheduler, self.requests, self.groups, self.slots,
+                                       self.tokenizer, metrics)
+        self.step_trace = StepTrace(config.step_trace_file) if config.step_trace_file else None
+        self._inflight: InflightStep | None = None  # async scheduling: the step on the device
         self._rng = np.random.default_rng(config.seed)
-        self._ids = itertools.count()
-        t_end = time.perf_counter()
-        self.load_s = t_end - t0
-        # seconds of each start-up stage before warm-up (the server prints them)
-        self.startup_s: dict[str, float] = {
-            "load_weights": t_load - t0, "plan_kv": t_plan - t_load, "kv_cache": t_kv - t_plan,
-            "runner": t_runner - t_kv, "engine": t_end - t_runner}
+        self._ids = IdCounter()
+        self.load_s = time.perf_counter() - t0
+        self.startup_s: dict[str, float] = parts.startup_s
 
     def weights_summary(self) -> str:
         """One line for start-up logs: the weights' format and size (``kv_budget``)."""
@@ -249,14 +116,10 @@ class LLMEngine:
                on_compiled: Callable[[int, int], None] | None = None) -> dict[str, float]:
         """Compile every step program (and the host tier's copy programs); returns
         {"num_programs", "compile_s", "compile_cpu_s"}; ``on_compiled(done, total)`` is called
-        as step programs compile (``ModelRunner.warmup``). The grammar compiler's tokenizer is built meanwhile,
-        in its own thread (``GrammarCompiler.prepare``)."""
+        as step programs compile (``ModelRunner.warmup``). The grammar compiler's tokenizer is
+        built meanwhile, in its own thread (``GrammarCompiler.prepare``)."""
         self.grammars.prepare()
-        stats = self.runner.warmup(progress, on_compiled)
-        if self.host_kv is not None:
-            host = self.host_kv.warmup()
-            stats = {k: stats[k] + host.get(k, 0.0) for k in stats}
-        return stats
+        return self.runner.warmup(progress, on_compiled)
 
     def probe(self) -> float:
         """Run one step of the smallest program on the padding block and wait for it (no
@@ -288,49 +151,35 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams | None = None, prompt: str | None = None,
-                    arrival_time: float | None = None, grammar: Grammar | None = None) -> None:
+                    arrival_time: float | None = None, grammar: Grammar | None = None,
+                    max_tokens: int | None = None) -> None:
         """Queue a request (``params.n`` sequences); ``grammar``: its
-        ``compile_grammar(params)``, compiled here when None. Raises ValueError (see
-        ``validate`` and ``compile_grammar``; also a duplicate id)."""
+        ``compile_grammar(params)``, compiled here when None; ``max_tokens``: what
+        ``validate`` returned for it, where the caller validated it already (None: validated
+        here). Raises ValueError (see ``validate`` and ``compile_grammar``; also a duplicate
+        id)."""
         params = params or SamplingParams()
-        n = params.n
-        seq_ids = [request_id] if n == 1 else [f"{request_id}[{i}]" for i in range(n)]
+        seq_ids = choice_ids(request_id, params.n)
         if request_id in self.groups or any(i in self.requests for i in seq_ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        max_tokens = self.validate(prompt_token_ids, params)
+        if max_tokens is None:
+            max_tokens = self.validate(prompt_token_ids, params)
         if grammar is None:
             grammar = self.compile_grammar(params)
         prompt_token_ids = [int(t) for t in truncate_prompt(prompt_token_ids, params,
                                                             self.bounds)]
-        stop_ids = stop_ids_of(params, self.tokenizer.eos_token_ids)
-        group = RequestGroup(request_id, prompt, prompt_token_ids, params,
-                             arrival_time if arrival_time is not None else time.monotonic())
-        if params.prompt_logprobs is not None:
-            group.prompt_logprobs = [None] * len(prompt_token_ids)
-        base_seed = params.seed % 2**64 if params.seed is not None else None
-        for i, sid in enumerate(seq_ids):
-            seq = SeqState(
-                request_id=sid, token_ids=list(prompt_token_ids),
-                num_prompt_tokens=len(prompt_token_ids), max_tokens=max_tokens,
-                stop_token_ids=stop_ids,
-                skip_prefix_cache=params.uses_penalty_state or (
-                    i == 0 and params.prompt_logprobs is not None))
-            self.scheduler.add(seq)
-            if base_seed is None:
-                seed = int(self._rng.integers(2**63))
-            else:  # choice 0 keeps the seed; the others get distinct streams derived from it
-                seed = (base_seed + i * _GOLDEN_GAMMA) % 2**64
-            req = Choice(
-                sid, group, i, params, seed, seq,
-                IncrementalDetokenizer(
-                    self.tokenizer, prompt_token_ids,
-                    skip_special_tokens=params.skip_special_tokens, stop=params.stop,
-                    include_stop_str_in_output=params.include_stop_str_in_output,
-                    min_tokens=params.min_tokens),
-                logprobs=[] if params.logprobs is not None else None,
-                grammar=grammar.start() if grammar is not None else None)
-            group.choices.append(req)
-            self.requests[sid] = req
+        if params.seed is None:
+            seeds = [int(self._rng.integers(2**63)) for _ in seq_ids]
+        else:  # choice 0 keeps the seed; the others get distinct streams derived from it
+            seeds = [(params.seed % 2**64 + i * _GOLDEN_GAMMA) % 2**64
+                     for i in range(len(seq_ids))]
+        group = open_request(
+            request_id, seq_ids, seeds, prompt, prompt_token_ids, params,
+            arrival_time if arrival_time is not None else time.monotonic(), max_tokens,
+            stop_ids_of(params, self.tokenizer.eos_token_ids), self.tokenizer, grammar)
+        for c in group.choices:
+            self.scheduler.add(c.seq)
+            self.requests[c.request_id] = c
         self.groups[request_id] = group
 
     def abort_request(self, request_ids: str | list[str]) -> list[str]:
@@ -342,12 +191,8 @@ class LLMEngine:
         aborted = self.scheduler.abort(seq_ids)
         for sid in seq_ids:
             self.slots.release(self.requests.pop(sid))
-        if self.metrics is not None:
-            for g in groups:
-                self.metrics.record_finished(
-                    "abort", time.monotonic() - g.arrival_time,
-                    num_prompt_tokens=len(g.prompt_token_ids),
-                    num_generation_tokens=sum(len(c.output_token_ids) for c in g.choices))
+        for g in groups:
+            self.outputs.record_finished(g, "abort", time.monotonic())
         if aborted:
             self._record_step()  # the gauges must show the freed blocks even if no step follows
         return aborted
@@ -391,7 +236,8 @@ class LLMEngine:
         if on and self.runner.multiprocess:
             raise ValueError("async scheduling is not supported when one model spans several "
                              "processes")
-        self.async_scheduling = self.scheduler.config.async_scheduling = on
+        self.scheduler.config = dataclasses.replace(self.scheduler.config, async_scheduling=on)
+        self.async_scheduling = on
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
@@ -413,30 +259,28 @@ class LLMEngine:
         call (and of this call's own step when it ran synchronously, see ``_needs_sync``);
         this call's step is still running on the device when it returns.
         """
-        t0 = time.perf_counter()
+        times = StepTimes(time.perf_counter())
         preempted_before = self.scheduler.num_preemptions_total
         plan = self.scheduler.schedule()
-        self._copy_blocks(plan)
+        self.runner.copy_blocks(plan.offloads, plan.loads)
         prev, self._inflight = self._inflight, None
         if plan.is_empty and prev is None:
             self._record_step(plan=plan)
             return []
-        t_sched = time.perf_counter()
+        times.t_sched = time.perf_counter()
         new = None
         if not plan.is_empty:
             self._release_idle_slots()
-            new = self._dispatch(plan, prev)
-        t_pack = time.perf_counter()
+            new = self.dispatcher.dispatch(plan, self.requests, prev)
+        times.t_pack = time.perf_counter()
         outputs, num_generated = [], 0
-        waits = []
         for done in (prev, new if new is not None and self._needs_sync(new) else None):
             if done is not None:
                 t_wait = time.perf_counter()
                 done.out.ids  # noqa: B018 (waits for the step's sampled ids)
-                t_ready = time.perf_counter()
-                waits.append(t_ready - t_wait)
-                done.t_ready = t_ready
-                n, outs = self._complete(done)
+                done.t_ready = time.perf_counter()
+                times.wait_s += done.t_ready - t_wait
+                n, outs = self.outputs.complete(done)
                 num_generated += n
                 outputs += outs
         if new is not None and new.t_ready is None:
@@ -444,182 +288,15 @@ class LLMEngine:
         self._record_step(new.num_prompt_tokens if new else 0, num_generated,
                           self.scheduler.num_preemptions_total - preempted_before, plan)
         if self.step_trace is not None:
-            t_end = time.perf_counter()
-            wait = sum(waits)
-            gap = None  # from the previous step's ids reaching the host to this dispatch
-            last = self._last_dispatched
-            if new is not None and last is not None and last.t_ready is not None:
-                gap = max(0.0, new.t_dispatch - last.t_ready)
-            if new is not None:
-                self._last_dispatched = new
-            b = new.bucket if new is not None else prev.bucket
-            self.step_trace.write({
-                "t": time.time(), "bucket_tokens": b.num_tokens, "bucket_seqs": b.num_seqs,
-                "num_seqs": len(plan.scheduled), "num_tokens": plan.num_scheduled_tokens,
-                "num_prompt_tokens": new.num_prompt_tokens if new else 0,
-                "async": self.async_scheduling and new is not None and new.t_ready is None,
-                "schedule_ms": 1e3 * (t_sched - t0), "pack_ms": 1e3 * (t_pack - t_sched),
-                "mask_ms": 1e3 * (new.mask_s if new else 0.0),
-                "device_ms": 1e3 * wait, "post_ms": 1e3 * (t_end - t_pack - wait),
-                "step_ms": 1e3 * (t_end - t0),
-                **({} if gap is None else {"host_gap_ms": 1e3 * gap})})
+            self.step_trace.record(times, plan, new, prev)
         return outputs
 
-    def _needs_sync(self, step: _Step) -> bool:
+    def _needs_sync(self, step: InflightStep) -> bool:
         """Whether ``step`` is finished before the next is planned: always without async
         scheduling, and for a step with a constrained row (its next token mask needs this
         step's token on the host)."""
         return not self.async_scheduling or step.constrained
 
-    def _dispatch(self, plan: SchedulerOutput, prev: _Step | None) -> _Step:
-        """Build the plan's sampling rows and packed buffer and start the step on the device.
-        ``prev``: the step still in flight, whose sampled ids stand in for the plan's
-        placeholder tokens."""
-        now = time.monotonic()
-        rows, num_prompt_tokens, want_lp, prompt_lp_rows = [], 0, False, []
-        constrained: list[tuple[int, Choice, bool]] = []  # rows sampling under a grammar
-        choices, src_rows = [], []
-        vocab = self.tokenizer.vocab_size
-        for i, s in enumerate(plan.scheduled):
-            req = self.requests[s.request_id]
-            choices.append(req)
-            g, p = req.group, req.params
-            if g.first_scheduled_time is None:
-                g.first_scheduled_time = now
-            num_prompt = len(g.prompt_token_ids)
-            end = s.start_pos + len(s.token_ids)
-            src_rows.append(prev.row_of[s.request_id]
-                            if s.token_ids[-1] == PLACEHOLDER_TOKEN else -1)
-            targets = None
-            if g.prompt_logprobs is not None and req.index == 0 and s.start_pos < num_prompt - 1:
-                targets = [g.prompt_token_ids[q + 1] if q + 1 < num_prompt else -1
-                           for q in range(s.start_pos, end)]
-                prompt_lp_rows.append(i)
-            want_lp |= s.sample and p.logprobs is not None
-            short = end - num_prompt < p.min_tokens  # EOS and stop ids are masked
-            if req.grammar is not None and s.sample:
-                constrained.append((i, req, short))
-                short = False  # the row's grammar mask carries it (fill_masks)
-            rows.append(RowParams(
-                p.temperature, p.top_k if 0 < p.top_k < vocab else 0, p.top_p, req.seed,
-                end - num_prompt, min_p=p.min_p,
-                slot=self.slots.acquire(req) if p.uses_penalty_state else -1,
-                repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-                frequency_penalty=p.frequency_penalty, reset=s.start_pos == 0,
-                num_prompt_tokens=num_prompt, prompt_targets=targets,
-                suppress_ids=tuple(req.seq.stop_token_ids) if short else ()))
-            num_prompt_tokens += max(0, min(num_prompt, end) - s.start_pos)
-        bucket, packed = self.runner.pack_step([s.token_ids for s in plan.scheduled],
-                                               [s.start_pos for s in plan.scheduled],
-                                               [s.block_ids for s in plan.scheduled], rows,
-                                               want_logprobs=want_lp, src_rows=src_rows)
-        allowed, t_mask = None, time.perf_counter()
-        if constrained:  # a row short of min_tokens withholds its stop ids where it can
-            allowed = self.runner.mask_buffer(bucket)
-            self.grammars.fill_masks([(req.grammar, i, req.seq.stop_token_ids if short else ())
-                                      for i, req, short in constrained], allowed)
-        mask_s = time.perf_counter() - t_mask
-        t_dispatch = time.perf_counter()
-        out = self.runner.execute(bucket, packed, allowed)
-        return _Step(plan, choices, rows, out, bucket, want_lp, prompt_lp_rows,
-                     num_prompt_tokens, bool(constrained), mask_s, t_dispatch)
-
-    def _complete(self, step: _Step) -> tuple[int, list[RequestOutput]]:
-        """Read a dispatched step's results into the scheduler and the requests; returns the
-        number of tokens kept and the outputs. A row whose choice finished or was aborted
-        since the step was planned (async scheduling) is dropped."""
-        plan, out = step.plan, step.out
-        live = [self.requests.get(s.request_id) is c for s, c in zip(plan.scheduled,
-                                                                       step.choices)]
-        lp_rows = [i for i in step.prompt_lp_rows if live[i]]
-        if lp_rows:
-            record_prompt_logprobs(self.tokenizer, plan.scheduled, self.requests, step.rows,
-                                   lp_rows, out.prompt_logprobs())
-        lp = out.logprobs() if step.want_lp else None
-        sampled = [int(out.ids[i]) if s.sample else None for i, s in enumerate(plan.scheduled)]
-        result = self.scheduler.update(plan, sampled)
-        if self.metrics is not None:  # the ids are on the host: the step's device work is done
-            self.metrics.record_prefill_rate(step.num_prompt_tokens,
-                                             step.t_ready - step.t_dispatch)
-        now = time.monotonic()
-        touched: dict[str, RequestGroup] = {}
-        for rid, tok in result.new_token_ids.items():
-            req = self.requests[rid]
-            if req.logprobs is not None and lp is not None:
-                record_logprobs(self.tokenizer, req, tok, lp, step.row_of[rid])
-            finish = result.finished.get(rid)
-            if req.grammar is not None:
-                finish = self._advance_grammar(req, tok, finish)
-            if self._process(req, tok, finish, now):
-                touched[req.group.request_id] = req.group
-        return len(result.new_token_ids), [self._group_output(g, now) for g in touched.values()]
-
-    def _advance_grammar(self, req: Choice, token: int, finish: str | None) -> str | None:
-        """Feed a sampled token to the choice's grammar; returns its finish reason, "stop"
-        once the grammar has taken an EOS the request does not stop at (``ignore_eos``)."""
-        if not req.grammar.advance(token):
-            log.warning("request %s: the structured-output grammar refused token %d (%s); it "
-                        "allows only EOS from here", req.request_id, token, req.grammar.error)
-        if finish is None and req.grammar.done and token in self.tokenizer.eos_token_ids:
-            self.scheduler.finish([req.request_id])
-            return "stop"
-        return finish
-
-    def _copy_blocks(self, plan: SchedulerOutput) -> None:
-        """Run the plan's host-tier copies, offloads then loads, before its forward pass."""
-        if plan.offloads:
-            self.host_kv.offload(self.runner.kv_cache, plan.offloads)
-        if plan.loads:
-            self.runner.kv_cache = self.host_kv.load(self.runner.kv_cache, plan.loads)
-
-    def _process(self, req: Choice, token: int, finish: str | None, now: float) -> bool:
-        """Advance one choice by a sampled token; True if it has a new output."""
-        rid, g, m = req.request_id, req.group, self.metrics
-        req.output_token_ids.append(token)
-        if g.first_token_time is None:
-            g.first_token_time = now
-            if m is not None:
-                m.record_first_token(now - g.arrival_time,
-                                     (g.first_scheduled_time or now) - g.arrival_time)
-        elif m is not None and req.last_token_time is not None:
-            m.record_inter_token(now - req.last_token_time)
-        req.last_token_time = now
-        stop_reason: str | int | None = None
-        if finish == "stop":
-            # a stop token's own text is not part of the output (as vLLM)
-            delta = ""
-            if token not in self.tokenizer.eos_token_ids or token in req.params.stop_token_ids:
-                stop_reason = token
-        else:
-            delta = req.detok.add_tokens([token])
-            if req.detok.stopped:
-                finish, stop_reason = "stop", req.detok.stop_reason
-                self.scheduler.finish([rid])
-        if finish is not None and not req.detok.stopped:
-            delta += req.detok.finish()
-        if not delta and finish is None:
-            return False  # text held back (partial UTF-8 or a possible stop string)
-        emit(req, delta, finish, stop_reason)
-        if finish is not None:
-            req.finished = True
-            g.num_finished += 1
-            del self.requests[rid]
-            self.slots.release(req)
-        return True
-
-    def _group_output(self, g: RequestGroup, now: float) -> RequestOutput:
-        """The request's output after a step in which some choice changed; a finished request
-        is forgotten."""
-        out = group_output(g, now)
-        if out.finished:
-            del self.groups[g.request_id]
-            if self.metrics is not None:
-                self.metrics.record_finished(
-                    g.choices[0].output.finish_reason, now - g.arrival_time,
-                    num_prompt_tokens=len(g.prompt_token_ids),
-                    num_generation_tokens=sum(len(c.output_token_ids) for c in g.choices))
-        return out
-
     def next_request_id(self) -> str:
         """A fresh id for callers that have none."""
-        return f"req-{next(self._ids)}"
+        return self._ids.next()

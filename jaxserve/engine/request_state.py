@@ -16,9 +16,9 @@ import numpy as np
 
 from jaxserve.core.scheduler import ScheduledSeq
 from jaxserve.core.sequence import SeqState
-from jaxserve.device.runner import RowParams
+from jaxserve.device.step_buffer import RowParams
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.engine.structured_output import GrammarState
+from jaxserve.engine.structured_output import Grammar, GrammarState
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import Tokenizer
@@ -61,6 +61,33 @@ class Choice:
     output: CompletionOutput | None = None  # the latest one
     finished: bool = False
     grammar: GrammarState | None = None  # the structured-output constraint's state
+
+
+def open_request(request_id: str, seq_ids: list[str], seeds: list[int], prompt: str | None,
+                 prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
+                 max_tokens: int, stop_ids: frozenset[int], tokenizer: Tokenizer,
+                 grammar: Grammar | None) -> RequestGroup:
+    """A new request and its choices, one per sequence id, each with its scheduler sequence
+    (``Choice.seq``, not yet added to the scheduler), seed (u64) and detokeniser."""
+    group = RequestGroup(request_id, prompt, prompt_token_ids, params, arrival_time)
+    if params.prompt_logprobs is not None:
+        group.prompt_logprobs = [None] * len(prompt_token_ids)
+    for i, (sid, seed) in enumerate(zip(seq_ids, seeds, strict=True)):
+        seq = SeqState(
+            request_id=sid, token_ids=list(prompt_token_ids),
+            num_prompt_tokens=len(prompt_token_ids), max_tokens=max_tokens,
+            stop_token_ids=stop_ids,
+            skip_prefix_cache=params.uses_penalty_state or (
+                i == 0 and params.prompt_logprobs is not None))
+        detok = IncrementalDetokenizer(
+            tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens)
+        group.choices.append(Choice(
+            sid, group, i, params, seed, seq, detok,
+            logprobs=[] if params.logprobs is not None else None,
+            grammar=grammar.start() if grammar is not None else None))
+    return group
 
 
 def logprob_entry(tokenizer: Tokenizer, ids, vals, n: int, chosen: int, chosen_lp: float,

@@ -29,11 +29,28 @@ from __future__ import annotations
 import itertools
 import json
 import statistics
+import time
 from collections import defaultdict
 from collections.abc import Iterable
-from typing import Any, TextIO
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from jaxserve.core.scheduler import SchedulerOutput
+    from jaxserve.engine.step_inputs import InflightStep
 
 PHASES = ("schedule_ms", "pack_ms", "device_ms", "post_ms")
+
+
+@dataclass
+class StepTimes:
+    """One ``LLMEngine.step`` call's clock (``time.perf_counter`` seconds): its start, the plan
+    ready, the step dispatched, and the seconds spent waiting for sampled ids."""
+
+    t0: float
+    t_sched: float = 0.0
+    t_pack: float = 0.0
+    wait_s: float = 0.0
 
 
 class StepTrace:
@@ -41,10 +58,35 @@ class StepTrace:
 
     def __init__(self, path: str) -> None:
         self._file: TextIO = open(path, "a", buffering=1)  # noqa: SIM115 (lives with the engine)
+        self._last_dispatched: InflightStep | None = None  # for host_gap_ms
 
     def write(self, record: dict[str, Any]) -> None:
         """One step's line (see the module docstring for its fields)."""
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def record(self, times: StepTimes, plan: SchedulerOutput, new: InflightStep | None,
+               prev: InflightStep | None) -> None:
+        """Write the line of a ``step`` call that dispatched ``new`` (None: nothing to run) and
+        completed ``prev`` (the step in flight before it, if any); one of them is not None."""
+        t_end = time.perf_counter()
+        gap = None  # from the previous step's ids reaching the host to this dispatch
+        last = self._last_dispatched
+        if new is not None and last is not None and last.t_ready is not None:
+            gap = max(0.0, new.t_dispatch - last.t_ready)
+        if new is not None:
+            self._last_dispatched = new
+        b = new.bucket if new is not None else prev.bucket
+        self.write({
+            "t": time.time(), "bucket_tokens": b.num_tokens, "bucket_seqs": b.num_seqs,
+            "num_seqs": len(plan.scheduled), "num_tokens": plan.num_scheduled_tokens,
+            "num_prompt_tokens": new.num_prompt_tokens if new else 0,
+            "async": new is not None and new.t_ready is None,
+            "schedule_ms": 1e3 * (times.t_sched - times.t0),
+            "pack_ms": 1e3 * (times.t_pack - times.t_sched),
+            "mask_ms": 1e3 * (new.mask_s if new else 0.0), "device_ms": 1e3 * times.wait_s,
+            "post_ms": 1e3 * (t_end - times.t_pack - times.wait_s),
+            "step_ms": 1e3 * (t_end - times.t0),
+            **({} if gap is None else {"host_gap_ms": 1e3 * gap})})
 
     def close(self) -> None:
         self._file.close()

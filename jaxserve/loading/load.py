@@ -7,9 +7,10 @@
                  the tokenizer files beside it
   a .gguf file -> weights (dequantised) and tokenizer from the file
 
-then, if asked, quantises the weights (``models.quant.apply_quantization``). Without a mesh the
-params land on the default device; with one, ``jaxserve.loading.sharded`` reads each device's
-own slice where the format allows and places the params in the layout of ``jaxserve.sharding``.
+then, if asked, quantises the weights (``models.quant.apply_quantization``). Each format has one
+loader, ``jaxserve.loading.sharded``'s, which reads each device's own slice of a mesh where the
+format allows and places the params in the layout of ``jaxserve.sharding``; one device is a
+1-device mesh, whose arrays are handed over as single-device arrays (no copy).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from jaxserve.tokenizer import Tokenizer
 from models import checkpoint, hf
 from models.config import ModelConfig, builtin_config
 from models.gguf_reader import GGUFFile
-from models.loader import dummy_params, gguf_name, load_gguf_params
+from models.loader import gguf_name
 from models.quant import QuantConfig, apply_quantization
 from models.registry import get_architecture
 
@@ -45,12 +46,13 @@ class LoadedModel:
     Fields:
       model_config: the model's own config; on a mesh the params follow
         ``sharding.sharded_config(model_config, tp)`` (kv heads replicated up to tp if fewer).
-      params: the params pytree in the serving dtype (quantised leaves where asked), on the
-        default device or placed on the mesh.
+      params: the params pytree in the serving dtype (quantised leaves where asked): without a
+        mesh, single-device arrays (``SingleDeviceSharding``) on the first local device; with
+        one, placed on the mesh (``NamedSharding``).
       tokenizer: from the same source as the weights, or from ``LoadConfig.tokenizer``.
       name: the default served name: the built-in config's, the directory's, or the GGUF
         file's without its quantisation suffix.
-      report: per-device figures of a load onto a mesh; None without one.
+      report: per-device figures of a load onto a mesh the caller gave; None without one.
     """
 
     model_config: ModelConfig
@@ -97,13 +99,16 @@ def load_model(load: LoadConfig, dtype: jnp.dtype, seed: int, mesh: Mesh | None 
                quantization: QuantConfig | None = None) -> LoadedModel:
     """Load the model ``load`` names, in ``dtype``, onto one device or ``mesh``.
 
+    One device is loaded as a 1-device ``("tp",)`` mesh over the first local device, by the same
+    per-format loader as a mesh, and its params are then rewrapped as single-device arrays.
+
     Args:
       load: where the weights come from (module doc); ``load.model`` "" is the packaged
         SmolLM2 GGUF (the "smollm2-135m" config with dummy weights).
       dtype: the serving dtype of the float params.
       seed: the dummy weights' seed.
       mesh: a ``("tp",)`` mesh (``sharding.make_mesh``) to place the params on; logs the
-        per-device report at INFO.
+        per-device report at INFO. None: the first local device, no report.
       quantization: quantise the float weights as asked, or check that a quantised checkpoint
         matches it; None keeps the params as stored.
 
@@ -114,19 +119,16 @@ def load_model(load: LoadConfig, dtype: jnp.dtype, seed: int, mesh: Mesh | None 
         a ``load.tokenizer`` that is no tokenizer or has more tokens than the model.
       FileNotFoundError: a missing .gguf file, or the default model's package not installed.
     """
-    report = None
     own_tokenizer = None  # read first: a bad path fails before any weight is read
     if load.tokenizer is not None and load.tokenizer != load.model:
         own_tokenizer = load_tokenizer(load.tokenizer)
+    target = mesh if mesh is not None else sharding.make_mesh(1, jax.local_devices())
     if load.load_format == "dummy":
         cfg = builtin_config(load.model or "smollm2-135m")
-        if mesh is None:
-            params = dummy_params(get_architecture(cfg.architecture).model(cfg, dtype), seed)
-        else:
-            params, report = sharded.load_dummy_sharded(cfg, dtype, seed, mesh)
+        params, report = sharded.load_dummy_sharded(cfg, dtype, seed, target)
         tokenizer = Tokenizer.from_gguf(default_gguf_path())
     elif os.path.isdir(path := load.model or default_gguf_path()):
-        cfg, params, report = _load_dir(path, dtype, mesh)
+        cfg, params, report = _load_dir(path, dtype, target)
         tokenizer = Tokenizer.from_pretrained_dir(path)
     else:
         if not path.lower().endswith(".gguf"):
@@ -137,15 +139,8 @@ def load_model(load: LoadConfig, dtype: jnp.dtype, seed: int, mesh: Mesh | None 
         if not os.path.isfile(path):
             raise FileNotFoundError(f"model file {path!r} does not exist")
         reader = GGUFFile(path)  # opened once for the weights and the tokenizer
-        if mesh is None:
-            cfg, params = load_gguf_params(path, dtype, reader)
-        else:
-            cfg, params, report = sharded.load_gguf_sharded(path, reader, dtype, mesh)
+        cfg, params, report = sharded.load_gguf_sharded(path, reader, dtype, target)
         tokenizer = Tokenizer.from_gguf(path, reader)
-    if report is not None:
-        log.info("loaded %s weights (%s, %s) over %d devices in %.2f s:\n%s", report.source,
-                 report.method, report.timing, len(report.devices), report.total_s,
-                 report.table())
     if own_tokenizer is not None:
         tokenizer = own_tokenizer
         if tokenizer.vocab_size > cfg.vocab_size:
@@ -153,6 +148,11 @@ def load_model(load: LoadConfig, dtype: jnp.dtype, seed: int, mesh: Mesh | None 
                              f"the model's vocabulary has {cfg.vocab_size}")
     if quantization is not None:
         params = _quantize(params, cfg, quantization, mesh)
+    if mesh is None:  # the same buffers as SingleDeviceSharding arrays, as one device serves
+        params = jax.device_put(params, target.devices.flat[0])
+        return LoadedModel(cfg, params, tokenizer, default_name(load))
+    log.info("loaded %s weights (%s, %s) over %d devices in %.2f s:\n%s", report.source,
+             report.method, report.timing, len(report.devices), report.total_s, report.table())
     return LoadedModel(cfg, params, tokenizer, default_name(load), report)
 
 
@@ -170,16 +170,13 @@ def load_tokenizer(path: str) -> Tokenizer:
                      f"GGUF file; nothing is downloaded")
 
 
-def _load_dir(path: str, dtype: jnp.dtype, mesh: Mesh | None
-              ) -> tuple[ModelConfig, object, LoadReport | None]:
-    """(config, params, report) of an orbax checkpoint or an HF safetensors directory."""
+def _load_dir(path: str, dtype: jnp.dtype, mesh: Mesh
+              ) -> tuple[ModelConfig, object, LoadReport]:
+    """(config, params on ``mesh``, report) of an orbax checkpoint or an HF safetensors
+    directory."""
     if checkpoint.is_checkpoint(path):
-        if mesh is None:
-            return *checkpoint.load_checkpoint(path, dtype), None
         return sharded.load_orbax_sharded(path, dtype, mesh)
     if hf.is_hf_dir(path):
-        if mesh is None:
-            return *hf.load_hf_params(path, dtype), None
         return sharded.load_hf_sharded(path, dtype, mesh)
     raise ValueError(f"directory {path!r} is neither an orbax checkpoint written by "
                      f"'jaxserve convert' (config.json with format {checkpoint.FORMAT!r} and "
@@ -188,8 +185,9 @@ def _load_dir(path: str, dtype: jnp.dtype, mesh: Mesh | None
 
 def _quantize(params, cfg: ModelConfig, qcfg: QuantConfig, mesh: Mesh | None):
     """Load-time weight quantisation; the float leaves are freed as they are replaced. On a
-    mesh the quantised leaves are laid out on their own partition specs rather than whatever
-    XLA propagated through the quantisation."""
+    mesh the caller gave, the quantised leaves are laid out on their own partition specs rather
+    than whatever XLA propagated through the quantisation (None: one device, nothing to lay
+    out, no copy)."""
     arch = get_architecture(cfg.architecture)
     params = apply_quantization(params, arch.quant_targets, qcfg, arch.name, delete_source=True)
     if mesh is not None and qcfg.method != "none":

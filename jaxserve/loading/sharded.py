@@ -1,6 +1,7 @@
-"""Tensor-parallel loading: each device reads only its own slice of every weight.
+"""Loading onto a mesh: each device reads only its own slice of every weight.
 
-``jaxserve.loading.load.load_model`` calls these readers when given a mesh. Each returns
+These are each format's one loader: ``jaxserve.loading.load.load_model`` calls them for every
+load, one device being a 1-device mesh (its slice of a leaf is the whole leaf). Each returns
 (config, params placed as ``sharding.param_partition_specs`` of the ``sharded_config``, a
 ``LoadReport``). Per format:
 

@@ -43,7 +43,7 @@ import msgspec
 from tqdm import tqdm
 
 from jaxserve.server import protocol as p
-from jaxserve.server.app import OpenAIServer
+from jaxserve.server.handlers import OpenAIServer
 
 logger = logging.getLogger(__name__)
 

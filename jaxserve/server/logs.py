@@ -6,8 +6,8 @@ outside a request, e.g. on the engine thread). Because the factory sees every re
 for our loggers and uvicorn's (the access log line of a request carries its id) whatever
 handlers are configured. ``configure_logging`` sets up the root handler in one of two formats:
 
-  text: ``2025-01-01 12:00:00,000 INFO jaxserve.server.app [r-42]: message``
-  json: ``{"time": "...Z", "level": "INFO", "logger": "jaxserve.server.app", "message": "...",
+  text: ``2025-01-01 12:00:00,000 INFO jaxserve.server.handlers [r-42]: message``
+  json: ``{"time": "...Z", "level": "INFO", "logger": "jaxserve.server.handlers", "message": "...",
           "request_id": "r-42"}`` (plus ``"exc_info"`` with the traceback when there is one)
 """
 

@@ -11,9 +11,9 @@ import msgspec
 
 from jaxserve import __version__
 from jaxserve.server import protocol as p
-from jaxserve.server import responses_protocol as rp
 from jaxserve.server.gate import is_protected
 from jaxserve.server.lifecycle import ReadyStatus
+from jaxserve.server.responses import protocol as rp
 
 _REF = "#/components/schemas/{name}"
 _STRUCTS = (

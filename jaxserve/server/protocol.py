@@ -1,8 +1,8 @@
 """OpenAI-compatible request and response bodies, as msgspec Structs (the wire format).
 
-``server.decode`` reads requests into these strictly (no type coercion: ``"ten"`` is not an
+``server.request_parsing`` reads requests into these strictly (no type coercion: ``"ten"`` is not an
 int); unknown fields are ignored, known but unimplemented ones (functions, beam search, ...) are
-refused when set. ``server.encode`` builds the responses; fields left
+refused when set. ``server.response_bodies`` builds the responses; fields left
 ``UNSET`` are omitted (a chat finish chunk's ``delta`` encodes as ``{}``, and ``usage`` is absent
 from stream chunks unless ``stream_options.include_usage`` asked for it). Every client mistake
 is a ``RequestError``, which the server turns into an OpenAI-style error body with a 4xx status.
@@ -10,11 +10,12 @@ is a ``RequestError``, which the server turns into an OpenAI-style error body wi
 
 from __future__ import annotations
 
-import uuid
 from typing import Any, Literal
 
 import msgspec
 from msgspec import UNSET, UnsetType
+
+from jaxserve import request_ids
 
 
 class RequestError(Exception):
@@ -135,7 +136,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    # null means the default for these (OpenAI clients send explicit nulls): see decode._fill_nulls
+    # null means the default for these (OpenAI clients send explicit nulls): see
+    # request_parsing._fill_nulls
     ignore_eos: bool | None = False
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
@@ -150,7 +152,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None
     min_tokens: int | None = None
     truncate_prompt_tokens: int | None = None
-    # structured output (decode.structured_outputs_of): OpenAI's field, vLLM's, and vLLM's
+    # structured output (request_parsing.structured_outputs_of): OpenAI's field, vLLM's, and vLLM's
     # older guided_* names
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -173,7 +175,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     """Body of ``POST /v1/completions``. ``prompt``: a string, a list of token ids, or a batch (a
-    list of strings or of token-id lists; ``decode.completion_prompts`` checks the shape).
+    list of strings or of token-id lists; ``request_parsing.completion_prompts`` checks the shape).
     ``max_completion_tokens`` (OpenAI's newer name) is taken as ``max_tokens``; ``max_tokens``
     is UNSET when the body has no such key (default 16)."""
 
@@ -307,8 +309,8 @@ class DetokenizeResponse(msgspec.Struct, kw_only=True):
 
 
 def random_id() -> str:
-    """A fresh request id (32 hex digits)."""
-    return uuid.uuid4().hex
+    """A fresh request id (``request_ids.random_id``: 32 hex digits)."""
+    return request_ids.random_id()
 
 
 # ---- responses ------------------------------------------------------------------------------

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
 import msgspec
 
+from jaxserve import request_ids
 from jaxserve.engine.structured_output import no_additional_properties
 from jaxserve.sampling_params import StructuredOutputsParams
 from jaxserve.server.protocol import (
@@ -156,7 +156,7 @@ def history_tool_calls(calls: list[ToolCall]) -> list[dict]:
 
 
 def _call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+    return f"call_{request_ids.random_id()[:24]}"
 
 
 @dataclass

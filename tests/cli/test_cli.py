@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.cli.args import engine_config_from_args
 from jaxserve.cli.main import build_parser, main
 from jaxserve.cli.serve import check_port_free
 from jaxserve.config import EngineConfig, RequestLimits, ServerConfig
+from jaxserve.config_args import engine_config_from_args
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import random
 
 import pytest
@@ -354,18 +355,20 @@ def test_finish_frees_blocks() -> None:
     assert [s.request_id for s in sched.running] == ["b"] and held(sched) == 3
 
 
-def test_add_validation() -> None:
+def test_add_asserts_what_the_engine_validated() -> None:
+    """The engine validates requests once (``validate_request``, tests/engine/test_validation.py);
+    the scheduler asserts the same contract."""
     sched = make_scheduler(block_size=4, num_blocks=3, max_model_len=16)  # 2 usable blocks
-    with pytest.raises(ValueError, match="empty prompt"):
+    with pytest.raises(AssertionError, match="empty prompt"):
         sched.add(make_seq("e", 0))
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(AssertionError, match="max_model_len"):
         sched.add(make_seq("l", 10, max_tokens=7))
-    with pytest.raises(ValueError, match="usable"):
+    with pytest.raises(AssertionError, match="usable"):
         sched.add(make_seq("p", 6, max_tokens=3))
-    with pytest.raises(ValueError, match="max_tokens"):
+    with pytest.raises(AssertionError, match="max_tokens"):
         sched.add(make_seq("z", 2, max_tokens=0))
     sched.add(make_seq("a", 4, max_tokens=4))
-    with pytest.raises(ValueError, match="already present"):
+    with pytest.raises(AssertionError, match="already present"):
         sched.add(make_seq("a", 4, max_tokens=4))
     assert sched.num_unfinished() == 1
 
@@ -685,8 +688,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             long_prefill, caching, num_host_blocks, policy,
         )
         if fit is not None:  # plan to the engine's buckets, the step overhead 0 or 2 tokens
-            self.sched.config.token_buckets = tuple(token_buckets(max_num_batched_tokens))
-            self.sched.config.step_overhead_tokens = fit
+            self.sched.config = dataclasses.replace(
+                self.sched.config, token_buckets=tuple(token_buckets(max_num_batched_tokens)),
+                step_overhead_tokens=fit)
         self.rng = random.Random(seed)
         self.content = KVContentModel(block_size)
         self.expected: dict[str, list[int]] = {}  # live request -> its token ids
@@ -723,7 +727,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             and cdiv(prompt_len + max_tokens, cfg.block_size) <= cfg.num_blocks - 1
         )
         if not fits:
-            with pytest.raises(ValueError):
+            with pytest.raises(AssertionError):
                 self.sched.add(seq)
             return
         self.sched.add(seq)

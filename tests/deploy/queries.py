@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
 from jaxserve.config import ServerConfig
-from jaxserve.server.app import build_app
+from jaxserve.server.routes import build_app
 from tests.conftest import REPO_ROOT
 from tests.support.fake_engine import FakeEngine
 

@@ -16,8 +16,8 @@ from pathlib import PurePosixPath
 
 import pytest
 
-from jaxserve.cli.args import engine_config_from_args, server_config_from_args
 from jaxserve.cli.main import build_parser
+from jaxserve.config_args import engine_config_from_args, server_config_from_args
 from tests.conftest import REPO_ROOT
 from tests.deploy.queries import DOCKERFILE, instructions
 

@@ -14,8 +14,8 @@ from pathlib import Path, PurePosixPath
 import pytest
 import yaml
 
-from jaxserve.cli.args import engine_config_from_args, server_config_from_args
 from jaxserve.cli.main import build_parser
+from jaxserve.config_args import engine_config_from_args, server_config_from_args
 from tests.deploy.queries import ADAPTER, HPA, KEDA, KUBERNETES, instructions, load_yaml
 
 kv = pytest.importorskip("kubernetes_validate",

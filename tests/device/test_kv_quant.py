@@ -298,7 +298,7 @@ def _drive(engine: LLMEngine) -> dict:
 def _engine_with(loaded, config: EngineConfig) -> LLMEngine:
     """An engine on an already-loaded ``LoadedModel`` (or a loader of one per dtype): building
     the tokenizer from the GGUF or loading SmolLM2 again costs seconds each time."""
-    import jaxserve.engine.llm_engine as engine_module
+    import jaxserve.engine.startup as engine_module
     from jaxserve.loading import sharded as sharded_load
 
     load = loaded if callable(loaded) else (lambda *a: loaded)

@@ -10,7 +10,7 @@ import pytest
 
 from jaxserve.config import EngineConfig, LoadConfig, ServerConfig
 from jaxserve.engine.data_parallel import build_data_parallel
-from jaxserve.server.app import build_app
+from jaxserve.server.routes import build_app
 from tests.support.http_server import serve_app
 
 pytestmark = pytest.mark.skipif(

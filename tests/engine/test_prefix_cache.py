@@ -120,7 +120,7 @@ SMALL_HOST_GIB = 0.03  # 43 host blocks of SmolLM2's 720 KiB (float32)
 def small(engine: LLMEngine, monkeypatch_module) -> LLMEngine:
     """An engine with a 23-block device pool and a host tier, on the shared engine's loaded
     weights (the loader is patched to hand them over: loading again costs ~10-30 s here)."""
-    import jaxserve.engine.llm_engine as engine_module
+    import jaxserve.engine.startup as engine_module
 
     loaded = LoadedModel(engine.model_config, engine.runner.params, engine.tokenizer,
                          engine.model_name)

@@ -1,10 +1,12 @@
-"""Tensor-parallel loading (jaxserve/loading/sharded.py) on simulated CPU devices.
+"""Loading onto a mesh (jaxserve/loading/sharded.py) on simulated CPU devices.
 
 Orbax and HF safetensors loads onto a mesh give every leaf its intended ``NamedSharding`` and the
 values of a full load followed by ``shard_params``; HF reads only each device's regions of the
 files (``get_slice``, never a whole tensor); the per-device report adds up; dummy weights drawn per
-shard equal the single-device ones. The engine-level check (a TP=2 engine from an orbax
-checkpoint generating the TP=1 tokens) is in tests/test_sharding.py beside the tiny engines.
+shard equal the single-device ones. A load without a mesh runs the same loader on a 1-device mesh
+and hands back single-device arrays with the whole-read values. The engine-level check (a TP=2
+engine from an orbax checkpoint generating the TP=1 tokens) is in tests/test_sharding.py beside
+the tiny engines.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from jaxserve import sharding
 from jaxserve.config import LoadConfig
@@ -107,8 +109,7 @@ def test_hf_reads_only_each_devices_regions(name: str, tp: int, monkeypatch) -> 
     files, TP 4 with the 2 kv heads replicated. No tensor is read whole; q_proj is read in row
     blocks of ``out / tp`` (columns of our ``[in, out]``) and o_proj in column blocks."""
     path = str(HF_DIR / name)
-    loaded = load_model(LoadConfig(path), jnp.float32, seed=0)
-    cfg, full = loaded.model_config, loaded.params
+    cfg, full = hf.load_hf_params(path, jnp.float32, progress=False)  # read whole
     mesh = sharding.make_mesh(tp)
     want = sharding.shard_params(full, cfg, mesh)
 
@@ -164,3 +165,40 @@ def test_dummy_weights_drawn_per_shard_equal_the_single_device_ones(tiny_orbax) 
     want = sharding.shard_params(params, TINY, mesh)
     _assert_placed_like(loaded.params, want, mesh, sharding.sharded_config(TINY, 8))
     assert loaded.report.method == "sharded" and loaded.model_config == TINY
+
+
+@pytest.mark.parametrize("fmt", ["dummy", "orbax", "hf"])
+def test_one_device_loads_as_a_one_device_mesh(fmt: str, tiny_orbax, tmp_path,
+                                               monkeypatch) -> None:
+    """Without a mesh, the format's one loader runs on a 1-device mesh over the first local
+    device; the params come back as single-device arrays there (as the engine's programs and
+    executable cache have always seen them), bitwise the whole-read values, with no report."""
+    orbax_path, saved = str(tmp_path / "tiny"), tiny_orbax[1]
+    shutil.copytree(tiny_orbax[0], orbax_path)
+    hf_path = str(HF_DIR / "llama")
+    shutil.copy(Path(hf_path) / "tokenizer.json", orbax_path)  # load_model reads one
+    load, reader, want = {
+        "dummy": (LoadConfig("tiny", "dummy"), "load_dummy_sharded", saved),
+        "orbax": (LoadConfig(orbax_path), "load_orbax_sharded", saved),
+        "hf": (LoadConfig(hf_path), "load_hf_sharded",
+               hf.load_hf_params(hf_path, jnp.float32, progress=False)[1]),
+    }[fmt]
+    meshes: list[Mesh] = []
+    orig = getattr(sharded_load, reader)
+
+    def spy(*args, **kw):
+        meshes.append(next(a for a in args if isinstance(a, Mesh)))
+        return orig(*args, **kw)
+
+    monkeypatch.setattr(sharded_load, reader, spy)
+    loaded = load_model(load, jnp.float32, seed=0)
+    device = jax.local_devices()[0]
+    assert [m.devices.tolist() for m in meshes] == [[device]]
+    assert loaded.report is None
+    flat_g, tree_g = jax.tree_util.tree_flatten_with_path(loaded.params)
+    flat_w, tree_w = jax.tree_util.tree_flatten(want)
+    assert tree_g == tree_w
+    for (path, g), w in zip(flat_g, flat_w, strict=True):
+        name = jax.tree_util.keystr(path)
+        assert g.sharding == SingleDeviceSharding(device), name
+        assert g.dtype == w.dtype and np.array_equal(np.asarray(g), np.asarray(w)), name

@@ -15,7 +15,7 @@ import pytest
 from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.server.app import build_app
+from jaxserve.server.routes import build_app
 from models.registry import get_architecture
 from tests.support.http_server import serve_app
 from tests.support.prefill import prefill_logits

@@ -204,7 +204,7 @@ def test_sliding_window_is_exercised(engine, goldens) -> None:
 @pytest.fixture(scope="module")
 def base_url(engine):
     from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.server.app import build_app
+    from jaxserve.server.routes import build_app
     from tests.support.http_server import serve_app
 
     aeng = AsyncEngine(engine)

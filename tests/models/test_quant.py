@@ -20,10 +20,10 @@ import openai
 import pytest
 
 from jaxserve import sharding
-from jaxserve.cli.args import engine_config_from_args
 from jaxserve.cli.main import build_parser
 from jaxserve.cli.main import main as cli_main
 from jaxserve.config import EngineConfig, LoadConfig
+from jaxserve.config_args import engine_config_from_args
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.loading.load import load_model
@@ -443,7 +443,7 @@ def test_quantised_smollm2_serves_through_engine_and_http(goldens) -> None:
 
 
 def _build_app(aeng, name):
-    from jaxserve.server.app import build_app
+    from jaxserve.server.routes import build_app
 
     return build_app(aeng, name)
 
@@ -606,7 +606,7 @@ def test_int4_checkpoint_of_another_layout_is_refused(tiny_src, tmp_path, capsys
 def test_eval_refuses_a_quantised_checkpoint_as_its_baseline(tiny_src, tmp_path) -> None:
     """``jaxserve eval`` needs the model unquantised for its baseline: a checkpoint written by
     ``convert --quantization`` is refused up front, saying why (not with serving advice)."""
-    from jaxserve.cli import eval as ev
+    from jaxserve.eval import quality as ev
 
     src, _ = tiny_src
     dst = str(tmp_path / "q8")

@@ -19,7 +19,7 @@ import json, os
 import prometheus_client.metrics as pm
 before = dict(os.environ)
 import jaxserve, jaxserve.config, jaxserve.platform, jaxserve.engine.llm_engine, jaxserve.llm
-import jaxserve.engine.metrics, jaxserve.server.app, jaxserve.cli.main
+import jaxserve.engine.metrics, jaxserve.server.routes, jaxserve.cli.main
 changed = {k: (before.get(k), v) for k, v in os.environ.items() if before.get(k) != v}
 changed.update({k: (v, None) for k, v in before.items() if k not in os.environ})
 print(json.dumps({"changed": changed, "applied": jaxserve.platform.process._applied is not None,

@@ -25,7 +25,7 @@ import openai
 import pytest
 
 from jaxserve.config import RequestLimits, ServerConfig
-from jaxserve.server.app import build_app
+from jaxserve.server.routes import build_app
 from jaxserve.tokenizer import Tokenizer
 from tests.support.fake_engine import FakeEngine
 from tests.support.http_server import serve_app

@@ -20,8 +20,9 @@ from starlette.testclient import TestClient
 
 from jaxserve.cli.main import main
 from jaxserve.config import RequestLimits
-from jaxserve.server.app import OpenAIServer, build_app
 from jaxserve.server.batch import run_batch
+from jaxserve.server.handlers import OpenAIServer
+from jaxserve.server.routes import build_app
 from tests.support.fake_engine import FakeEngine
 
 MODEL = "test-model"

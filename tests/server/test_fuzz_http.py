@@ -26,7 +26,7 @@ from starlette.testclient import TestClient
 
 from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.server.app import build_app
+from jaxserve.server.routes import build_app
 from tests.support.fake_engine import FakeEngine
 from tests.support.http_server import serve_app
 

@@ -29,9 +29,9 @@ import pytest
 from starlette.testclient import TestClient
 
 from jaxserve.config import ServerConfig
-from jaxserve.server.app import build_app
 from jaxserve.server.gate import run_server
 from jaxserve.server.lifecycle import Lifecycle
+from jaxserve.server.routes import build_app
 from tests.conftest import REPO_ROOT
 from tests.support.fake_engine import FakeEngine
 

@@ -20,7 +20,7 @@ import httpx
 
 from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.server.app import build_app
+from jaxserve.server.routes import build_app
 from tests.support.http_server import serve_app
 
 MODEL = "overload-model"

@@ -19,10 +19,11 @@ from starlette.testclient import TestClient
 from jaxserve.config import RequestLimits, ServerConfig
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.server import protocol as p
-from jaxserve.server import responses, tools
-from jaxserve.server.app import build_app
-from jaxserve.server.responses_output import ResponseBuilder
-from jaxserve.server.responses_protocol import InputItem, ResponseObject, ResponsesRequest
+from jaxserve.server import tools
+from jaxserve.server.responses import handler as responses
+from jaxserve.server.responses.output import ResponseBuilder
+from jaxserve.server.responses.protocol import InputItem, ResponseObject, ResponsesRequest
+from jaxserve.server.routes import build_app
 from tests.support.fake_engine import FakeEngine
 from tests.support.http_server import serve_app
 from tests.support.tool_templates import HERMES_TEMPLATE

@@ -29,13 +29,13 @@ import pytest
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from jaxserve.cli.args import server_config_from_args
 from jaxserve.cli.main import build_parser, main
 from jaxserve.config import ServerConfig
+from jaxserve.config_args import server_config_from_args
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.server.app import build_app
 from jaxserve.server.logs import JsonFormatter, TextFormatter, request_id_var
+from jaxserve.server.routes import build_app
 from tests.support.fake_engine import FakeEngine, FakeTokenizer
 from tests.support.http_server import serve_app
 

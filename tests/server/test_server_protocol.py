@@ -16,7 +16,7 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from jaxserve.server.app import build_app
+from jaxserve.server.routes import build_app
 from tests.support.fake_engine import FakeEngine
 from tests.support.http_server import serve_app
 

@@ -15,8 +15,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from jaxserve.server import tools
-from jaxserve.server.app import build_app
 from jaxserve.server.protocol import ChatCompletionRequest, RequestError
+from jaxserve.server.routes import build_app
 from tests.support.fake_engine import FakeEngine
 from tests.support.http_server import serve_app
 from tests.support.tool_templates import HERMES_TEMPLATE

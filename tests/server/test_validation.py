@@ -15,10 +15,10 @@ import json
 import pytest
 from starlette.testclient import TestClient
 
-from jaxserve.cli.args import limits_from_args
 from jaxserve.cli.main import build_parser, main
 from jaxserve.config import RequestLimits
-from jaxserve.server.app import build_app
+from jaxserve.config_args import limits_from_args
+from jaxserve.server.routes import build_app
 from tests.support.fake_engine import FakeEngine
 
 MODEL = "test-model"

@@ -57,7 +57,7 @@ def serve_engine(engine, model: str, *, caching: bool | None = None) -> Iterator
     which can change the last bits). Afterwards the engine holds no request.
     """
     from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.server.app import build_app
+    from jaxserve.server.routes import build_app
     from tests.support.kv import kv_manager
 
     with kv_manager(engine, caching=caching) if caching is not None else contextlib.nullcontext():

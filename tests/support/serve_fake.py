@@ -14,9 +14,9 @@ import argparse
 from fake_engine import FakeEngine
 
 from jaxserve.config import ServerConfig
-from jaxserve.server.app import build_app
 from jaxserve.server.gate import run_server
 from jaxserve.server.logs import configure_logging
+from jaxserve.server.routes import build_app
 
 
 def main() -> None:

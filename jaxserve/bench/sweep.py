@@ -1,0 +1,424 @@
+"""``jaxserve sweep``: find the concurrency, and optionally the engine configuration, that a
+workload should be served at.
+
+    jaxserve sweep --serve-args "--max-model-len 2048" --grid max_num_seqs=32,64 \\
+        --dataset-name sharegpt-like --percentile 99 --goodput ttft:500 tpot:50 --output-dir sw/
+
+The method: for each engine configuration (each point of ``--grid``, each on a
+freshly started ``jaxserve serve`` subprocess; or the one server at ``--base-url``):
+  1. send ``--num-warmups`` unmeasured requests;
+  2. run ``jaxserve bench serve`` closed loop at concurrency 1 (the single-request baseline),
+     then at ``--concurrency-factor`` times the last, each step with
+     ``max(--num-prompts, --prompts-per-concurrency * concurrency)`` requests, until output
+     throughput improves by less than ``--gain-threshold`` for ``--patience`` steps in a row or
+     the next concurrency passes ``--max-concurrency-limit``;
+  3. while each step runs, poll the server's ``/metrics`` (every ``--metrics-interval-s``) and
+     average its batch occupancy: sequences over ``max_num_seqs``, scheduled tokens over
+     ``max_num_batched_tokens``, KV-cache usage (None against servers without those gauges).
+Then, per configuration: the highest concurrency meeting the SLOs at the chosen percentile
+(``slo_concurrency``) and the knee (``knee_concurrency``); over all configurations, two
+recommendations written as ``jaxserve serve --config`` files: ``interactive.yaml`` (the
+configuration that meets the SLOs at the highest concurrency, ``max_num_seqs`` held
+``--headroom`` below that concurrency for spikes) and ``offline.yaml`` (the configuration with
+the highest throughput, ``max_num_seqs`` at least the concurrency that reached it). Output: the
+table on the terminal, ``sweep.json``, and ``throughput.png``, ``latency.png``,
+``occupancy.png`` (matplotlib, Agg backend) in ``--output-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import json
+import math
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import typing
+from typing import Any, Self
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from jaxserve.bench.metrics import parse_goodput
+from jaxserve.bench.serve import ENDPOINTS, add_dataset_args, run_benchmark
+from jaxserve.bench.serve import add_cli_args as add_serve_args
+from jaxserve.bench.sweep_report import LIMIT_GAUGES, config_label, plot, recommend, write_yaml
+from jaxserve.config import EngineConfig
+from jaxserve.extras import require
+
+OCCUPANCY_GAUGES = {
+    "seqs_usage": "jaxserve:batch_seqs_usage_perc",
+    "tokens_usage": "jaxserve:batch_tokens_usage_perc",
+    "kv_usage": "jaxserve:kv_cache_usage_perc",
+}
+
+
+# -- the decisions, as pure functions --------------------------------------------------------------
+
+
+def gains(throughputs: list[float]) -> list[float | None]:
+    """Relative gain of each step over the previous one (``None`` for the first; ``inf`` after a
+    zero)."""
+    out: list[float | None] = [None]
+    for a, b in itertools.pairwise(throughputs):
+        out.append(b / a - 1 if a > 0 else math.inf)
+    return out
+
+
+def should_stop(throughputs: list[float], threshold: float, patience: int) -> bool:
+    """True once the last ``patience`` steps each gained less than ``threshold``."""
+    g = gains(throughputs)[1:]
+    return len(g) >= patience and all(x is not None and x < threshold for x in g[-patience:])
+
+
+def knee_concurrency(concurrencies: list[int], throughputs: list[float], threshold: float
+                     ) -> int | None:
+    """Where throughput plateaus: the concurrency of the last step that still gained at least
+    ``threshold`` over its predecessor (the first step if none did), provided a later step gained
+    less (a plateau was seen); None if every step kept gaining (no knee reached).
+    """
+    g = gains(throughputs)
+    last_good = 0
+    for i in range(1, len(g)):
+        if g[i] is not None and g[i] >= threshold:  # type: ignore[operator]
+            last_good = i
+    return concurrencies[last_good] if last_good < len(g) - 1 else None
+
+
+def meets_slo(step: dict[str, Any], percentile: float, slos: dict[str, float]) -> bool:
+    """Whether a step's ``p<percentile>`` of each SLO metric (ms) is within its target."""
+    key = str(int(percentile)) if int(percentile) == percentile else str(percentile)
+    return all(step[f"p{key}_{m}_ms"] <= slo for m, slo in slos.items())
+
+
+def slo_concurrency(steps: list[dict[str, Any]], percentile: float, slos: dict[str, float]
+                    ) -> int | None:
+    """The highest concurrency before the first step that breaks an SLO (steps in rising
+    concurrency; a later step that happens to pass again after a breach does not count); None
+    if the first step already breaks one."""
+    best = None
+    for s in steps:
+        if not meets_slo(s, percentile, slos):
+            break
+        best = s["concurrency"]
+    return best
+
+
+def parse_grid(items: list[str] | None) -> list[dict[str, Any]]:
+    """``["max_num_seqs=32,64", "block_size=16"]`` -> the cross product of engine settings
+    (values typed as the EngineConfig field); ``[{}]`` without a grid.
+
+    Raises:
+      ValueError: a malformed item, an unknown or repeated field, or a value of the wrong type.
+    """
+    hints = typing.get_type_hints(EngineConfig)
+    axes: dict[str, list[Any]] = {}
+    for item in items or []:
+        key, sep, values = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not values:
+            raise ValueError(f"--grid takes KEY=V1,V2,... items, got {item!r}")
+        if key not in {f.name for f in dataclasses.fields(EngineConfig)}:
+            raise ValueError(f"--grid: {key!r} is not an engine setting")
+        if key in axes:
+            raise ValueError(f"--grid: {key!r} given twice")
+        kinds = [a for a in typing.get_args(hints[key]) or (hints[key],) if a is not type(None)]
+        try:
+            axes[key] = [kinds[0](v) for v in values.split(",")]
+        except ValueError:
+            raise ValueError(f"--grid {key}: values must be {kinds[0].__name__}, "
+                             f"got {values!r}") from None
+    return [dict(zip(axes, combo)) for combo in itertools.product(*axes.values())]
+
+
+# -- running ---------------------------------------------------------------------------------------
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    """``jaxserve sweep``'s flags."""
+    a = p.add_argument
+    a("--base-url", default=None,
+      help="sweep this running server (no --grid); default: start `jaxserve serve` per "
+           "configuration")
+    a("--serve-args", default="",
+      help="arguments for each started `jaxserve serve` (model, --max-model-len, ...)")
+    a("--grid", nargs="+", default=None, metavar="KEY=V1,V2",
+      help="engine settings to cross, e.g. max_num_seqs=32,64 max_num_batched_tokens=512,2048")
+    a("--endpoint", default="/v1/completions", choices=ENDPOINTS, help="API path")
+    add_dataset_args(p, num_prompts=16)
+    a("--prompts-per-concurrency", type=int, default=4,
+      help="a step sends max(--num-prompts, this * concurrency) requests")
+    a("--num-warmups", type=int, default=2, help="unmeasured requests per configuration")
+    a("--concurrency-start", type=int, default=1, help="first concurrency (the baseline)")
+    a("--concurrency-factor", type=float, default=2.0, help="concurrency multiplier per step")
+    a("--max-concurrency-limit", type=int, default=256, help="highest concurrency tried")
+    a("--gain-threshold", type=float, default=0.05,
+      help="stop when throughput gains less than this fraction ...")
+    a("--patience", type=int, default=2, help="... for this many steps in a row")
+    a("--percentile", type=float, default=99.0, help="percentile the SLOs apply to")
+    a("--goodput", nargs="+", default=["ttft:500", "tpot:50"], metavar="KEY:MS",
+      help="SLOs (ms) at --percentile, e.g. ttft:500 tpot:50")
+    a("--headroom", type=float, default=0.25,
+      help="interactive config: fraction of the SLO-meeting concurrency held back for spikes")
+    a("--metrics-interval-s", type=float, default=0.2, help="how often /metrics is polled")
+    a("--server-start-timeout-s", type=float, default=900.0,
+      help="how long a started server may take to load and compile")
+    a("--seed", type=int, default=0, help="seed of the workload")
+    a("--output-dir", default="sweep-results", help="where JSON, plots and configs go")
+
+
+def _check(ns: argparse.Namespace) -> None:
+    if ns.base_url and ns.grid:
+        raise ValueError("--grid needs freshly started servers; drop --base-url")
+    if not 1 <= ns.concurrency_start <= ns.max_concurrency_limit or ns.concurrency_factor <= 1:
+        raise ValueError("--concurrency-start must be in [1, --max-concurrency-limit] and "
+                         "--concurrency-factor > 1")
+    if ns.num_prompts < 1 or ns.prompts_per_concurrency < 0 or ns.num_warmups < 0:
+        raise ValueError("--num-prompts must be >= 1, --prompts-per-concurrency and "
+                         "--num-warmups >= 0")
+    if ns.patience < 1 or not 0 <= ns.gain_threshold < 1:
+        raise ValueError("--patience must be >= 1 and --gain-threshold in [0, 1)")
+    if not 0 <= ns.headroom < 1:
+        raise ValueError("--headroom must be in [0, 1)")
+    if not 0 < ns.percentile < 100:
+        raise ValueError("--percentile must be in (0, 100)")
+
+
+def _bench_ns(ns: argparse.Namespace, base_url: str, concurrency: int, num_prompts: int,
+              num_warmups: int) -> argparse.Namespace:
+    """A ``bench serve`` namespace: its defaults, this sweep's workload flags, one step's load."""
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    b = p.parse_args([])
+    for k, v in vars(ns).items():
+        if hasattr(b, k) and k not in ("num_warmups", "goodput"):
+            setattr(b, k, v)
+    pct = ns.percentile
+    b.metric_percentiles = ",".join(str(x) for x in sorted({50.0, 90.0, 99.0, pct}))
+    b.base_url, b.max_concurrency, b.num_prompts = base_url, concurrency, num_prompts
+    b.num_warmups, b.goodput, b.disable_tqdm, b.request_rate = num_warmups, ns.goodput, True, \
+        math.inf
+    return b
+
+
+def _scrape(text: str) -> dict[str, float]:
+    """Each sample with no label but ``model_name`` (one model is served), by name."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if set(s.labels) <= {"model_name"}:
+                out[s.name] = s.value
+    return out
+
+
+async def _poll_metrics(base_url: str, interval_s: float, stop: asyncio.Event
+                        ) -> list[dict[str, float]]:
+    samples: list[dict[str, float]] = []
+    httpx = require("httpx", "bench", "jaxserve sweep")
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        while not stop.is_set():
+            try:
+                r = await client.get(f"{base_url}/metrics")
+                if r.status_code == 200:
+                    samples.append(_scrape(r.text))
+            except httpx.HTTPError:
+                pass
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
+    return samples
+
+
+def occupancy(samples: list[dict[str, float]]) -> dict[str, float | None]:
+    """Mean of each occupancy gauge over the polled samples (None where no sample had it)."""
+    out: dict[str, float | None] = {}
+    for key, name in OCCUPANCY_GAUGES.items():
+        vals = [s[name] for s in samples if name in s]
+        out[key] = sum(vals) / len(vals) if vals else None
+    return out
+
+
+async def _step(ns: argparse.Namespace, base_url: str, c: int, n: int, warm: int
+                ) -> tuple[dict[str, Any], list[dict[str, float]]]:
+    stop = asyncio.Event()
+    poller = asyncio.create_task(_poll_metrics(base_url, ns.metrics_interval_s, stop))
+    try:
+        result, _ = await run_benchmark(_bench_ns(ns, base_url, c, n, warm))
+    finally:
+        stop.set()
+    return result, await poller
+
+
+def sweep_server(ns: argparse.Namespace, base_url: str) -> list[dict[str, Any]]:
+    """Run the concurrency steps against one server; returns one summary dict per step."""
+    slos = parse_goodput(ns.goodput)
+    pkey = str(int(ns.percentile)) if int(ns.percentile) == ns.percentile else str(ns.percentile)
+    steps: list[dict[str, Any]] = []
+    c = ns.concurrency_start
+    warm = ns.num_warmups
+    while c <= ns.max_concurrency_limit:
+        n = max(ns.num_prompts, ns.prompts_per_concurrency * c)
+        print(f"--- concurrency {c}: {n} requests", flush=True)
+        result, samples = asyncio.run(_step(ns, base_url, c, n, warm))
+        warm = 0
+        step = {"concurrency": c, "num_prompts": n, "completed": result["completed"],
+                "failed": result["failed"], "duration": result["duration"],
+                "request_throughput": result["request_throughput"],
+                "output_throughput": result["output_throughput"],
+                "total_token_throughput": result["total_token_throughput"],
+                "request_goodput": result["request_goodput"]}
+        for m in ("ttft", "tpot", "itl", "e2el"):
+            step[f"median_{m}_ms"] = result[f"median_{m}_ms"]
+            step[f"p{pkey}_{m}_ms"] = result[f"p{pkey}_{m}_ms"]
+        step.update(occupancy(samples))
+        step["meets_slo"] = meets_slo(step, ns.percentile, slos)
+        steps.append(step)
+        if should_stop([s["output_throughput"] for s in steps], ns.gain_threshold, ns.patience):
+            break
+        c = max(c + 1, int(c * ns.concurrency_factor))
+    last = samples[-1] if samples else {}
+    for key, name in LIMIT_GAUGES.items():
+        for s in steps:
+            s[key] = last.get(name)
+    return steps
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A ``jaxserve serve`` subprocess on a free local port, ready once ``/ready`` answers 200.
+
+    Args:
+      args: the ``jaxserve serve`` arguments (host and port are added).
+      timeout_s: how long loading and compiling may take.
+    Raises (on entering):
+      ValueError: the server exited or was not ready in time (its last output quoted).
+    """
+
+    def __init__(self, args: list[str], timeout_s: float, log_path: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "jaxserve.cli.main", "serve", *args, "--host", "127.0.0.1",
+                    "--port", str(self.port)]
+        self.timeout_s = timeout_s
+        self.log_path = log_path
+
+    def __enter__(self) -> Self:
+        self.log = open(self.log_path, "w", encoding="utf-8")  # closed in __exit__
+        print(f"starting: {shlex.join(self.cmd)}", flush=True)
+        httpx = require("httpx", "bench", "jaxserve sweep")
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.__exit__(None, None, None)
+                raise ValueError(f"server exited with {self.proc.returncode}: {self._tail()}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.__exit__(None, None, None)
+        raise ValueError(f"server not ready after {self.timeout_s} s: {self._tail()}")
+
+    def _tail(self) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as fh:
+            return fh.read()[-2000:]
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # drains (nothing in flight), exits 0
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def format_table(configs: list[dict[str, Any]], percentile: float) -> str:
+    """One row per step: load, throughput and its gain, latency, goodput, occupancy, SLO."""
+    pkey = str(int(percentile)) if int(percentile) == percentile else str(percentile)
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:.0%}"
+
+    lines = []
+    for c in configs:
+        lines.append(f"== {config_label(c['config'])}: knee {c['knee']}, meets SLOs up to "
+                     f"concurrency {c['slo_concurrency']}")
+        lines.append(f"{'conc':>5}{'req/s':>8}{'out tok/s':>10}{'gain':>7}{'TTFT p50':>9}"
+                     f"{'p' + pkey:>8}{'TPOT p50':>9}{'p' + pkey:>8}{'goodput':>8}"
+                     f"{'seqs':>6}{'tokens':>7}{'KV':>6}  SLO")
+        for s, g in zip(c["steps"], gains([s["output_throughput"] for s in c["steps"]])):
+            gs = "-" if g is None else f"{g:+.0%}"
+            lines.append(
+                f"{s['concurrency']:>5}{s['request_throughput']:>8.2f}"
+                f"{s['output_throughput']:>10.1f}{gs:>7}{s['median_ttft_ms']:>9.0f}"
+                f"{s[f'p{pkey}_ttft_ms']:>8.0f}{s['median_tpot_ms']:>9.1f}"
+                f"{s[f'p{pkey}_tpot_ms']:>8.1f}{s['request_goodput'] or 0:>8.2f}"
+                f"{pct(s['seqs_usage']):>6}{pct(s['tokens_usage']):>7}{pct(s['kv_usage']):>6}"
+                f"  {'ok' if s['meets_slo'] else 'BREACH'}")
+    return "\n".join(lines)
+
+
+def run(ns: argparse.Namespace) -> int:
+    """Entry point of ``jaxserve sweep``; returns the exit status (1 if a step failed every
+    request).
+
+    Raises:
+      ValueError: bad flags, or a server that cannot be started or reached.
+      MissingExtraError: httpx or matplotlib (the ``bench`` extra) is not installed.
+    """
+    _check(ns)
+    for module in ("httpx", "matplotlib"):  # before minutes of measuring, not after
+        require(module, "bench", "jaxserve sweep")
+    parse_goodput(ns.goodput)
+    grid = parse_grid(ns.grid)
+    os.makedirs(ns.output_dir, exist_ok=True)
+    configs: list[dict[str, Any]] = []
+    for k, cfg in enumerate(grid):
+        if ns.base_url:
+            steps = sweep_server(ns, ns.base_url.rstrip("/"))
+        else:
+            flags = [x for key, v in cfg.items() for x in ("--" + key.replace("_", "-"), str(v))]
+            log = os.path.join(ns.output_dir, f"server-{k}.log")
+            with ServerProcess(shlex.split(ns.serve_args) + flags, ns.server_start_timeout_s,
+                               log) as server:
+                steps = sweep_server(ns, server.url)
+        thr = [s["output_throughput"] for s in steps]
+        configs.append({
+            "config": cfg, "steps": steps,
+            "knee": knee_concurrency([s["concurrency"] for s in steps], thr, ns.gain_threshold),
+            "slo_concurrency": slo_concurrency(steps, ns.percentile, parse_goodput(ns.goodput)),
+        })
+    rec = recommend(configs, ns.headroom)
+    files = {}
+    for name, r in rec.items():
+        files[name] = os.path.join(ns.output_dir, f"{name}.yaml")
+        write_yaml(files[name], r, ns.serve_args)
+    plots = plot(configs, ns, ns.output_dir)
+    result = {"args": {k: v for k, v in vars(ns).items() if k != "func"},
+              "configs": configs, "recommended": rec, "config_files": files, "plots": plots}
+    path = os.path.join(ns.output_dir, "sweep.json")
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(result, fh, indent=2, default=str)
+    print(format_table(configs, ns.percentile))
+    for name, r in rec.items():
+        print(f"{name}: {files[name]}: {r['settings']} -- {r['why']}")
+    if "interactive" not in rec:
+        print("interactive: no configuration met the SLOs even at the first concurrency")
+    print(f"Saved {path} and {', '.join(plots)}")
+    failed_all = any(s["completed"] == 0 for c in configs for s in c["steps"])
+    return 1 if failed_all else 0
