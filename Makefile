@@ -3,7 +3,8 @@
 
 setup: .venv/.setup-done
 
-.venv/.setup-done: pyproject.toml scripts/setup.sh
+# (a changed kernel source reruns setup, which rebuilds the CPU kernels: `jaxserve build-kernels`)
+.venv/.setup-done: pyproject.toml scripts/setup.sh $(wildcard cpu_kernels/csrc/*.cc)
 	bash scripts/setup.sh
 	touch $@
 

@@ -60,17 +60,18 @@ def layer_loop(inputs: dict[str, Any], layers: int, head_dim: int, native: bool)
     import jax
     import jax.numpy as jnp
 
+    from cpu_kernels.attention import native_attention_fn
     from pallas_kernels import ragged_paged_attention
 
     a = inputs
+    attention = native_attention_fn(prefill=True) if native else ragged_paged_attention
 
     @jax.jit
     def run(q: jax.Array) -> jax.Array:
         def body(layer: jax.Array, acc: jax.Array) -> jax.Array:
-            return acc + ragged_paged_attention(
+            return acc + attention(
                 q + acc * 1e-3, a["k"], a["v"], layer, a["tables"], a["seq_lens"], a["qsl"],
-                a["num_seqs"], sm_scale=head_dim ** -0.5, native_decode=native,
-                native_prefill=native)
+                a["num_seqs"], sm_scale=head_dim ** -0.5)
         return jax.lax.fori_loop(0, layers, body, jnp.zeros_like(q))
     return run
 
@@ -115,7 +116,7 @@ def native_available() -> bool:
     """Whether the native CPU attention kernel runs here (a CPU backend and a built kernel)."""
     import jax
 
-    from pallas_kernels import cpu_attention
+    from cpu_kernels import attention as cpu_attention
 
     return jax.default_backend() == "cpu" and cpu_attention.available()
 

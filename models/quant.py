@@ -38,9 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from pallas_kernels import cpu_bf16_matmul as bf16_kernel
-from pallas_kernels.cpu_int4_matmul import available as native_int4_available
-from pallas_kernels.cpu_int4_matmul import cpu_int4_matmul
+from cpu_kernels import bf16_matmul as bf16_kernel
+from cpu_kernels.int4_matmul import available as native_int4_available
+from cpu_kernels.int4_matmul import cpu_int4_matmul
 
 METHODS = ("none", "int8", "int4", "fp8")
 INT8_MAX = 127
@@ -138,7 +138,7 @@ class QuantizedWeight:
 @dataclass(frozen=True)
 class PackedWeight:
     """A bfloat16 ``[..., k, n]`` weight (a stack of layers' ``[L, k, n]`` in the params) in the
-    native CPU kernel's layout (``pallas_kernels.cpu_bf16_matmul.pack``), set by
+    native CPU kernel's layout (``cpu_kernels.bf16_matmul.pack``), set by
     ``use_packed_bf16``. Inside the layer scan it is not sliced per layer (the scan broadcasts
     the ``packed`` collection, ``weight`` binds the layer index): ``qmatmul`` runs up to
     ``max_rows`` rows in the kernel, reading the layer's weight where it lies, and more rows as
@@ -353,11 +353,11 @@ def qmatmul(x: jax.Array, w: jax.Array | QuantizedWeight, *, transpose: bool = F
 def use_native_int4(params, max_rows: int = NATIVE_INT4_MAX_ROWS):
     """``params`` with every int4 weight contracted along its rows (``[..., in, out]``) set to
     run its matmuls of up to ``max_rows`` rows in the native CPU kernel
-    (``pallas_kernels.cpu_int4_matmul``); 0 turns that off. For unsharded params on XLA:CPU
+    (``cpu_kernels.int4_matmul``); 0 turns that off. For unsharded params on XLA:CPU
     only: the kernel is a custom call that XLA cannot partition.
 
     Raises:
-      RuntimeError: ``max_rows > 0`` where the kernel is not available (no C++ compiler).
+      RuntimeError: ``max_rows > 0`` where the kernel is not available (no library built).
     """
     if max_rows > 0 and not native_int4_available():
         raise RuntimeError("the native CPU int4 matmul kernel could not be built (see the "
@@ -384,12 +384,12 @@ def use_packed_bf16(params, targets: QuantTargets, max_rows: int = NATIVE_BF16_M
     """``params`` with every plain bfloat16 weight at ``targets.linear`` (``[L, in, out]``
     stacks), and the LM head (an untied ``lm_head``, else the tied ``embed`` table, packed
     transposed), replaced by a ``PackedWeight`` that runs its matmuls of up to ``max_rows`` rows
-    in the native CPU kernel (``pallas_kernels.cpu_bf16_matmul``). For unsharded params on XLA:CPU
+    in the native CPU kernel (``cpu_kernels.bf16_matmul``). For unsharded params on XLA:CPU
     only: the kernel is a custom call that XLA cannot partition. The models' ``forward`` passes
     the packed leaves as the ``packed`` collection (``split_packed``).
 
     Raises:
-      RuntimeError: the kernel is not available (no C++ compiler).
+      RuntimeError: the kernel is not available (no library built).
     """
     if not bf16_kernel.available():
         raise RuntimeError("the native CPU bfloat16 matmul kernel could not be built (see the "

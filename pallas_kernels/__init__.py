@@ -3,10 +3,11 @@
 ``ragged_paged_attention`` / ``write_kv`` have one signature (``pallas_kernels/
 ragged_paged_attention.py``) and, per backend, one implementation: the pure-jnp one
 (``ragged_paged_attention``) runs everywhere; the Pallas Triton kernel
-(``ragged_paged_attention_pallas``) runs on NVIDIA GPUs and, in interpret mode, on the CPU; on
-CPUs the jnp op's decode rows, and its prefill rows, can run in a native C++ kernel
-(``cpu_attention``, an XLA FFI custom call compiled on first use). The platform layer
-(``jaxserve.platform``) picks one for the engine (docs/architecture.md#attention-op).
+(``ragged_paged_attention_pallas``) runs on NVIDIA GPUs and, in interpret mode, on the CPU. The
+jnp op's decode and prefill rows can run in another kernel (its ``rows_kernel`` hook): the native
+CPU kernels live in the ``cpu_kernels`` package, which builds on this one (never the reverse).
+The platform layer (``jaxserve.platform``) picks one for the engine
+(docs/architecture.md#attention-op).
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ positions ``0 .. that position``. Rows past ``query_start_loc[num_seqs]`` are pa
 
 This module holds the pure-jnp implementation the engine runs on CPUs, and ``ref_*`` in plain
 numpy (a Python loop over sequences) that tests compare against. The Pallas GPU kernel with the
-same signature is ``ragged_paged_attention_triton.ragged_paged_attention_pallas``. Algorithm:
+same signature is ``ragged_paged_attention_triton.ragged_paged_attention_pallas``; the jnp op's
+decode rows, and its prefill rows, can run in a kernel passed as ``rows_kernel`` (the native CPU
+one: ``cpu_kernels.attention.native_attention_fn``). Algorithm:
 the online-softmax recurrence of FlashAttention (Dao et al., 2022, arXiv:2205.14135) over
 chunks of KV pages, as in vLLM's PagedAttention (Kwon et al., 2023, arXiv:2309.06180).
 
@@ -24,12 +26,12 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu_attention import cpu_decode_attention
 from pallas_kernels.kv_cache import is_quantized_dtype, kv_to_float, kv_to_numpy, quantize_kv
 
 _MASK_VALUE = -1e30
@@ -127,8 +129,8 @@ def decode_chunk_for(num_slots: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "logit_soft_cap", "q_tile", "kv_chunk",
-                                             "decode_kv_chunk", "native_decode",
-                                             "native_prefill"))
+                                             "decode_kv_chunk", "rows_kernel",
+                                             "rows_kernel_prefill"))
 def ragged_paged_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -147,8 +149,8 @@ def ragged_paged_attention(
     q_tile: int = 128,
     kv_chunk: int = 128,
     decode_kv_chunk: int | None = None,
-    native_decode: bool = False,
-    native_prefill: bool = False,
+    rows_kernel: Callable[..., jax.Array] | None = None,
+    rows_kernel_prefill: bool = False,
 ) -> jax.Array:
     """Attention of a ragged token batch over the paged KV cache (pure jnp).
 
@@ -174,9 +176,14 @@ def ragged_paged_attention(
       decode_kv_chunk: the decode path's step in keys (rounded to whole pages); its gathers
         are ``S x chunk`` pages. None: ``decode_chunk_for(S)``, by the number of sequence
         slots ``S``.
-      native_decode: run the decode rows with the native CPU kernel
-        (``cpu_attention.cpu_decode_attention``, XLA:CPU only) instead of the jnp decode path.
-      native_prefill: with ``native_decode``, the prefill rows too (the kernel's tiles)
+      rows_kernel: runs the decode rows instead of the jnp decode path (a hashable callable,
+        e.g. the native CPU kernel ``cpu_kernels.attention.cpu_decode_attention``), called as
+        ``rows_kernel(q_scaled, k_cache, v_cache, layer, block_tables, seq_lens,
+        query_start_loc, num_seqs, sliding_window=, logit_soft_cap=, prefill=)`` with
+        ``q_scaled`` ``f32[T, num_q_heads, head_dim]`` (times ``sm_scale`` and an 8-bit
+        cache's K scale), returning ``f32[T, num_q_heads, head_dim]``: the decode rows (and
+        with ``prefill`` the multi-row sequences' rows), 0 elsewhere, before the V scale.
+      rows_kernel_prefill: with ``rows_kernel``, the prefill rows too (``prefill=True``)
         instead of the jnp prefill path.
     Returns:
       ``[T, num_q_heads, head_dim]`` in q's dtype; padding rows are 0.
@@ -191,11 +198,11 @@ def ragged_paged_attention(
     masked, so NaN or garbage in pages a sequence does not own never reaches the output.
 
     Raises:
-      ValueError: ``native_prefill`` without ``native_decode``; scales missing for an 8-bit
-        cache or given for a float one.
+      ValueError: ``rows_kernel_prefill`` without ``rows_kernel``; scales missing for an
+        8-bit cache or given for a float one.
     """
-    if native_prefill and not native_decode:
-        raise ValueError("native_prefill=True needs native_decode=True (one kernel call "
+    if rows_kernel_prefill and rows_kernel is None:
+        raise ValueError("rows_kernel_prefill=True needs a rows_kernel (one kernel call "
                          "does both)")
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = k_cache.shape
@@ -234,11 +241,11 @@ def ragged_paged_attention(
                 jnp.zeros(lead + (num_kv_heads, group, head_dim), jnp.float32))
 
     # -- decode path: the last (only) row of each one-row sequence ---------------------------
-    if native_decode:  # zeros on every other row; the V scale is applied to all rows below
-        out = cpu_decode_attention(
+    if rows_kernel is not None:  # zeros on every other row; the V scale is applied below
+        out = rows_kernel(
             qf.reshape(num_tokens, num_q_heads, head_dim), k_cache, v_cache, layer,
             block_tables, seq_lens, query_start_loc, num_seqs, sliding_window=sliding_window,
-            logit_soft_cap=logit_soft_cap, prefill=native_prefill,
+            logit_soft_cap=logit_soft_cap, prefill=rows_kernel_prefill,
         ).reshape(num_tokens, num_kv_heads, group, head_dim)
     else:
         last = jnp.clip(query_start_loc[1:] - 1, 0, num_tokens - 1)
@@ -363,7 +370,7 @@ def ragged_paged_attention(
 
         return jax.lax.fori_loop(0, n_tiles, tile_body, out)
 
-    if not native_prefill:
+    if not rows_kernel_prefill:
         out = jax.lax.fori_loop(0, jnp.sum(is_pf), seq_body, out)
     if quantized:  # the output is linear in the values
         out = out * v_scale[layer].astype(jnp.float32)[None, :, None, None]

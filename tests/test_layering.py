@@ -1,11 +1,13 @@
 """The package layering: imports run one way along the request path.
 
-``cli -> server -> engine -> {core, device, loading} -> {models, pallas_kernels}``, with the shared
-vocabulary (the modules at the top of ``jaxserve/``) depending on none of the stages, and the
-platform layer (``jaxserve/platform/``, the only code that asks which backend runs) beside the
-kernels: the engine, ``LLM`` and the command ask it. The tools the command dispatches to
-(``bench``, ``eval``, ``autoscaling``) sit beside ``cli``: it imports them, they import the
-stages below it but not the server, and nothing below imports them. Every
+``cli -> server -> engine -> {core, device, loading} -> {models, cpu_kernels, pallas_kernels}``,
+with ``models -> cpu_kernels -> pallas_kernels`` (the native CPU kernels build on the Pallas
+package's jnp op and KV-cache layout, never the reverse), the shared vocabulary (the modules at
+the top of ``jaxserve/``) depending on none of the stages, and the platform layer
+(``jaxserve/platform/``, the only code that asks which backend runs) beside the kernels: the
+engine, ``LLM`` and the command ask it. The tools the command dispatches to (``bench``,
+``eval``, ``autoscaling``) sit beside ``cli``: it imports them, they import the stages below it
+but not the server, and nothing below imports them. Every
 import counts, including those inside functions and under ``TYPE_CHECKING``
 (docs/architecture.md#imports-run-one-way).
 """
@@ -16,28 +18,30 @@ import ast
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("jaxserve", "models", "pallas_kernels")
+PACKAGES = ("jaxserve", "models", "cpu_kernels", "pallas_kernels")
 
 # what each layer may import (besides itself); a layer is a subpackage of jaxserve, a top-level
-# module of jaxserve ("vocabulary" unless named here), or one of the other two packages
+# module of jaxserve ("vocabulary" unless named here), or one of the other top-level packages
 ALLOWED: dict[str, set[str]] = {
     "pallas_kernels": set(),
-    "models": {"pallas_kernels"},
-    "vocabulary": {"models", "pallas_kernels"},
+    "cpu_kernels": {"pallas_kernels"},
+    "models": {"cpu_kernels", "pallas_kernels"},
+    "vocabulary": {"models", "cpu_kernels", "pallas_kernels"},
     "core": {"vocabulary"},
-    "platform": {"vocabulary", "models", "pallas_kernels"},
-    "device": {"vocabulary", "models", "pallas_kernels"},
-    "loading": {"vocabulary", "models", "pallas_kernels"},
-    "engine": {"vocabulary", "core", "device", "loading", "platform", "models", "pallas_kernels"},
+    "platform": {"vocabulary", "models", "cpu_kernels", "pallas_kernels"},
+    "device": {"vocabulary", "models", "cpu_kernels", "pallas_kernels"},
+    "loading": {"vocabulary", "models", "cpu_kernels", "pallas_kernels"},
+    "engine": {"vocabulary", "core", "device", "loading", "platform", "models", "cpu_kernels",
+               "pallas_kernels"},
     "server": {"vocabulary", "engine"},
     "llm": {"vocabulary", "engine", "platform"},
     "cli": {"vocabulary", "core", "device", "loading", "platform", "engine", "server", "llm",
-            "models", "pallas_kernels", "bench", "eval", "autoscaling"},
+            "models", "cpu_kernels", "pallas_kernels", "bench", "eval", "autoscaling"},
     # the tools beside the command: what cli may import but the server and cli itself
     "bench": {"vocabulary", "core", "device", "loading", "platform", "engine", "llm", "models",
-              "pallas_kernels"},
+              "cpu_kernels", "pallas_kernels"},
     "eval": {"vocabulary", "core", "device", "loading", "platform", "engine", "llm", "models",
-             "pallas_kernels"},
+             "cpu_kernels", "pallas_kernels"},
     "autoscaling": {"vocabulary", "bench"},  # bench's arrival times and metric parsing
     "init": set(),  # jaxserve/__init__.py names its exports as strings, imports none
 }
@@ -163,6 +167,8 @@ def test_layering_check_catches_a_bad_import(tmp_path: Path) -> None:
     assert "jaxserve.engine.llm_engine" in names and "jax" in names
     assert layer_of(mod) == "core" and layer_of("jaxserve.engine.llm_engine") == "engine"
     assert "engine" not in ALLOWED["core"]
+    assert "cpu_kernels" not in ALLOWED["pallas_kernels"] and layer_of("cpu_kernels.build") == \
+        "cpu_kernels"
     assert layer_of("jaxserve.config") == "vocabulary" and layer_of("jaxserve.llm") == "llm"
     assert layer_of("jaxserve.bench.serve") == "bench" and layer_of("jaxserve.eval.quality") == "eval"
     assert not any(tool in ALLOWED[layer] for tool in ("bench", "eval", "autoscaling")

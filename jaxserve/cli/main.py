@@ -15,6 +15,9 @@ also when some lines failed (each failure is its own output line).
 ``jaxserve plan-autoscaling SWEEP --slo ttft:MS --time-to-ready-s S --growth-rps R`` turns a
 sweep into KEDA / HPA thresholds (``jaxserve.autoscaling``); it needs no jax.
 
+``jaxserve build-kernels [--force] [--variant NAME ...]`` compiles the native CPU kernels ahead of
+serving, one library per ISA variant (``cpu_kernels.build``); serving never runs a compiler.
+
 ``jaxserve eval [--model MODEL] [--compare int8,kv-fp8,...] [--flags]`` scores a corpus and a
 prompt set with the unquantised model and with each configuration (``jaxserve.eval``), prints one
 table row per configuration and, with ``--output``, writes them as JSON.
@@ -130,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
         "plan-autoscaling", help="KEDA / HPA thresholds from a sweep, the time to ready, an "
                                  "SLO and a traffic growth rate",
         formatter_class=HelpFormatter))
+    k = sub.add_parser("build-kernels", help="compile the native CPU kernels, one library per "
+                                             "ISA variant (needs a C++17 compiler)")
+    k.add_argument("--force", action="store_true", help="rebuild current libraries too")
+    k.add_argument("--variant", action="append", default=None,
+                   help="build only this variant (repeatable; default: all of this architecture)")
     return p
 
 
@@ -168,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
             return sweep_cmd.run(ns)
         elif ns.command == "plan-autoscaling":
             return plan_cmd.run(ns)
+        elif ns.command == "build-kernels":
+            from cpu_kernels import build as kernels_build  # jax
+
+            return kernels_build.main(force=ns.force,
+                                      names=tuple(ns.variant) if ns.variant else None)
     except (ValueError, FileNotFoundError, MissingExtraError) as e:
         print(f"jaxserve: error: {e}", file=sys.stderr)
         return 2

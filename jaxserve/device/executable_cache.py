@@ -6,8 +6,8 @@ this project's 2-core CPU, most of a warm start's compile stage. This cache keys
 executable (``jax.experimental.serialize_executable``) by what decides the program instead,
 known before tracing:
 
-- the source of the packages that build it (``jaxserve``, ``models``, ``pallas_kernels``:
-  every ``.py`` file's bytes),
+- the source of the packages that build it (``jaxserve``, ``models``, ``cpu_kernels``,
+  ``pallas_kernels``: every ``.py`` file's bytes),
 - the jax, jaxlib and numpy versions, the backend's platform and platform version, the device
   kinds, ``XLA_FLAGS`` and the jax config,
 - the caller's description of the program (the engine config, model config and bucket layout)
@@ -42,7 +42,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-_SOURCE_PACKAGES = ("jaxserve", "models", "pallas_kernels")
+_SOURCE_PACKAGES = ("jaxserve", "models", "cpu_kernels", "pallas_kernels")
 # an entry: magic, sha256 of the payload, the payload (the pickled serialized executable)
 _MAGIC = b"jaxserve-exe-1\n"
 _DIGEST_BYTES = len(_MAGIC) + 32

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from cpu_kernels.attention import native_attention_fn
 from jaxserve.config import EngineConfig
 from models.quant import QuantTargets
 from pallas_kernels import ragged_paged_attention, ragged_paged_attention_pallas
@@ -46,7 +47,7 @@ def attention_fn(backend: str) -> Callable[..., jax.Array]:
     if backend == "reference":
         return ragged_paged_attention
     if backend == "native":
-        return functools.partial(ragged_paged_attention, native_decode=True, native_prefill=True)
+        return native_attention_fn(prefill=True)
     if backend == "pallas":
         return ragged_paged_attention_pallas
     if backend == "pallas-interpret":

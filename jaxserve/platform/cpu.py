@@ -9,10 +9,11 @@ as good as float32 on the eval set (perplexity -0.03%, top-1 agreement 0.99) and
 20-40% faster: docs/configuration.md#dtype.
 
 **Native kernels** (``EngineConfig.cpu_kernels``): "auto" runs each native CPU kernel where it
-applies and loads — attention's decode and prefill rows (``pallas_kernels.cpu_attention``),
-bfloat16 matmuls over packed weights on CPUs with AVX512-BF16 (``cpu_bf16_matmul``), int4
-matmuls of up to ``NATIVE_INT4_MAX_ROWS`` rows (``cpu_int4_matmul``); "on" the same, an error
-where they cannot load; "off" XLA's paths only. The matmul kernels are custom calls XLA cannot
+applies and loads (``cpu_kernels``: built ahead by ``jaxserve build-kernels``, the library for
+the best ISA variant this CPU runs) — attention's decode and prefill rows
+(``cpu_kernels.attention``), bfloat16 matmuls over packed weights where the avx512bf16 build
+loads (``cpu_kernels.bf16_matmul``), int4 matmuls of up to ``NATIVE_INT4_MAX_ROWS`` rows
+(``cpu_kernels.int4_matmul``); "on" the same, an error where they cannot load; "off" XLA's paths only. The matmul kernels are custom calls XLA cannot
 partition: with tensor parallelism only attention runs natively.
 
 **Buckets.** ``SMALL_BUCKETS``, 1 and 4 tokens, for one to four requests decoding: XLA:CPU runs
@@ -37,10 +38,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from cpu_kernels import attention as cpu_attention
+from cpu_kernels import bf16_matmul as cpu_bf16_matmul
+from cpu_kernels import int4_matmul as cpu_int4_matmul
 from jaxserve.config import EngineConfig
 from jaxserve.platform.base import BucketSet, Platform
 from models.quant import NATIVE_INT4_MAX_ROWS, QuantTargets, use_native_int4, use_packed_bf16
-from pallas_kernels import cpu_attention, cpu_bf16_matmul, cpu_int4_matmul
 
 SMALL_BUCKETS = (1, 4)  # token buckets below 8 compiled on the CPU
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -84,8 +87,9 @@ class CpuPlatform(Platform):
                              "('pallas-interpret' runs the kernel in the Pallas interpreter, "
                              "for tests, too slow to serve: minutes for a few tokens)")
         if config.cpu_kernels == "on" and not cpu_attention.available():
-            raise RuntimeError("cpu_kernels='on' needs the native CPU kernels, which could not "
-                               "be built (see the log; set CXX to a C++17 compiler)")
+            raise RuntimeError("cpu_kernels='on' needs the native CPU kernels, which are not "
+                               "built for this CPU (see the log; run `jaxserve build-kernels` "
+                               "with a C++17 compiler)")
         if backend != "auto":
             return backend
         native = config.cpu_kernels != "off" and cpu_attention.available()

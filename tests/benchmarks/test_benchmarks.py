@@ -61,10 +61,10 @@ def test_harnesses_use_only_public_names() -> None:
     the harnesses (they sit on top of the public API)."""
     for path in sorted((REPO_ROOT / "benchmarks").glob("*.py")):
         for module, names in _imports(path):
-            if module.split(".")[0] in ("jaxserve", "models", "pallas_kernels"):
+            if module.split(".")[0] in ("jaxserve", "models", "cpu_kernels", "pallas_kernels"):
                 assert not any(p.startswith("_") for p in module.split(".")), (path, module)
                 assert not any(n.startswith("_") for n in names), (path, module, names)
-    for pkg in ("jaxserve", "models", "pallas_kernels"):
+    for pkg in ("jaxserve", "models", "cpu_kernels", "pallas_kernels"):
         for path in sorted((REPO_ROOT / pkg).rglob("*.py")):
             for module, _ in _imports(path):
                 assert module.split(".")[0] != "benchmarks", path

@@ -77,6 +77,22 @@ def test_model_and_compilation_cache_are_volumes_and_the_command_parses() -> Non
     assert f"http://127.0.0.1:{server.port}/health" in health, health
 
 
+def test_kernels_are_built_in_the_build_stage_and_serving_has_no_compiler() -> None:
+    """setup.sh runs `jaxserve build-kernels` where g++ is installed (the build stage); the
+    serving stage copies the built tree and installs nothing, and loading never compiles."""
+    assert "jaxserve build-kernels" in (REPO_ROOT / "scripts" / "setup.sh").read_text()
+    assert build_parser().parse_args(["build-kernels"]).command == "build-kernels"
+    ins = instructions()
+    froms = [i for i, (w, _) in enumerate(ins) if w == "FROM"]
+    assert len(froms) == 2 and ins[froms[0]][1].endswith(" AS build"), froms
+    build_stage, serve_stage = ins[froms[0]:froms[1]], ins[froms[1]:]
+    build_runs = [a for w, a in build_stage if w == "RUN"]
+    assert any("g++" in r for r in build_runs) and any("scripts/setup.sh" in r for r in build_runs)
+    serve_runs = [a for w, a in serve_stage if w == "RUN"]
+    assert not any(word in r for r in serve_runs for word in ("apt-get", "g++", "setup.sh", "pip"))
+    assert ("COPY", "--from=build /opt/jaxserve /opt/jaxserve") in serve_stage
+
+
 def _ignored(path: str, patterns: list[str]) -> bool:
     """Docker's rule for the simple patterns used here: the last matching pattern wins, a
     pattern matches the path or any folder above it; ``**/`` matches at any depth."""
@@ -99,12 +115,14 @@ def test_dockerignore_keeps_what_the_install_needs_and_drops_the_rest() -> None:
                 if ln.strip() and not ln.startswith("#")]
     needed = ["pyproject.toml", "README.md", "scripts/setup.sh", "jaxserve/__init__.py",
               "jaxserve/engine/metrics.py", "models/__init__.py", "pallas_kernels/__init__.py",
-              "jaxserve/data/kv_calibration.txt"]
+              "jaxserve/data/kv_calibration.txt", "cpu_kernels/__init__.py",
+              "cpu_kernels/csrc/attention.cc"]
     for path in needed:
         assert (REPO_ROOT / path).exists(), path
         assert not _ignored(path, patterns), path
     for path in [".git/HEAD", ".venv/bin/python", ".jax_cache/x", "jaxserve/__pycache__/a.pyc",
-                 "tests/conftest.py", "results/r.json"]:
+                 "tests/conftest.py", "results/r.json",
+                 "cpu_kernels/lib/avx2/libjaxserve_cpu_kernels.so"]:
         assert _ignored(path, patterns), path
 
 

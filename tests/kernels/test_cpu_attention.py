@@ -1,6 +1,6 @@
-"""The native CPU attention kernel (``pallas_kernels.cpu_attention``) against the numpy
-reference, alone and inside the jnp op: decode rows only (``native_decode=True``, beside the jnp
-prefill path) and prefill rows too (``native_prefill=True``)."""
+"""The native CPU attention kernel (``cpu_kernels.attention``) against the numpy reference, alone
+and inside the jnp op (``native_attention_fn``): decode rows only (``prefill=False``, beside the
+jnp prefill path) and prefill rows too (``prefill=True``)."""
 
 from __future__ import annotations
 
@@ -9,24 +9,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import (
-    cpu_attention,
-    ragged_paged_attention,
-    ref_ragged_paged_attention,
-)
+from cpu_kernels import attention as cpu_attention
+from pallas_kernels import ragged_paged_attention, ref_ragged_paged_attention
 from pallas_kernels.kv_cache import KV_QUANT_DTYPES, kv_to_numpy, quantize_kv
 from pallas_kernels.testing import make_case
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu" or not cpu_attention.available(),
-    reason="the native kernel runs on XLA:CPU and needs a C++ compiler")
+    reason="the native kernel runs on XLA:CPU and needs its library built (jaxserve "
+           "build-kernels)")
 
 
 def _op(q, k, v, layer, bt, sl, qsl, ns, native_prefill=True, **kw):
-    return np.asarray(ragged_paged_attention(
+    return np.asarray(cpu_attention.native_attention_fn(prefill=native_prefill)(
         jnp.asarray(q, jnp.float32), k, v, jnp.int32(layer), jnp.asarray(bt), jnp.asarray(sl),
-        jnp.asarray(qsl), jnp.asarray(ns), native_decode=True, native_prefill=native_prefill,
-        **kw))
+        jnp.asarray(qsl), jnp.asarray(ns), **kw))
 
 
 @pytest.mark.parametrize("native_prefill", [False, True])
@@ -210,13 +207,13 @@ def test_prefill_rows_by_group_head_dim_and_cache(cache: str, head_dim: int, gro
     _check_as_stored(rng, case, cache, head_dim, native_prefill=True, window=23)
 
 
-def test_native_prefill_needs_native_decode() -> None:
+def test_kernel_prefill_needs_a_rows_kernel() -> None:
     kv = jnp.zeros((1, 2, 4, 1, 8), jnp.float32)
-    with pytest.raises(ValueError, match="native_prefill=True needs native_decode=True"):
+    with pytest.raises(ValueError, match="rows_kernel_prefill=True needs a rows_kernel"):
         ragged_paged_attention(jnp.zeros((2, 1, 8)), kv, kv, jnp.int32(0),
                                jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32),
                                jnp.array([0, 1], jnp.int32), jnp.ones((1,), jnp.int32),
-                               sm_scale=1.0, native_prefill=True)
+                               sm_scale=1.0, rows_kernel_prefill=True)
 
 
 def test_unsupported_cache_dtype_is_refused() -> None:

@@ -1,4 +1,4 @@
-"""The native CPU bfloat16 matmul over packed weights (``pallas_kernels.cpu_bf16_matmul``):
+"""The native CPU bfloat16 matmul over packed weights (``cpu_kernels.bf16_matmul``):
 its layout against the plain weight, its sums against XLA's bfloat16 dot, ``models.quant``'s
 ``PackedWeight`` in ``qmatmul`` (kernel and unpacked paths) and in a model's layer scan, and the
 engine's choice of it (``cpu_kernels``; tests/platform/test_platform.py)."""
@@ -10,17 +10,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cpu_kernels import bf16_matmul as kernel
 from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
 from models import quant
 from models.architectures import DECODER_QUANT_TARGETS
 from models.quant import PackedWeight
-from pallas_kernels import cpu_bf16_matmul as kernel
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu" or not kernel.available(),
-    reason="the native kernel runs on XLA:CPU and needs a C++ compiler")
+    reason="the native kernel runs on XLA:CPU and needs its library built (jaxserve "
+           "build-kernels)")
 
 
 def _w(shape: tuple[int, ...], seed: int = 0) -> jax.Array:

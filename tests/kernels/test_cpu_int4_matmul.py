@@ -1,4 +1,4 @@
-"""The native CPU int4 matmul (``pallas_kernels.cpu_int4_matmul``) against the dequantised
+"""The native CPU int4 matmul (``cpu_kernels.int4_matmul``) against the dequantised
 weight in float64, alone, through ``models.quant.qmatmul`` in a jitted scan, and the engine's
 choice of it (``cpu_kernels``; tests/platform/test_platform.py)."""
 
@@ -11,15 +11,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cpu_kernels import int4_matmul as cpu_int4_matmul
 from jaxserve.config import EngineConfig
 from jaxserve.engine.kv_budget import weights_summary
 from models import quant
 from models.quant import NATIVE_INT4_MAX_ROWS, QuantizedWeight
-from pallas_kernels import cpu_int4_matmul
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu" or not cpu_int4_matmul.available(),
-    reason="the native kernel runs on XLA:CPU and needs a C++ compiler")
+    reason="the native kernel runs on XLA:CPU and needs its library built (jaxserve "
+           "build-kernels)")
 
 
 def _weight(k: int, n: int, group: int, seed: int = 0) -> QuantizedWeight:

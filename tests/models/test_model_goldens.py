@@ -21,10 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cpu_kernels import bf16_matmul as cpu_bf16_matmul
 from models.architectures import DECODER_QUANT_TARGETS
 from models.interface import AttentionMetadata
 from models.quant import PackedWeight, use_packed_bf16
-from pallas_kernels import KVCache, allocate_kv_cache, cpu_bf16_matmul
+from pallas_kernels import KVCache, allocate_kv_cache
 
 _T = 640  # padded tokens per call: all six prompts + 48-token continuations (624) fit
 _S = 8  # padded sequences per call

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from cpu_kernels.attention import cpu_decode_attention
 from jaxserve.config import EngineConfig
 from jaxserve.platform import cpu, current_platform
 from jaxserve.platform.base import attention_fn
@@ -15,7 +16,7 @@ from models.architectures import DECODER_QUANT_TARGETS
 from pallas_kernels import ragged_paged_attention, ragged_paged_attention_pallas
 
 CPU = cpu.CpuPlatform()
-NATIVE = {"native_decode": True, "native_prefill": True}
+NATIVE = {"rows_kernel": cpu_decode_attention, "rows_kernel_prefill": True}
 
 
 def test_this_machine_is_the_cpu_platform() -> None:

@@ -2,10 +2,10 @@
 
 For one to a few rows (decode steps of one to a few sequences) XLA:CPU runs an int4 weight's
 matmul as a dequantisation of the whole weight to float32 followed by the dot, so it writes
-and reads back 8x the bytes it loaded. ``csrc/cpu_int4_matmul.cc`` sums the nibbles against the
+and reads back 8x the bytes it loaded. ``csrc/int4_matmul.cc`` sums the nibbles against the
 activations group by group and applies each group's scale and zero point once, reading the
 packed weight once; runs of whole groups run on XLA's intra-op thread pool. Built with the other
-native kernels (``pallas_kernels.native``); without a compiler ``available()`` is False.
+native kernels (``cpu_kernels.build``); without a built library ``available()`` is False.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.native import register
+from cpu_kernels.build import register
 
 _TARGET = "jaxserve_cpu_int4_matmul"
 
 
 def available() -> bool:
-    """Whether the kernel built (or was cached) and is registered with XLA:CPU."""
+    """Whether the kernel's library is built and loaded, and the kernel registered with XLA:CPU."""
     return register("JaxserveCpuInt4Matmul", _TARGET)
 
 

@@ -1,13 +1,13 @@
 // Activation rows times one layer of a stacked, packed bfloat16 weight, as an XLA FFI custom call
-// for XLA:CPU (pallas_kernels/cpu_bf16_matmul.py builds this file with the machine's C++
-// compiler and registers the handler).
+// for XLA:CPU (cpu_kernels/bf16_matmul.py registers the handler; cpu_kernels/build.py builds
+// this file ahead of serving, once per ISA variant: `vdpbf16ps` in the avx512bf16 one).
 //
 //   x       f32[M, K]            activations, rounded to bfloat16 (to nearest even) as XLA's
 //                                convert does
 //   packed  bf16[L, NB, KP, 32]  (or [NB, KP, 32]) the weight w[l] (bf16[K, N]) of each layer l
 //                                with NB = ceil(N / 16) blocks of 16 columns and KP = ceil(K / 2)
 //                                row pairs: packed[l, b, p, 2c + j] = w[l, 2p + j, 16b + c],
-//                                zero beyond K and N (pallas_kernels.cpu_bf16_matmul.pack)
+//                                zero beyond K and N (cpu_kernels.bf16_matmul.pack)
 //   layer   s32[]                which l (0 for an unstacked weight)
 //   out     f32[M, N]            sum_k bf16(x[m, k]) * w[layer, k, n], accumulated in float32
 //
@@ -18,7 +18,7 @@
 // columns): 1-8 activation rows' (k, k + 1) pairs are broadcast against 2 column blocks, with the
 // 8 x 2 accumulators in registers over all of K. Tasks of 2 column blocks are shared between the
 // calling thread and XLA's intra-op pool through an atomic counter, as in
-// cpu_decode_attention.cc. Without AVX512-BF16 the same sums run in scalar float32 (correct, slow:
+// attention.cc. Without AVX512-BF16 the same sums run in scalar float32 (correct, slow:
 // the engine packs weights only where `JaxserveBf16MatmulVectorized()` is 1).
 
 #include <algorithm>

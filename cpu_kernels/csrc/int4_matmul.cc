@@ -1,5 +1,5 @@
 // A few activation rows times an int4 weight, for CPUs, as an XLA FFI custom call
-// (pallas_kernels/cpu_int4_matmul.py registers the handler; pallas_kernels/native.py builds it).
+// (cpu_kernels/int4_matmul.py registers the handler; cpu_kernels/build.py builds it).
 //
 //   x      f32[T, K]        activations
 //   q      u8[K / 2, N]     the logical [K, N] weight's rows 2i / 2i+1 in the low / high nibble
@@ -14,7 +14,7 @@
 // and then runs the dot, writing and reading 8x the bytes it loaded; at one to a few rows that
 // dominated an int4 decode step. Work items are runs of whole groups (contiguous bytes of q),
 // shared between the calling thread and tasks on XLA's intra-op thread pool through an atomic
-// counter (as cpu_decode_attention.cc does); each writes its own partial sums, added at the end.
+// counter (as attention.cc does); each writes its own partial sums, added at the end.
 
 #include <algorithm>
 #include <atomic>

@@ -1,5 +1,6 @@
-// Paged decode attention for CPUs, as an XLA FFI custom call (pallas_kernels/cpu_attention.py
-// builds this file with the machine's C++ compiler and registers the handler).
+// Paged attention for CPUs, decode rows and optionally prefill rows, as an XLA FFI custom call
+// (cpu_kernels/attention.py registers the handler; cpu_kernels/build.py builds this file ahead
+// of serving, once per ISA variant).
 //
 // One query row per sequence (decode) attends to its context through the block table:
 //   q        f32[T, num_q_heads, head_dim]        (already scaled by sm_scale and the K scale)

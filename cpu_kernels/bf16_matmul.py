@@ -3,14 +3,14 @@ FFI custom call), reading the weight packed for AVX512-BF16.
 
 In the model's scan over layers, XLA:CPU copies each layer's slice of a stacked weight before
 its dot, and its bfloat16 dot repacks the weight again at small row counts: a decode step moved
-each weight byte about three times. ``csrc/cpu_bf16_matmul.cc`` takes the whole stack and the
+each weight byte about three times. ``csrc/bf16_matmul.cc`` takes the whole stack and the
 layer index, and reads that layer's weight once, where it lies, in the layout ``vdpbf16ps``
 takes (``pack``). Measured on a 2-core Zen 4, the 210 matmuls of SmolLM2-135M's 30 layers in a
 scan: 8.6 against 20.9-24.4 ms at 1 row, 15 against 25-33 at 16, 40 against 53-56 at 64, 82
 against 93-101 at 128 (docs/decisions/0029-bf16-packed-matmul.md). Built with the other
-native kernels
-(``pallas_kernels.native``); without a compiler ``available()`` is False, and without
-AVX512-BF16 ``vectorized()`` is False (the kernel then runs scalar float32 sums: correct, slow).
+native kernels (``cpu_kernels.build``); without a built library ``available()`` is False, and
+unless the loaded build is the avx512bf16 one (a CPU with AVX512-BF16) ``vectorized()`` is False
+(the kernel then runs scalar float32 sums: correct, slow).
 """
 
 from __future__ import annotations
@@ -21,20 +21,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.native import library, register
+from cpu_kernels.build import library, register
 
 _TARGET = "jaxserve_cpu_bf16_matmul"
 BLOCK = 16  # columns per packed block (one 512-bit vector of float32 sums)
 
 
 def available() -> bool:
-    """Whether the kernel built (or was cached) and is registered with XLA:CPU."""
+    """Whether the kernel's library is built and loaded, and the kernel registered with XLA:CPU."""
     return register("JaxserveCpuBf16Matmul", _TARGET)
 
 
 @functools.cache
 def vectorized() -> bool:
-    """Whether the kernel runs AVX512-BF16's ``vdpbf16ps`` (built for a CPU that has it)."""
+    """Whether the kernel runs AVX512-BF16's ``vdpbf16ps`` (the avx512bf16 build is loaded)."""
     return available() and bool(library().JaxserveBf16MatmulVectorized())
 
 

@@ -4,20 +4,28 @@ optionally the prefill rows too.
 XLA:CPU runs the pure-jnp decode path as page gathers that copy every key and value of a chunk
 before the score and value reductions read them again; on a 2-core CPU that path took 60% of a
 64-sequence decode step of SmolLM2-135M. Its prefill path (tiles of rows, an online softmax
-over gathered chunks) took ~20% of a 1024-token prefill step. ``csrc/cpu_decode_attention.cc``
-reads the pages in place through the block table, one (sequence, kv head) item per decode row
-and one (sequence, kv head, 16-row tile) item per prefill tile, on XLA's intra-op thread pool.
-It is compiled on first use with the other native kernels (``pallas_kernels.native``); without
-a compiler ``available()`` is False and the engine keeps the jnp paths.
+over gathered chunks) took ~20% of a 1024-token prefill step. ``csrc/attention.cc`` reads the
+pages in place through the block table, one (sequence, kv head) item per decode row and one
+(sequence, kv head, 16-row tile) item per prefill tile, on XLA's intra-op thread pool.
+
+``native_attention_fn`` is the attention op the engine runs with it: ``pallas_kernels``' jnp op
+with its decode (and prefill) rows in this kernel (its ``rows_kernel`` hook), so the rows the
+kernel does not take, and the 8-bit cache's scales, run exactly as in the jnp op. The library is
+built ahead of serving (``cpu_kernels.build``); where none is built ``available()`` is False and
+the engine keeps the jnp paths.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.native import register
+from cpu_kernels.build import register
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 _TARGET = "jaxserve_cpu_decode_attention"
 SUPPORTED_CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
@@ -25,7 +33,7 @@ SUPPORTED_CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
 
 
 def available() -> bool:
-    """Whether the kernel built (or was cached) and is registered with XLA:CPU."""
+    """Whether the kernel's library is built and loaded, and the kernel registered with XLA:CPU."""
     return register("JaxserveCpuDecodeAttention", _TARGET)
 
 
@@ -72,3 +80,12 @@ def cpu_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, l
                 seq_lens.astype(jnp.int32), query_start_loc.astype(jnp.int32),
                 num_seqs.astype(jnp.int32).reshape(1), v_scale.astype(jnp.float32), window,
                 soft_cap=np.float32(logit_soft_cap or 0.0), prefill=np.int32(bool(prefill)))
+
+
+def native_attention_fn(prefill: bool = True) -> Callable[..., jax.Array]:
+    """The attention op (``pallas_kernels.ragged_paged_attention``'s signature) with its decode
+    rows, and with ``prefill`` its prefill rows too, in this kernel; the jnp path runs the rest.
+    XLA:CPU only. Check ``available()`` first: calling the op without it raises RuntimeError.
+    """
+    return functools.partial(ragged_paged_attention, rows_kernel=cpu_decode_attention,
+                             rows_kernel_prefill=prefill)
