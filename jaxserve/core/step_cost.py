@@ -15,11 +15,11 @@ padded token, so a prompt token costs through the bucket it fills), ``num_decode
 sequences decoding one token, ``num_context_tokens`` the K/V tokens those rows' attention reads
 (their context lengths; a prefill chunk's attention is counted in its tokens).
 
-``fit_bucket`` weighs a padded step against a second one, in prompt tokens of compute (the
-platform's ``step_overhead_tokens``). ``Scheduler.schedule`` calls ``prefill_token_budget`` when ``SchedulerConfig.itl_target_s > 0``
+``Scheduler.schedule`` calls ``prefill_token_budget`` when ``SchedulerConfig.itl_target_s > 0``
 and something decodes. The engine builds the model from the platform's prior
 (``StepCostModel.prior``); fitting it from measured steps (``fit``) at start-up or online from
-the step trace is not done yet.
+the step trace is not done yet. ``fit_bucket`` weighs a padded step against a second one, in
+prompt tokens of compute (the platform's ``step_overhead_tokens``).
 """
 
 from __future__ import annotations
