@@ -45,6 +45,10 @@ class EngineConfig:
     long_prefill_token_threshold: int = field(default=0, metadata={
         "help": "when > 0, the most prompt tokens one request computes in a step, leaving budget "
                 "to admit others behind a long prompt; 0: off"})
+    itl_slo_ms: float = field(default=0.0, metadata={
+        "help": "inter-token latency target in ms: while a request decodes, prompt chunks are cut "
+                "so the step's predicted time stays within it (stall-free batching); prefill "
+                "still gets at least 8 tokens a step; 0: off"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "context window, prompt + output tokens (default: the model's)"})
     enable_prefix_caching: bool = field(default=True, metadata={
@@ -136,6 +140,8 @@ class EngineConfig:
             )
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"{self.long_prefill_token_threshold=} must be >= 0 (0: off)")
+        if not self.itl_slo_ms >= 0:
+            raise ValueError(f"{self.itl_slo_ms=} must be >= 0 (0: off)")
         if self.kv_offloading_size is not None and not self.kv_offloading_size > 0:
             raise ValueError(f"{self.kv_offloading_size=} must be > 0 GiB (None: no host tier)")
         if self.max_model_len is not None and self.max_model_len < 2:

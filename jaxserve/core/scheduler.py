@@ -35,8 +35,6 @@ known. Without the flag (the synchronous loop), every ``schedule`` is followed b
 
 from __future__ import annotations
 
-import bisect
-import dataclasses
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +43,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.block_pool import BlockPool
 from jaxserve.core.kv_manager import KVManager, KVStats
 from jaxserve.core.sequence import SeqState, cdiv
+from jaxserve.core.step_cost import StepCostModel, fit_bucket, prefill_token_budget
 
 PREEMPTION_POLICIES = ("newest", "least_progress")
 PLACEHOLDER_TOKEN = -1  # in a plan's token_ids: the token the in-flight step samples
@@ -71,6 +70,10 @@ class SchedulerConfig:
     # the fixed cost of one step (weights read, dispatch, host work) in prompt tokens of compute
     step_overhead_tokens: int = 32
     async_scheduling: bool = False  # plans may run one step ahead of update (module docstring)
+    # > 0: while anything decodes, prefill is cut so step_cost predicts the step within this
+    # many seconds (core/step_cost.py); 0: off, prefill gets what the decodes leave
+    itl_target_s: float = 0.0
+    step_cost: StepCostModel | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
@@ -81,10 +84,14 @@ class SchedulerConfig:
         if self.preemption_policy not in PREEMPTION_POLICIES:
             raise ValueError(f"SchedulerConfig.{self.preemption_policy=} must be one of "
                              f"{PREEMPTION_POLICIES}")
+        if self.itl_target_s < 0 or (self.itl_target_s > 0 and self.step_cost is None):
+            raise ValueError(f"SchedulerConfig.{self.itl_target_s=} must be >= 0, and > 0 only "
+                             "with a step_cost model")
 
     @classmethod
     def from_engine_config(
-        cls, cfg: EngineConfig, num_blocks: int, max_model_len: int, num_host_blocks: int = 0
+        cls, cfg: EngineConfig, num_blocks: int, max_model_len: int, num_host_blocks: int = 0,
+        step_cost: StepCostModel | None = None,
     ) -> SchedulerConfig:
         return cls(
             max_num_seqs=cfg.max_num_seqs,
@@ -96,6 +103,8 @@ class SchedulerConfig:
             enable_prefix_caching=cfg.enable_prefix_caching,
             num_host_blocks=num_host_blocks,
             async_scheduling=cfg.async_scheduling,
+            itl_target_s=cfg.itl_slo_ms / 1000,
+            step_cost=step_cost,
         )
 
 
@@ -229,6 +238,9 @@ class Scheduler:
             |   K/V already in the cache  |  computed now   |                    |
             |<--- blocks after: cdiv(num_computed + num_new, block_size) --->|
 
+        With ``itl_target_s > 0`` and a sequence decoding, the prompt tokens of the step (every
+        chunk but the decodes') are capped by ``step_cost.prefill_token_budget``.
+
         1. Running sequences, oldest first; while the pool is short, preempt a victim among
            those not yet planned this step (``preemption_policy``), possibly the sequence itself.
         2. Unless step 1 preempted, admit waiting ones FIFO while ``max_num_seqs``, budget and
@@ -242,7 +254,9 @@ class Scheduler:
         """
         cfg, kv = self.config, self.kv
         pool = kv.device
-        budget = cfg.max_num_batched_tokens
+        budget = prefill_left = cfg.max_num_batched_tokens  # prefill_left >= budget when off
+        if cfg.itl_target_s > 0:
+            prefill_left = self._itl_prefill_budget()
         scheduled: list[ScheduledSeq] = []
         preempted: list[str] = []
         for seq in self.running:  # blocks the dispatched steps fill: as if update had run
@@ -250,8 +264,10 @@ class Scheduler:
                 kv.cache_computed_blocks(seq, seq.num_computed_tokens + seq.num_inflight_tokens)
 
         def plan(seq: SeqState, num_new: int) -> None:
-            nonlocal budget
+            nonlocal budget, prefill_left
             start = seq.num_computed_tokens + seq.num_inflight_tokens
+            if not self._decodes(seq, start):
+                prefill_left -= num_new
             end = start + num_new
             known = seq.token_ids[start:end]
             sample = end == len(seq.token_ids) + seq.num_output_placeholders
@@ -271,7 +287,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             start = seq.num_computed_tokens + seq.num_inflight_tokens
-            num_new = 0 if self._last_sample_pending(seq) else self._chunk(seq, start, budget)
+            limit = budget if self._decodes(seq, start) else min(budget, prefill_left)
+            num_new = 0 if self._last_sample_pending(seq) else self._chunk(seq, start, limit)
             if num_new <= 0:  # a pending sample ends it (async), else defensive
                 i += 1
                 continue
@@ -290,19 +307,20 @@ class Scheduler:
             i += 1
 
         while (not preempted and self.waiting and len(self.running) < cfg.max_num_seqs
-               and budget > 0):
+               and min(budget, prefill_left) > 0):
             seq = self.waiting[0]
             if seq.num_inflight_tokens or seq.num_output_placeholders:
                 break  # preempted with a step in flight: its token comes with update
             if seq.host_block_ids:  # swapped out: load its blocks back
-                num_new = self._chunk(seq, seq.num_computed_tokens, budget)
+                num_new = self._chunk(seq, seq.num_computed_tokens, min(budget, prefill_left))
                 total = cdiv(seq.num_computed_tokens + num_new, cfg.block_size)
                 if total > pool.num_free_blocks:
                     break
                 kv.swap_in(seq, total)
             else:
                 hits = kv.find_prefix(seq)
-                num_new = self._chunk(seq, len(hits) * cfg.block_size, budget)
+                num_new = self._chunk(seq, len(hits) * cfg.block_size,
+                                      min(budget, prefill_left))
                 total = cdiv(len(hits) * cfg.block_size + num_new, cfg.block_size)
                 if kv.num_free_needed(hits, total) > pool.num_free_blocks:
                     break
@@ -415,38 +433,9 @@ class Scheduler:
         return removed
 
     def _fit_bucket(self, scheduled: list[ScheduledSeq], num_tokens: int) -> int:
-        """Shorten prefill chunks so the step fills a smaller bucket, when that is cheaper.
-
-        A step of ``n`` tokens runs padded to the smallest bucket ``T >= n``. When ``n`` is just
-        past the bucket below (``T_prev``), cutting ``n - T_prev`` prompt tokens from the last
-        prefill chunks and leaving them to the next step costs ``T_prev + bucket(n - T_prev) +
-        step_overhead_tokens`` instead of ``T``; that is done when smaller. E.g. a 300-token
-        prompt alone: 256 + 64 + 32 < 512. The cut tokens keep their blocks (allocated for
-        the whole chunk), so the next step needs none for them. Changes ``scheduled`` in place;
-        returns the new token count.
-        """
-        cfg = self.config
-        buckets = cfg.token_buckets
-        i = bisect.bisect_left(buckets, num_tokens)
-        if i == 0 or i == len(buckets):
-            return num_tokens
-        smaller = buckets[i - 1]
-        excess = num_tokens - smaller
-        rest = buckets[bisect.bisect_left(buckets, excess)]
-        if smaller + rest + cfg.step_overhead_tokens >= buckets[i]:
-            return num_tokens
-        if sum(len(c.token_ids) - 1 for c in scheduled) < excess:  # decode rows cannot shrink
-            return num_tokens
-        for j in range(len(scheduled) - 1, -1, -1):
-            chunk = scheduled[j]
-            cut = min(excess, len(chunk.token_ids) - 1)
-            if cut > 0:
-                scheduled[j] = dataclasses.replace(chunk, token_ids=chunk.token_ids[:-cut],
-                                                   sample=False)
-                excess -= cut
-            if excess == 0:
-                break
-        return smaller
+        """``step_cost.fit_bucket`` with this scheduler's buckets and step overhead."""
+        return fit_bucket(scheduled, num_tokens, self.config.token_buckets,
+                          self.config.step_overhead_tokens)
 
     def _last_sample_pending(self, seq: SeqState) -> bool:
         """The sequence's in-flight sample is its last (``max_tokens`` or ``max_model_len``):
@@ -454,6 +443,27 @@ class Scheduler:
         n = seq.num_output_placeholders
         return n > 0 and (seq.num_output_tokens + n >= seq.max_tokens
                           or len(seq.token_ids) + n >= self.config.max_model_len)
+
+    def _decodes(self, seq: SeqState, start: int) -> bool:
+        """The sequence has outputs and its chunk from ``start`` is its one next token."""
+        num_tokens = len(seq.token_ids) + seq.num_output_placeholders
+        return num_tokens - start == 1 and num_tokens > seq.num_prompt_tokens
+
+    def _itl_prefill_budget(self) -> int:
+        """Prompt tokens this step may take within ``itl_target_s`` beside the running
+        sequences that decode (all of ``max_num_batched_tokens`` when none does)."""
+        cfg = self.config
+        rows = context = 0
+        for seq in self.running:
+            start = seq.num_computed_tokens + seq.num_inflight_tokens
+            if self._decodes(seq, start) and not self._last_sample_pending(seq):
+                rows += 1
+                context += start + 1
+        if not rows:
+            return cfg.max_num_batched_tokens
+        assert cfg.step_cost is not None
+        return prefill_token_budget(cfg.step_cost, cfg.itl_target_s, rows, context,
+                                    cfg.max_num_batched_tokens, cfg.token_buckets)
 
     def _chunk(self, seq: SeqState, start: int, budget: int) -> int:
         """How many tokens from ``start`` the sequence gets with ``budget`` left."""

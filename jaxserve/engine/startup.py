@@ -8,7 +8,7 @@
                 scales)
   kv_cache:     the paged KV cache and the host tier
   runner:       the ``ModelRunner`` over the platform's bucket set, with the executable cache
-  engine:       request bounds and the scheduler's config
+  engine:       request bounds and the scheduler's config (with the platform's step-cost prior)
 Nothing here runs a step or compiles a program: ``LLMEngine.warmup`` does.
 """
 
@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jaxserve import sharding
 from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.core.scheduler import SchedulerConfig
+from jaxserve.core.step_cost import StepCostModel
 from jaxserve.device.executable_cache import ExecutableCache
 from jaxserve.device.host_tier import HostKVTier
 from jaxserve.device.runner import ModelRunner
@@ -95,8 +96,9 @@ def assemble(config: EngineConfig, load: LoadConfig, devices: Sequence[jax.Devic
     Raises:
       ValueError: invalid settings (max_model_len above the model's, a host tier smaller than
         one block or one the device cannot place in pinned host memory, a host tier when one
-        model spans several processes), metrics labelled with another name, or a model the
-        settings cannot load (as ``load_model``).
+        model spans several processes, ``itl_slo_ms`` on a platform without a step-cost
+        prior), metrics labelled with another name, or a model the settings cannot load (as
+        ``load_model``).
     """
     setup_compilation_cache(config.compilation_cache_dir)
     t0 = time.perf_counter()
@@ -170,9 +172,16 @@ def assemble(config: EngineConfig, load: LoadConfig, devices: Sequence[jax.Devic
                          "on process 0 alone")
     bounds = RequestBounds(tokenizer.vocab_size, max_model_len, kv_layout.num_blocks,
                            config.block_size, runner.multiprocess, tokenizer.eos_token_ids)
+    step_cost = None
+    if platform.prompt_token_s is not None:  # the prior: not fitted to measured steps yet
+        step_cost = StepCostModel.prior(platform.step_overhead_tokens, platform.prompt_token_s)
+    elif config.itl_slo_ms > 0:
+        raise ValueError(f"itl_slo_ms={config.itl_slo_ms} needs a step-cost model, which the "
+                         f"{platform.name!r} platform does not have yet (measured on CPUs only)")
     sched_config = dataclasses.replace(
         SchedulerConfig.from_engine_config(config, kv_layout.num_blocks, max_model_len,
-                                           host_kv.num_blocks if host_kv is not None else 0),
+                                           host_kv.num_blocks if host_kv is not None else 0,
+                                           step_cost),
         token_buckets=tuple(b.num_tokens for b in runner.buckets),
         step_overhead_tokens=platform.step_overhead_tokens,
         # one model over several processes: the followers replay the steps (runner.follow)

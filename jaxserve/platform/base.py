@@ -62,6 +62,9 @@ class Platform(ABC):
     step_overhead_tokens: int
     """A step's fixed cost in prompt tokens of compute (``SchedulerConfig.step_overhead_tokens``,
     which weighs padding a step against running another)."""
+    prompt_token_s: float | None = None
+    """Seconds one prompt token of a step costs, the prior of the engine's step-cost model
+    (``core.step_cost.StepCostModel.prior``); None where unmeasured (``--itl-slo-ms`` refused)."""
 
     @abstractmethod
     def resolve_dtype(self, name: str) -> jnp.dtype:

@@ -31,7 +31,8 @@ program, about 2 s each of a cold start's compile: few steps run 9-12 decodes, s
 would not repay it.
 
 **Step cost.** ~30 ms a step against ~0.75 ms a prompt token (SmolLM2-135M, 2 cores;
-docs/decisions/0005-bucket-fit.md): ``step_overhead_tokens`` 32.
+docs/decisions/0005-bucket-fit.md): ``step_overhead_tokens`` 32, ``prompt_token_s`` 0.75 ms
+(the step-cost model's prior for ``--itl-slo-ms``; not yet fitted to the machine it runs on).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class CpuPlatform(Platform):
 
     name = "cpu"
     step_overhead_tokens = 32
+    prompt_token_s = 0.75e-3
 
     def resolve_dtype(self, name: str) -> jnp.dtype:
         if name == "auto":

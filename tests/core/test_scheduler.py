@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import random
@@ -20,6 +21,7 @@ from hypothesis.stateful import (
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, UpdateResult
 from jaxserve.core.sequence import SeqState, cdiv
+from jaxserve.core.step_cost import StepCostModel
 from jaxserve.device.buckets import token_buckets
 
 STOP = 0
@@ -870,3 +872,140 @@ def test_liveness_every_request_finishes(
         assert steps <= last_arrival + total + 1, "scheduler made no progress"
     assert finished == {s.request_id for seqs in arrivals.values() for s in seqs}
     assert sched.block_pool.num_free_blocks == sched.block_pool.num_usable_blocks
+
+
+# ---------------------------------------------------------------- the ITL target (step_cost.py)
+
+COST = StepCostModel(fixed_s=0.02, per_token_s=1e-3, per_row_s=5e-4, per_context_token_s=1e-6)
+
+
+def itl_scheduler(target_s: float, max_num_batched_tokens: int = 512, buckets: bool = True,
+                  **kw: object) -> Scheduler:
+    return Scheduler(SchedulerConfig(
+        64, max_num_batched_tokens, 16, 2048, 400, enable_prefix_caching=False,
+        token_buckets=tuple(token_buckets(max_num_batched_tokens)) if buckets else (),
+        itl_target_s=target_s, step_cost=StepCostModel(fixed_s=0.02, per_token_s=1e-3), **kw))
+
+
+def test_itl_target_cuts_prefill_beside_decodes_to_a_bucket() -> None:
+    sched = itl_scheduler(0.1)  # 0.02 + 1e-3 * T <= 0.1: T <= 80, the 64 bucket
+    sched.add(make_seq("d", 10, max_tokens=50, stop=False))
+    step(sched)  # nothing decodes: the whole prompt
+    sched.add(make_seq("p", 1000))
+    out, _ = step(sched)
+    assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [("d", 1), ("p", 63)]
+    assert out.num_scheduled_tokens == 64
+    out, _ = step(sched)  # the running prompt's next chunk is cut too
+    assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [("d", 1), ("p", 63)]
+    tight = itl_scheduler(0.001)  # below a step's fixed cost: 8 tokens, filling the 16 bucket
+    tight.add(make_seq("d", 10, max_tokens=50, stop=False))
+    step(tight)
+    tight.add(make_seq("p", 1000))
+    out, _ = step(tight)
+    assert [len(s.token_ids) for s in out.scheduled] == [1, 15]
+
+
+def test_itl_target_gives_prefill_the_whole_budget_when_nothing_decodes() -> None:
+    for buckets in (True, False):
+        sched = itl_scheduler(0.001, buckets=buckets)
+        for i in range(3):
+            sched.add(make_seq(f"p{i}", 300))
+        out, _ = step(sched)
+        assert [len(s.token_ids) for s in out.scheduled] == [300, 212]
+        assert out.num_scheduled_tokens == 512
+
+
+def test_itl_target_off_ignores_the_cost_model() -> None:
+    """itl_target_s 0 with a cost model plans as the scheduler without one, on random
+    workloads with decodes and prompts interleaved."""
+    rng = random.Random(1)
+    for trial in range(20):
+        scheds = [itl_scheduler(0.0, 256, buckets=trial % 2 == 0)]
+        scheds.append(Scheduler(dataclasses.replace(scheds[0].config, step_cost=None)))
+        for n in range(60):
+            if rng.random() < 0.3:
+                size, out_len = rng.randrange(1, 700), rng.randrange(1, 40)
+                for s in scheds:
+                    s.add(make_seq(f"r{n}", size, out_len, stop=False))
+            plans = [s.schedule() for s in scheds]
+            assert plans[0] == plans[1]
+            for s, p in zip(scheds, plans, strict=True):
+                s.update(p, [7 if c.sample else None for c in p.scheduled])
+
+
+def decode_shape(sched: Scheduler) -> tuple[int, int]:
+    """The decode rows of the next step and the context they read (as the scheduler counts)."""
+    rows = ctx = 0
+    for seq in sched.running:
+        num_tokens = len(seq.token_ids) + seq.num_output_placeholders  # async: + in flight
+        last_pending = seq.num_output_placeholders and (
+            num_tokens - seq.num_prompt_tokens >= seq.max_tokens
+            or num_tokens >= sched.config.max_model_len)
+        if seq.num_computed_tokens + seq.num_inflight_tokens == num_tokens - 1 and \
+                num_tokens > seq.num_prompt_tokens and not last_pending:
+            rows, ctx = rows + 1, ctx + num_tokens
+    return rows, ctx
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    target_ms=st.floats(1, 300),
+    max_num_batched_tokens=st.sampled_from([16, 64, 100, 256]),
+    max_num_seqs=st.integers(1, 8),
+    requests=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 300), st.integers(1, 24)),
+                      min_size=1, max_size=12),
+    buckets=st.booleans(),
+    async_scheduling=st.booleans(),
+)
+def test_itl_target_bounds_predicted_steps_and_every_prompt_finishes(
+    target_ms: float, max_num_batched_tokens: int, max_num_seqs: int,
+    requests: list[tuple[int, int, int]], buckets: bool, async_scheduling: bool,
+) -> None:
+    """With a fake cost model: a step with decodes is predicted within the target (padded to
+    its bucket) unless prefill is at its minimum; steps are compiled sizes; every request
+    finishes within one token a step (no prompt starves)."""
+    bucket_sizes = tuple(token_buckets(max_num_batched_tokens, (1, 4), 64)) if buckets else ()
+    sched = Scheduler(SchedulerConfig(
+        max_num_seqs, max_num_batched_tokens, 8, 512, 300, enable_prefix_caching=False,
+        token_buckets=bucket_sizes, step_overhead_tokens=8, itl_target_s=target_ms * 1e-3,
+        step_cost=COST, async_scheduling=async_scheduling))
+    arrivals: dict[int, list[SeqState]] = {}
+    total = 0
+    for i, (at, prompt_len, max_tokens) in enumerate(requests):
+        arrivals.setdefault(at, []).append(make_seq(f"r{i}", prompt_len, max_tokens, stop=False))
+        total += prompt_len + max_tokens
+    last_arrival, steps, finished, pending = max(arrivals), 0, set(), []
+    while steps <= last_arrival or sched.has_unfinished() or pending:
+        for seq in arrivals.get(steps, []):
+            sched.add(seq)
+        rows, ctx = decode_shape(sched)
+        out = sched.schedule()
+        n = out.num_scheduled_tokens
+        if bucket_sizes and n:
+            padded = bucket_sizes[bisect.bisect_left(bucket_sizes, n)]
+            floor = bucket_sizes[bisect.bisect_left(bucket_sizes,
+                                                    min(rows + 8, max_num_batched_tokens))]
+        else:
+            padded, floor = n, min(rows + 8, max_num_batched_tokens)
+        if rows:
+            assert COST.predict(padded, rows, ctx) <= target_ms * 1e-3 or padded <= floor
+        pending.append(out)
+        while pending and (not async_scheduling or len(pending) == 2
+                           or not sched.has_unfinished()):  # async: update one step late
+            plan = pending.pop(0)
+            res = sched.update(plan, [7 if s.sample else None for s in plan.scheduled])
+            finished |= res.finished.keys()
+        steps += 1
+        assert steps <= last_arrival + total + 2, "scheduler made no progress"
+    assert finished == {s.request_id for seqs in arrivals.values() for s in seqs}
+
+
+def test_itl_slo_ms_maps_to_the_target_and_needs_a_cost_model() -> None:
+    cfg = SchedulerConfig.from_engine_config(EngineConfig(itl_slo_ms=150), 100, 256,
+                                             step_cost=COST)
+    assert (cfg.itl_target_s, cfg.step_cost) == (0.15, COST)
+    assert SchedulerConfig.from_engine_config(EngineConfig(), 100, 256).itl_target_s == 0
+    with pytest.raises(ValueError, match="step_cost"):
+        SchedulerConfig.from_engine_config(EngineConfig(itl_slo_ms=150), 100, 256)
+    with pytest.raises(ValueError, match="itl_slo_ms"):
+        EngineConfig(itl_slo_ms=-1.0)

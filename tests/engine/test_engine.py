@@ -9,12 +9,14 @@ counted in engine steps, never seconds.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 import pytest
 
+from jaxserve.core.step_cost import StepCostModel
 from jaxserve.device.buckets import Bucket
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
@@ -185,6 +187,25 @@ def test_greedy_batched_matches_golden(llm: LLMEngine, goldens: dict) -> None:
         if sp.ignore_eos:
             assert out.finish_reason == "length" and len(out.token_ids) == sp.max_tokens
     assert len(steps_with_golden_running) >= 20  # goldens really shared steps with others
+
+
+def test_itl_target_keeps_goldens_and_compiles_nothing(
+    llm: LLMEngine, goldens: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The busy batch above under a 30 ms ITL target (the CPU prior predicts 24 ms for an
+    empty step, so prefill beside decodes is cut to its minimum chunks): the same golden
+    tokens, and only compiled buckets run."""
+    cfg = dataclasses.replace(llm.scheduler.config, itl_target_s=0.03,
+                              step_cost=StepCostModel.prior(32, 0.75e-3))
+    monkeypatch.setattr(llm.scheduler, "config", cfg)
+    budgets: list[int] = []  # prefill tokens each step may take
+    budget_of = llm.scheduler._itl_prefill_budget
+    monkeypatch.setattr(llm.scheduler, "_itl_prefill_budget",
+                        lambda: budgets.append(budget_of()) or budgets[-1])
+    compiles_before = llm.runner.num_compiles
+    test_greedy_batched_matches_golden(llm, goldens)
+    assert llm.runner.num_compiles == compiles_before
+    assert sum(b < cfg.max_num_batched_tokens for b in budgets) >= 20  # prefill was cut
 
 
 # -- compilation -----------------------------------------------------------------------------

@@ -1,0 +1,185 @@
+"""The predicted time of one step, and the prefill budget that keeps a step within a target.
+
+While a sequence decodes, every prompt token planned beside it lengthens the step its next
+token waits for. Sarathi-Serve (Agrawal et al., "Taming Throughput-Latency Tradeoff in LLM
+Inference with Sarathi-Serve", OSDI 2024: stall-free batching) sizes the prefill chunks of a
+step so the step stays within a latency target; vLLM's chunked prefill gives prefill what a
+fixed token budget leaves after the decodes. Here the budget comes from a linear model of a
+step's time::
+
+    seconds = fixed_s + per_token_s * num_tokens + per_row_s * num_decode_rows
+              + per_context_token_s * num_context_tokens
+
+``num_tokens`` is the step's padded size (the compiled token bucket: the device computes every
+padded token, so a prompt token costs through the bucket it fills), ``num_decode_rows`` the
+sequences decoding one token, ``num_context_tokens`` the K/V tokens those rows' attention reads
+(their context lengths; a prefill chunk's attention is counted in its tokens).
+
+``Scheduler.schedule`` calls ``prefill_token_budget`` when ``SchedulerConfig.itl_target_s > 0``
+and something decodes. The engine builds the model from the platform's prior
+(``StepCostModel.prior``); fitting it from measured steps (``fit``) at start-up or online from
+the step trace is not done yet. ``fit_bucket`` weighs a padded step against a second one, in
+prompt tokens of compute (the platform's ``step_overhead_tokens``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+NUM_TERMS = 4  # fixed, per token, per decode row, per context token
+
+
+class Chunk(Protocol):
+    """What ``fit_bucket`` reads of a scheduled chunk (``scheduler.ScheduledSeq``, a frozen
+    dataclass it rebuilds with ``dataclasses.replace``)."""
+
+    token_ids: tuple[int, ...]
+    sample: bool
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One measured step: its shape and its wall time in seconds."""
+
+    num_tokens: int  # the padded (bucket) token count
+    num_decode_rows: int
+    num_context_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    """A step's predicted seconds, linear in its shape (module docstring); coefficients in s."""
+
+    fixed_s: float
+    per_token_s: float
+    per_row_s: float = 0.0
+    per_context_token_s: float = 0.0
+
+    @classmethod
+    def prior(cls, step_overhead_tokens: int, prompt_token_s: float) -> StepCostModel:
+        """The model before any step is measured: a step's fixed cost is
+        ``step_overhead_tokens`` prompt tokens (``Platform.step_overhead_tokens``) of
+        ``prompt_token_s`` seconds each; rows and context cost nothing extra.
+
+        Raises:
+          ValueError: a negative overhead or a per-token cost that is not > 0.
+        """
+        if step_overhead_tokens < 0 or not prompt_token_s > 0:
+            raise ValueError(f"StepCostModel.prior: {step_overhead_tokens=} must be >= 0 and "
+                             f"{prompt_token_s=} > 0")
+        return cls(fixed_s=step_overhead_tokens * prompt_token_s, per_token_s=prompt_token_s)
+
+    def predict(self, num_tokens: int, num_decode_rows: int = 0,
+                num_context_tokens: int = 0) -> float:
+        """Predicted seconds of a step padded to ``num_tokens`` tokens."""
+        return (self.fixed_s + self.per_token_s * num_tokens + self.per_row_s * num_decode_rows
+                + self.per_context_token_s * num_context_tokens)
+
+    @classmethod
+    def fit(cls, samples: Iterable[StepSample]) -> StepCostModel:
+        """Least-squares fit of the four coefficients to measured steps (normal equations,
+        solved in plain Python: ``core`` imports neither jax nor numpy).
+
+        Raises:
+          ValueError: the samples do not determine every coefficient (fewer than four distinct
+            shapes, or a term that never varies independently, e.g. no decode rows at all).
+        """
+        rows = [((1.0, float(s.num_tokens), float(s.num_decode_rows),
+                  float(s.num_context_tokens)), float(s.seconds)) for s in samples]
+        ata = [[sum(x[i] * x[j] for x, _ in rows) for j in range(NUM_TERMS)]
+               for i in range(NUM_TERMS)]
+        atb = [sum(x[i] * y for x, y in rows) for i in range(NUM_TERMS)]
+        return cls(*_solve(ata, atb))
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """``x`` with ``a @ x == b`` (Gaussian elimination, partial pivoting, columns scaled)."""
+    n = len(b)
+    scale = [max(abs(a[i][i]), 1e-300) ** 0.5 for i in range(n)]  # the terms' units differ
+    m = [[a[i][j] / (scale[i] * scale[j]) for j in range(n)] + [b[i] / scale[i]]
+         for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-9:
+            raise ValueError(f"StepCostModel.fit: the samples do not determine term {col} "
+                             "(fixed, per token, per decode row, per context token)")
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col and m[r][col]:
+                f = m[r][col] / m[col][col]
+                m[r] = [v - f * w for v, w in zip(m[r], m[col], strict=True)]
+    return [m[i][n] / m[i][i] / scale[i] for i in range(n)]
+
+
+def prefill_token_budget(model: StepCostModel, target_s: float, num_decode_rows: int,
+                         num_context_tokens: int, max_num_tokens: int,
+                         token_buckets: Sequence[int] = (), min_prefill_tokens: int = 8) -> int:
+    """Prompt tokens a step with ``num_decode_rows`` decodes may add within ``target_s``.
+
+    The step's size is the largest compiled bucket (``token_buckets``, ascending; every size
+    up to ``max_num_tokens`` when empty) whose predicted time is within the target, so the
+    padded step the device runs is predicted within it too. Prefill always gets at least
+    ``min_prefill_tokens`` (so waiting prompts progress however tight the target), rounded up
+    to fill the bucket such a step is padded to anyway; never more than ``max_num_tokens`` in
+    all. Returns the step's size minus the decode rows (>= 0).
+    """
+    def fits(n: int) -> bool:
+        return model.predict(n, num_decode_rows, num_context_tokens) <= target_s
+
+    floor = min(num_decode_rows + min_prefill_tokens, max_num_tokens)
+    if token_buckets:
+        size = next((t for t in reversed(token_buckets) if t <= max_num_tokens and fits(t)), 0)
+        floor = token_buckets[min(bisect.bisect_left(token_buckets, floor),
+                                  len(token_buckets) - 1)]
+    elif model.per_token_s > 0:
+        room = (target_s - model.predict(0, num_decode_rows, num_context_tokens))
+        size = int(min(max(room / model.per_token_s, 0.0), max_num_tokens))
+    else:
+        size = max_num_tokens if fits(0) else 0
+    size = min(max(size, floor), max_num_tokens)
+    return max(size - num_decode_rows, 0)
+
+
+def fit_bucket[C: Chunk](scheduled: list[C], num_tokens: int, buckets: Sequence[int],
+                         step_overhead_tokens: int) -> int:
+    """Shorten prefill chunks so the step fills a smaller bucket, when that is cheaper.
+
+    A step of ``n`` tokens runs padded to the smallest bucket ``T >= n``. When ``n`` is just
+    past the bucket below (``T_prev``), cutting ``n - T_prev`` prompt tokens from the last
+    prefill chunks and leaving them to the next step costs ``T_prev + bucket(n - T_prev) +
+    step_overhead_tokens`` instead of ``T``; that is done when smaller. E.g. a 300-token
+    prompt alone: 256 + 64 + 32 < 512. The cut tokens keep their blocks (allocated for
+    the whole chunk), so the next step needs none for them. Changes ``scheduled`` in place;
+    returns the new token count.
+
+    Args:
+      scheduled: the step's chunks, in batch order.
+      num_tokens: their total.
+      buckets: the compiled token buckets, ascending.
+      step_overhead_tokens: a step's fixed cost in prompt tokens.
+    """
+    i = bisect.bisect_left(buckets, num_tokens)
+    if i == 0 or i == len(buckets):
+        return num_tokens
+    smaller = buckets[i - 1]
+    excess = num_tokens - smaller
+    rest = buckets[bisect.bisect_left(buckets, excess)]
+    if smaller + rest + step_overhead_tokens >= buckets[i]:
+        return num_tokens
+    if sum(len(c.token_ids) - 1 for c in scheduled) < excess:  # decode rows cannot shrink
+        return num_tokens
+    for j in range(len(scheduled) - 1, -1, -1):
+        chunk = scheduled[j]
+        cut = min(excess, len(chunk.token_ids) - 1)
+        if cut > 0:
+            scheduled[j] = dataclasses.replace(chunk, token_ids=chunk.token_ids[:-cut],
+                                               sample=False)
+            excess -= cut
+        if excess == 0:
+            break
+    return smaller

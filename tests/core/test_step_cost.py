@@ -1,0 +1,98 @@
+"""The step-cost model: its fit on synthetic step traces, and the prefill budget it gives."""
+
+from __future__ import annotations
+
+import bisect
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxserve.core.step_cost import StepCostModel, StepSample, prefill_token_budget
+from jaxserve.device.buckets import token_buckets
+
+MODEL = StepCostModel(fixed_s=0.02, per_token_s=1e-3, per_row_s=5e-4, per_context_token_s=2e-6)
+
+
+def test_fit_recovers_known_coefficients() -> None:
+    rng = random.Random(0)
+    samples = []
+    for _ in range(200):
+        rows = rng.randrange(0, 64)
+        n = rng.choice(token_buckets(1024, (1, 4), 64))
+        n = max(n, rows)
+        ctx = sum(rng.randrange(1, 2048) for _ in range(rows))
+        noise = rng.gauss(0, 1e-5)
+        samples.append(StepSample(n, rows, ctx, MODEL.predict(n, rows, ctx) + noise))
+    got = StepCostModel.fit(samples)
+    assert got.fixed_s == pytest.approx(MODEL.fixed_s, abs=1e-5)
+    assert got.per_token_s == pytest.approx(MODEL.per_token_s, rel=1e-3)
+    assert got.per_row_s == pytest.approx(MODEL.per_row_s, rel=2e-2)
+    assert got.per_context_token_s == pytest.approx(MODEL.per_context_token_s, rel=2e-2)
+    exact = StepCostModel.fit(StepSample(s.num_tokens, s.num_decode_rows, s.num_context_tokens,
+                                         MODEL.predict(s.num_tokens, s.num_decode_rows,
+                                                       s.num_context_tokens))
+                              for s in samples)
+    for name in ("fixed_s", "per_token_s", "per_row_s", "per_context_token_s"):
+        assert getattr(exact, name) == pytest.approx(getattr(MODEL, name), rel=1e-6)
+
+
+def test_fit_refuses_samples_that_do_not_determine_the_model() -> None:
+    prefill_only = [StepSample(n, 0, 0, MODEL.predict(n)) for n in (8, 16, 32, 64)]
+    with pytest.raises(ValueError, match="term 2"):
+        StepCostModel.fit(prefill_only)
+    with pytest.raises(ValueError, match="do not determine"):
+        StepCostModel.fit([])
+
+
+def test_prior_is_the_step_overhead_in_prompt_tokens() -> None:
+    prior = StepCostModel.prior(32, 0.75e-3)
+    assert prior.predict(0) == pytest.approx(0.024)
+    assert prior.predict(64, 10, 5000) == pytest.approx(0.072)
+    with pytest.raises(ValueError, match="prompt_token_s"):
+        StepCostModel.prior(32, 0.0)
+
+
+BUCKETS = (1, 4, 8, 16, 24, 32, 48, 64, 128, 256, 512)
+
+
+def test_budget_is_the_largest_bucket_within_the_target_less_the_decodes() -> None:
+    model = StepCostModel(fixed_s=0.02, per_token_s=1e-3)
+    # 0.02 + 1e-3 * T <= 0.1 for T <= 80: the 64 bucket, of which 3 decode rows
+    assert prefill_token_budget(model, 0.1, 3, 300, 512, BUCKETS) == 61
+    # without buckets every size is one: 80
+    assert prefill_token_budget(model, 0.1, 3, 300, 512) == 77
+    # a target below one step's fixed cost: the minimum, 8 tokens, filling the bucket (16)
+    assert prefill_token_budget(model, 0.001, 3, 300, 512, BUCKETS) == 13
+    # a loose target: the whole budget; a full one: nothing
+    assert prefill_token_budget(model, 10.0, 3, 300, 512, BUCKETS) == 509
+    assert prefill_token_budget(model, 0.001, 512, 9000, 512, BUCKETS) == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    fixed_ms=st.floats(0, 50), token_us=st.floats(0, 2000), row_us=st.floats(0, 1000),
+    target_ms=st.floats(0.1, 500), rows=st.integers(1, 64), ctx_per_row=st.integers(1, 4096),
+    max_tokens=st.sampled_from([8, 64, 100, 512, 1024]), bucketed=st.booleans(),
+)
+def test_budget_keeps_the_padded_step_within_the_target_or_at_the_minimum(
+    fixed_ms: float, token_us: float, row_us: float, target_ms: float, rows: int,
+    ctx_per_row: int, max_tokens: int, bucketed: bool,
+) -> None:
+    model = StepCostModel(fixed_ms * 1e-3, token_us * 1e-6, row_us * 1e-6, 1e-7)
+    rows = min(rows, max_tokens)
+    buckets = tuple(token_buckets(max_tokens, (1, 4), 64)) if bucketed else ()
+    got = prefill_token_budget(model, target_ms * 1e-3, rows, rows * ctx_per_row, max_tokens,
+                               buckets)
+    size = rows + got
+    assert 0 <= got and size <= max_tokens
+    if buckets:  # the step the device runs: the smallest bucket holding it
+        assert size == max_tokens or size in buckets or got == 0
+        padded = buckets[bisect.bisect_left(buckets, size)]
+        floor = buckets[bisect.bisect_left(buckets, min(rows + 8, max_tokens))]
+    else:
+        padded, floor = size, min(rows + 8, max_tokens)
+    assert (model.predict(padded, rows, rows * ctx_per_row) <= target_ms * 1e-3 + 1e-12
+            or padded <= floor)
+    assert got >= min(8, max_tokens - rows)  # prompts always progress
