@@ -168,7 +168,8 @@ class _StubLLMEngine:
         return 1
 
     def add_request(self, rid: str, ids: list[int], params: SamplingParams,
-                    prompt: str | None, grammar: object = None) -> None:
+                    prompt: str | None, grammar: object = None,
+                    max_tokens: int | None = None) -> None:
         self.requests[rid] = params
         self.waiting.append(rid)
 
