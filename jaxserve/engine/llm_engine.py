@@ -84,7 +84,6 @@ class LLMEngine:
         self.runner, self.bounds = parts.runner, parts.bounds
         self.host_kv = self.runner.host_tier
         self.scheduler = Scheduler(parts.scheduler_config)
-        self.async_scheduling = parts.scheduler_config.async_scheduling
         if metrics is not None:
             metrics.set_batch_limits(config.max_num_seqs, config.max_num_batched_tokens)
             metrics.set_cache_config(config.block_size, self.num_blocks)
@@ -237,7 +236,12 @@ class LLMEngine:
             raise ValueError("async scheduling is not supported when one model spans several "
                              "processes")
         self.scheduler.config = dataclasses.replace(self.scheduler.config, async_scheduling=on)
-        self.async_scheduling = on
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether the async loop runs (the scheduler's setting: off when one model spans
+        several processes)."""
+        return self.scheduler.config.async_scheduling
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
