@@ -73,7 +73,7 @@ class LLMEngine:
         self.metrics = metrics
         t0 = time.perf_counter()
         parts = assemble(config, load, devices, metrics.model_name if metrics else None)
-        self.platform, self.mesh = parts.platform, parts.mesh
+        self.platform = parts.platform
         self.dtype, self.compute_dtype = parts.dtype, parts.compute_dtype
         self.attention_backend = parts.attention_backend
         self.model_config, self.model, self.tokenizer = (parts.model_config, parts.model,
@@ -82,7 +82,6 @@ class LLMEngine:
         self.max_model_len, self.kv_layout = parts.max_model_len, parts.kv_layout
         self.num_blocks = parts.kv_layout.num_blocks
         self.runner, self.bounds = parts.runner, parts.bounds
-        self.host_kv = self.runner.host_tier
         self.scheduler = Scheduler(parts.scheduler_config)
         if metrics is not None:
             metrics.set_batch_limits(config.max_num_seqs, config.max_num_batched_tokens)

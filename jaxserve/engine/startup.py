@@ -46,7 +46,7 @@ from pallas_kernels import allocate_kv_cache, kv_cache_bytes_per_block
 
 @dataclass(frozen=True)
 class EngineParts:
-    """What ``assemble`` built (the engine keeps each as an attribute of the same name).
+    """What ``assemble`` built (the engine keeps what it uses as attributes of the same name).
 
     Fields:
       platform: the backend's policy (``jaxserve.platform``).

@@ -44,9 +44,6 @@ def _usage(out: RequestOutput) -> ResponseUsage:
                          total_tokens=num_in + num_out)
 
 
-_item_id = request_ids.item_id
-
-
 class ResponseBuilder:
     """One response's output, built from the reply's text as it arrives (``on_output`` per
     engine output, for a stream) or at once (``complete``).
@@ -143,7 +140,7 @@ class ResponseBuilder:
         if not any(isinstance(i, FunctionCallItem) for i in output) and (self._held or
                                                                           not output):
             if not isinstance(self._open, OutputMessage):
-                self._open_item(OutputMessage(id=_item_id("msg"), status="in_progress",
+                self._open_item(OutputMessage(id=request_ids.item_id("msg"), status="in_progress",
                                               content=[]))
             if self._held:
                 self._text_delta(self._held)
@@ -165,7 +162,7 @@ class ResponseBuilder:
         self._held += text
         if self._held.strip():
             self._close("completed")
-            self._open_item(OutputMessage(id=_item_id("msg"), status="in_progress", content=[]))
+            self._open_item(OutputMessage(id=request_ids.item_id("msg"), status="in_progress", content=[]))
             self._text_delta(self._held)
             self._held = ""
 
@@ -176,7 +173,7 @@ class ResponseBuilder:
                 self._held = ""
                 name = part.function.name
                 self._open_item(FunctionCallItem(
-                    id=_item_id("fc"), call_id=part.id, name=name if name is not UNSET else "",
+                    id=request_ids.item_id("fc"), call_id=part.id, name=name if name is not UNSET else "",
                     arguments="", status="in_progress"))
             args = part.function.arguments
             if args is not UNSET and args and isinstance(self._open, FunctionCallItem):
