@@ -73,7 +73,7 @@ class LLMEngine:
         self.metrics = metrics
         t0 = time.perf_counter()
         parts = assemble(config, load, devices, metrics.model_name if metrics else None)
-        self.platform = parts.platform
+        self.platform, self.mesh = parts.platform, parts.mesh
         self.dtype, self.compute_dtype = parts.dtype, parts.compute_dtype
         self.attention_backend = parts.attention_backend
         self.model_config, self.model, self.tokenizer = (parts.model_config, parts.model,
