@@ -20,6 +20,8 @@ KV_SCALE_MODES = ("calibrated", "unit")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas-interpret")
 QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8")
 CPU_KERNELS = ("auto", "on", "off")
+# the order in which prompts get a step's prefill budget (core.scheduler.Scheduler.schedule)
+PREFILL_ORDERS = ("fcfs", "shortest-first")
 
 
 @dataclass(frozen=True)
@@ -45,10 +47,16 @@ class EngineConfig:
     long_prefill_token_threshold: int = field(default=0, metadata={
         "help": "when > 0, the most prompt tokens one request computes in a step, leaving budget "
                 "to admit others behind a long prompt; 0: off"})
-    itl_slo_ms: float = field(default=0.0, metadata={
+    itl_slo_ms: float | None = field(default=None, metadata={
         "help": "inter-token latency target in ms: while a request decodes, prompt chunks are cut "
-                "so the step's predicted time stays within it (stall-free batching); prefill "
-                "still gets at least 8 tokens a step; 0: off"})
+                "so the step's predicted time (a cost model fitted to measured steps) stays "
+                "within it (stall-free batching); prefill still gets at least 8 tokens a step; "
+                "0: off (default: the platform's rule, on a CPU the larger of 150 ms and twice "
+                "the predicted decode step; off where the platform has no step-cost model)"})
+    prefill_order: str = field(default="shortest-first", metadata={
+        "help": "which prompts get a step's prefill budget first: shortest-first (fewest prompt "
+                "tokens left; a prompt bypassed 8 steps then goes by arrival) or fcfs (arrival "
+                "order, prompts already chunking first)"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "context window, prompt + output tokens (default: the model's)"})
     enable_prefix_caching: bool = field(default=True, metadata={
@@ -140,8 +148,11 @@ class EngineConfig:
             )
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"{self.long_prefill_token_threshold=} must be >= 0 (0: off)")
-        if not self.itl_slo_ms >= 0:
-            raise ValueError(f"{self.itl_slo_ms=} must be >= 0 (0: off)")
+        if self.itl_slo_ms is not None and not self.itl_slo_ms >= 0:
+            raise ValueError(f"{self.itl_slo_ms=} must be >= 0 (0: off; None: the platform's "
+                             "rule)")
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"{self.prefill_order=} must be one of {PREFILL_ORDERS}")
         if self.kv_offloading_size is not None and not self.kv_offloading_size > 0:
             raise ValueError(f"{self.kv_offloading_size=} must be > 0 GiB (None: no host tier)")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -37,112 +37,18 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 
-from jaxserve.config import EngineConfig
 from jaxserve.core.block_pool import BlockPool
 from jaxserve.core.kv_manager import KVManager, KVStats
+from jaxserve.core.plan import (
+    PLACEHOLDER_TOKEN,
+    ScheduledSeq,
+    SchedulerConfig,
+    SchedulerOutput,
+    UpdateResult,
+)
 from jaxserve.core.sequence import SeqState, cdiv
-from jaxserve.core.step_cost import StepCostModel, fit_bucket, prefill_token_budget
-
-PREEMPTION_POLICIES = ("newest", "least_progress")
-PLACEHOLDER_TOKEN = -1  # in a plan's token_ids: the token the in-flight step samples
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Limits of one step and of the KV cache (see EngineConfig for the meaning of each)."""
-
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    block_size: int
-    max_model_len: int
-    num_blocks: int  # including the reserved padding block 0
-    long_prefill_token_threshold: int = 0  # > 0: most prompt tokens one request gets per step
-    enable_prefix_caching: bool = True
-    num_host_blocks: int = 0  # host-tier blocks including its reserved block 0; 0: no host tier
-    # victim when the pool is short: "newest" (latest admitted) or "least_progress" (fewest
-    # computed tokens); default: least work lost (docs/decisions/0016-preemption-policy.md)
-    preemption_policy: str = "least_progress"
-    # the compiled step shapes, ascending (``device.buckets.token_buckets``); () plans without
-    # them. With them, a step just past a bucket gives prefill tokens back (``_fit_bucket``).
-    token_buckets: tuple[int, ...] = ()
-    # the fixed cost of one step (weights read, dispatch, host work) in prompt tokens of compute
-    step_overhead_tokens: int = 32
-    async_scheduling: bool = False  # plans may run one step ahead of update (module docstring)
-    # > 0: while anything decodes, prefill is cut so step_cost predicts the step within this
-    # many seconds (core/step_cost.py); 0: off, prefill gets what the decodes leave
-    itl_target_s: float = 0.0
-    step_cost: StepCostModel | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"SchedulerConfig.{name}={getattr(self, name)} must be >= 1")
-        if self.num_blocks < 2:
-            raise ValueError(f"SchedulerConfig.{self.num_blocks=} must be >= 2 (block 0 reserved)")
-        if self.preemption_policy not in PREEMPTION_POLICIES:
-            raise ValueError(f"SchedulerConfig.{self.preemption_policy=} must be one of "
-                             f"{PREEMPTION_POLICIES}")
-        if self.itl_target_s < 0 or (self.itl_target_s > 0 and self.step_cost is None):
-            raise ValueError(f"SchedulerConfig.{self.itl_target_s=} must be >= 0, and > 0 only "
-                             "with a step_cost model")
-
-    @classmethod
-    def from_engine_config(
-        cls, cfg: EngineConfig, num_blocks: int, max_model_len: int, num_host_blocks: int = 0,
-        step_cost: StepCostModel | None = None,
-    ) -> SchedulerConfig:
-        return cls(
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            block_size=cfg.block_size,
-            max_model_len=max_model_len,
-            num_blocks=num_blocks,
-            long_prefill_token_threshold=cfg.long_prefill_token_threshold,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            num_host_blocks=num_host_blocks,
-            async_scheduling=cfg.async_scheduling,
-            itl_target_s=cfg.itl_slo_ms / 1000,
-            step_cost=step_cost,
-        )
-
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    """One sequence's share of a step."""
-
-    request_id: str
-    token_ids: tuple[int, ...]  # at positions start_pos .. start_pos + len - 1; async
-    #   scheduling: the last may be PLACEHOLDER_TOKEN (the in-flight step's sample)
-    start_pos: int
-    block_ids: tuple[int, ...]  # the whole block table after allocation
-    sample: bool  # the chunk reaches the end of the sequence's token_ids
-    arrival_index: int = -1  # the sequence's (ids may be reused once it has finished)
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    """The plan of one step; run ``offloads`` then ``loads`` before its forward pass, even
-    when ``scheduled`` is empty."""
-
-    scheduled: tuple[ScheduledSeq, ...]  # batch order: running ones, then newly admitted
-    num_scheduled_tokens: int
-    preempted_ids: tuple[str, ...] = ()  # lost their device blocks this step
-    offloads: tuple[tuple[int, int], ...] = ()  # (device block, host block) copies
-    loads: tuple[tuple[int, int], ...] = ()  # (host block, device block) copies
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class UpdateResult:
-    """What ``Scheduler.update`` changed."""
-
-    new_token_ids: dict[str, int] = field(default_factory=dict)  # sequence -> token appended
-    finished: dict[str, str] = field(default_factory=dict)  # sequence -> "stop" | "length"
+from jaxserve.core.step_cost import fit_bucket, itl_target_s, prefill_token_budget
 
 
 class Scheduler:
@@ -163,6 +69,10 @@ class Scheduler:
         self.running: list[SeqState] = []
         self.num_preemptions_total = 0
         self._next_arrival_index = 0
+        self._admitted_chunk = 0  # _admit's chunk size
+        # the step-cost model the ITL target plans with; the engine refits it from measured
+        # steps (step_cost.OnlineStepCost)
+        self.step_cost = config.step_cost
 
     @property
     def block_pool(self) -> BlockPool:
@@ -238,27 +148,36 @@ class Scheduler:
             |   K/V already in the cache  |  computed now   |                    |
             |<--- blocks after: cdiv(num_computed + num_new, block_size) --->|
 
-        With ``itl_target_s > 0`` and a sequence decoding, the prompt tokens of the step (every
-        chunk but the decodes') are capped by ``step_cost.prefill_token_budget``.
+        With an ITL target (``SchedulerConfig.itl_on``) and a sequence decoding, the prompt
+        tokens of the step (every chunk but the decodes') are capped by
+        ``step_cost.prefill_token_budget`` under ``step_cost.itl_target_s``.
 
-        1. Running sequences, oldest first; while the pool is short, preempt a victim among
-           those not yet planned this step (``preemption_policy``), possibly the sequence itself.
-        2. Unless step 1 preempted, admit waiting ones FIFO while ``max_num_seqs``, budget and
-           blocks allow; a head that does not fit blocks those behind it. A swapped-out head
-           loads its blocks back; any other starts after its longest cached prefix of full
-           blocks, so ``start_pos`` may be > 0.
+        1. Running sequences that decode, oldest first; while the pool is short, preempt a
+           victim among the running ones not yet planned this step (``preemption_policy``),
+           possibly the sequence itself.
+        2. Prefill work, in ``prefill_order``: the running sequences' next prompt chunks and
+           the waiting prompts. "fcfs": running ones oldest first, then waiting ones in queue
+           order. "shortest-first" (Shortest-Remaining-Prefill, against head-of-line blocking
+           as in sgl-project/sglang#22831): preempted sequences first (they were streaming),
+           then prompts bypassed ``max_prefill_skips`` times in arrival order (so a long prompt
+           always progresses), then the rest by prompt tokens left. Waiting ones are admitted
+           while ``max_num_seqs``, budget and blocks allow and nothing was preempted; the first
+           that does not fit closes admission for the step. A swapped-out one loads its blocks
+           back; any other starts after its longest cached prefix of full blocks, so
+           ``start_pos`` may be > 0.
 
         ``num_computed_tokens`` is advanced by ``update``, not here. With async scheduling a
         sequence's chunk starts after its in-flight tokens, and the full blocks those fill are
         offered to the prefix cache first (module docstring).
         """
         cfg, kv = self.config, self.kv
-        pool = kv.device
         budget = prefill_left = cfg.max_num_batched_tokens  # prefill_left >= budget when off
-        if cfg.itl_target_s > 0:
+        if cfg.itl_on:
             prefill_left = self._itl_prefill_budget()
         scheduled: list[ScheduledSeq] = []
         preempted: list[str] = []
+        planned: set[str] = set()
+        shape = [0, 0, 0]  # decode rows, their context tokens, prefill chunks
         for seq in self.running:  # blocks the dispatched steps fill: as if update had run
             if seq.num_inflight_tokens:
                 kv.cache_computed_blocks(seq, seq.num_computed_tokens + seq.num_inflight_tokens)
@@ -266,8 +185,12 @@ class Scheduler:
         def plan(seq: SeqState, num_new: int) -> None:
             nonlocal budget, prefill_left
             start = seq.num_computed_tokens + seq.num_inflight_tokens
-            if not self._decodes(seq, start):
+            if self._decodes(seq, start):
+                shape[0] += 1
+                shape[1] += start + 1
+            else:
                 prefill_left -= num_new
+                shape[2] += 1
             end = start + num_new
             known = seq.token_ids[start:end]
             sample = end == len(seq.token_ids) + seq.num_output_placeholders
@@ -281,56 +204,64 @@ class Scheduler:
                     arrival_index=seq.arrival_index,
                 )
             )
+            planned.add(seq.request_id)
             budget -= num_new
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        def run_chunk(seq: SeqState, limit: int, may_preempt: bool = True) -> None:
+            """Plan a running sequence's next chunk, preempting while the pool is short (or,
+            when not ``may_preempt``, leaving it for a later step)."""
             start = seq.num_computed_tokens + seq.num_inflight_tokens
-            limit = budget if self._decodes(seq, start) else min(budget, prefill_left)
             num_new = 0 if self._last_sample_pending(seq) else self._chunk(seq, start, limit)
-            if num_new <= 0:  # a pending sample ends it (async), else defensive
-                i += 1
-                continue
+            if num_new <= 0:  # a pending sample ends it (async), or no budget left
+                return
             need = cdiv(start + num_new, cfg.block_size) - len(seq.block_ids)
-            while need > pool.num_free_blocks:
-                victim = self.running.pop(self._pick_victim(i))
+            if need > kv.device.num_free_blocks and not may_preempt:
+                return
+            while need > kv.device.num_free_blocks:
+                victim = self._pick_victim(planned)
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is seq:
-                    break
-            if i == len(self.running) or self.running[i] is not seq:  # seq preempted itself
-                continue
+                    return
             if need > 0:
                 seq.block_ids.extend(kv.allocate(need))
             plan(seq, num_new)
-            i += 1
 
-        while (not preempted and self.waiting and len(self.running) < cfg.max_num_seqs
-               and min(budget, prefill_left) > 0):
-            seq = self.waiting[0]
-            if seq.num_inflight_tokens or seq.num_output_placeholders:
-                break  # preempted with a step in flight: its token comes with update
-            if seq.host_block_ids:  # swapped out: load its blocks back
-                num_new = self._chunk(seq, seq.num_computed_tokens, min(budget, prefill_left))
-                total = cdiv(seq.num_computed_tokens + num_new, cfg.block_size)
-                if total > pool.num_free_blocks:
-                    break
-                kv.swap_in(seq, total)
-            else:
-                hits = kv.find_prefix(seq)
-                num_new = self._chunk(seq, len(hits) * cfg.block_size,
-                                      min(budget, prefill_left))
-                total = cdiv(len(hits) * cfg.block_size + num_new, cfg.block_size)
-                if kv.num_free_needed(hits, total) > pool.num_free_blocks:
-                    break
-                kv.admit(seq, hits, total)
-                if seq.num_cached_tokens < 0:
-                    seq.num_cached_tokens = seq.num_computed_tokens
-            self.waiting.popleft()
-            self.running.append(seq)
-            plan(seq, num_new)
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.request_id not in preempted and self._decodes(
+                    seq, seq.num_computed_tokens + seq.num_inflight_tokens):
+                run_chunk(seq, budget)
 
+        pending = [s for s in self.running if s.request_id not in planned]
+        pending_ids = {s.request_id for s in pending}
+        admitting, admitted = not preempted, False
+        for seq in self._prefill_order(pending):
+            if budget <= 0:
+                break
+            limit = min(budget, prefill_left)
+            if seq.request_id in pending_ids:  # running: its next prompt chunk
+                if seq.request_id not in preempted:
+                    # not after an admission: a swap-out's host copy must not land in the
+                    # host blocks a swap-in of this step reads (offloads run first)
+                    run_chunk(seq, limit, may_preempt=not admitted)
+                    admitting = admitting and not preempted
+            elif admitting:
+                if (limit <= 0 or len(self.running) >= cfg.max_num_seqs
+                        or not self._admit(seq, limit)):
+                    admitting = False  # the first that does not fit closes admission
+                    continue
+                self.waiting.remove(seq)
+                self.running.append(seq)
+                plan(seq, self._admitted_chunk)
+                admitted = True
+
+        if shape[2]:  # prompts got prefill this step: the others were bypassed
+            for seq in (*pending, *self.waiting):
+                if seq.request_id not in planned and seq.request_id not in preempted:
+                    seq.num_prefill_skips += 1
         num_tokens = cfg.max_num_batched_tokens - budget
         if cfg.token_buckets:
             num_tokens = self._fit_bucket(scheduled, num_tokens)
@@ -347,7 +278,52 @@ class Scheduler:
             preempted_ids=tuple(preempted),
             offloads=offloads,
             loads=loads,
+            num_decode_rows=shape[0],
+            num_context_tokens=shape[1],
         )
+
+    def _prefill_order(self, pending: list[SeqState]) -> list[SeqState]:
+        """The running sequences ``pending`` a prompt chunk and the waiting ones, in the order
+        they get the step's prefill budget (``schedule``, step 2)."""
+        if self.config.prefill_order == "fcfs":
+            return [*pending, *self.waiting]
+        max_skips = self.config.max_prefill_skips
+
+        def key(item: tuple[int, SeqState]) -> tuple[int, int, int]:
+            pos, seq = item
+            if seq.num_preemptions and not seq.block_ids:  # preempted, waiting: queue order
+                return (0, pos, 0)
+            if seq.num_prefill_skips >= max_skips:
+                return (1, seq.arrival_index, 0)
+            left = (len(seq.token_ids) + seq.num_output_placeholders - seq.num_computed_tokens
+                    - seq.num_inflight_tokens)
+            return (2, left, seq.arrival_index)
+
+        return [s for _, s in sorted(enumerate([*pending, *self.waiting]), key=key)]
+
+    def _admit(self, seq: SeqState, limit: int) -> bool:
+        """Give a waiting sequence blocks for its first chunk of at most ``limit`` tokens
+        (``_admitted_chunk``); False, changing nothing, when it cannot start now."""
+        cfg, kv = self.config, self.kv
+        if seq.num_inflight_tokens or seq.num_output_placeholders:
+            return False  # preempted with a step in flight: its token comes with update
+        if seq.host_block_ids:  # swapped out: load its blocks back
+            num_new = self._chunk(seq, seq.num_computed_tokens, limit)
+            total = cdiv(seq.num_computed_tokens + num_new, cfg.block_size)
+            if total > kv.device.num_free_blocks:
+                return False
+            kv.swap_in(seq, total)
+        else:
+            hits = kv.find_prefix(seq)
+            num_new = self._chunk(seq, len(hits) * cfg.block_size, limit)
+            total = cdiv(len(hits) * cfg.block_size + num_new, cfg.block_size)
+            if kv.num_free_needed(hits, total) > kv.device.num_free_blocks:
+                return False
+            kv.admit(seq, hits, total)
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+        self._admitted_chunk = num_new
+        return True
 
     def update(self, plan: SchedulerOutput, sampled: Sequence[int | None]) -> UpdateResult:
         """Advance each chunk, append sampled tokens, finish ("stop", "length") and free.
@@ -450,9 +426,9 @@ class Scheduler:
         return num_tokens - start == 1 and num_tokens > seq.num_prompt_tokens
 
     def _itl_prefill_budget(self) -> int:
-        """Prompt tokens this step may take within ``itl_target_s`` beside the running
+        """Prompt tokens this step may take within the ITL target beside the running
         sequences that decode (all of ``max_num_batched_tokens`` when none does)."""
-        cfg = self.config
+        cfg, model = self.config, self.step_cost
         rows = context = 0
         for seq in self.running:
             start = seq.num_computed_tokens + seq.num_inflight_tokens
@@ -461,8 +437,10 @@ class Scheduler:
                 context += start + 1
         if not rows:
             return cfg.max_num_batched_tokens
-        assert cfg.step_cost is not None
-        return prefill_token_budget(cfg.step_cost, cfg.itl_target_s, rows, context,
+        assert model is not None
+        target = itl_target_s(model, cfg.itl_target_s, cfg.itl_decode_ratio, rows, context,
+                              cfg.token_buckets)
+        return prefill_token_budget(model, target, rows, context,
                                     cfg.max_num_batched_tokens, cfg.token_buckets)
 
     def _chunk(self, seq: SeqState, start: int, budget: int) -> int:
@@ -471,12 +449,13 @@ class Scheduler:
         cap = self.config.long_prefill_token_threshold
         return cap if 0 < cap < num_new else num_new
 
-    def _pick_victim(self, first: int) -> int:
-        """Index of the victim among ``running[first:]``, the ones not yet planned this step."""
+    def _pick_victim(self, planned: set[str]) -> SeqState:
+        """The victim among the running sequences not yet planned this step (one always is:
+        the sequence asking for blocks)."""
+        free = [(j, s) for j, s in enumerate(self.running) if s.request_id not in planned]
         if self.config.preemption_policy == "newest":
-            return len(self.running) - 1
-        return min(range(first, len(self.running)),
-                   key=lambda j: (self.running[j].num_computed_tokens, -j))
+            return free[-1][1]
+        return min(free, key=lambda js: (js[1].num_computed_tokens, -js[0]))[1]
 
     def _preempt(self, seq: SeqState) -> None:
         """Swap out (or free, to recompute) the sequence's K/V; requeue it at the front."""

@@ -48,6 +48,7 @@ class SeqState:
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission
     num_inflight_tokens: int = 0
     num_output_placeholders: int = 0
+    num_prefill_skips: int = 0  # steps other prompts got prefill and this one none (its turn)
 
     @property
     def num_output_tokens(self) -> int:

@@ -15,22 +15,32 @@ padded token, so a prompt token costs through the bucket it fills), ``num_decode
 sequences decoding one token, ``num_context_tokens`` the K/V tokens those rows' attention reads
 (their context lengths; a prefill chunk's attention is counted in its tokens).
 
-``Scheduler.schedule`` calls ``prefill_token_budget`` when ``SchedulerConfig.itl_target_s > 0``
-and something decodes. The engine builds the model from the platform's prior
-(``StepCostModel.prior``); fitting it from measured steps (``fit``) at start-up or online from
-the step trace is not done yet. ``fit_bucket`` weighs a padded step against a second one, in
-prompt tokens of compute (the platform's ``step_overhead_tokens``).
+``Scheduler.schedule`` calls ``prefill_token_budget`` while something decodes and a target is
+set (``itl_target_s``: a fixed target, or the auto rule of ``SchedulerConfig``). The engine
+starts from the platform's prior (``StepCostModel.prior``) and keeps the model current with
+``OnlineStepCost``: every measured step is a sample, and the model is refitted over a window of
+recent steps by least squares pulled toward the prior (ridge regression), so a term the
+traffic has not varied yet (no decode rows, one bucket) keeps its prior value instead of
+making the fit singular. ``fit_bucket`` weighs a padded step against a second one, in prompt
+tokens of compute (the platform's ``step_overhead_tokens``).
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 NUM_TERMS = 4  # fixed, per token, per decode row, per context token
+# the automatic ITL target (``--itl-slo-ms`` not given): prefill may stretch a step to this many
+# times the predicted decode step, and to at least the platform's ``auto_itl_floor_s``
+AUTO_ITL_DECODE_RATIO = 2.0
+# a typical size of each term's variable (1, tokens, decode rows, context tokens): the ridge
+# penalty of a fit toward a prior is measured in these units, so it weighs the terms alike
+TERM_SCALES = (1.0, 128.0, 8.0, 2048.0)
 
 
 class Chunk(Protocol):
@@ -81,20 +91,36 @@ class StepCostModel:
                 + self.per_context_token_s * num_context_tokens)
 
     @classmethod
-    def fit(cls, samples: Iterable[StepSample]) -> StepCostModel:
+    def fit(cls, samples: Iterable[StepSample], prior: StepCostModel | None = None,
+            prior_weight: float = 1e-3) -> StepCostModel:
         """Least-squares fit of the four coefficients to measured steps (normal equations,
         solved in plain Python: ``core`` imports neither jax nor numpy).
 
+        With ``prior``, a ridge fit: each coefficient is pulled toward the prior's with the
+        weight of ``prior_weight`` times the samples' count of steps whose variable is its
+        ``TERM_SCALES`` size, so well-measured terms follow the data and unmeasured ones stay
+        at the prior. Coefficients are then clipped at 0 (a step does not get cheaper with
+        more work); a fit whose per-token cost is not > 0 returns the prior.
+
         Raises:
-          ValueError: the samples do not determine every coefficient (fewer than four distinct
-            shapes, or a term that never varies independently, e.g. no decode rows at all).
+          ValueError: without a prior, samples that do not determine every coefficient (fewer
+            than four distinct shapes, or a term that never varies independently, e.g. no
+            decode rows at all).
         """
         rows = [((1.0, float(s.num_tokens), float(s.num_decode_rows),
                   float(s.num_context_tokens)), float(s.seconds)) for s in samples]
         ata = [[sum(x[i] * x[j] for x, _ in rows) for j in range(NUM_TERMS)]
                for i in range(NUM_TERMS)]
         atb = [sum(x[i] * y for x, y in rows) for i in range(NUM_TERMS)]
-        return cls(*_solve(ata, atb))
+        if prior is None:
+            return cls(*_solve(ata, atb))
+        p = (prior.fixed_s, prior.per_token_s, prior.per_row_s, prior.per_context_token_s)
+        for i in range(NUM_TERMS):
+            w = prior_weight * max(len(rows), 1) * TERM_SCALES[i] ** 2
+            ata[i][i] += w
+            atb[i] += w * p[i]
+        fitted = cls(*(max(c, 0.0) for c in _solve(ata, atb)))
+        return fitted if fitted.per_token_s > 0 else prior
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
@@ -114,6 +140,68 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
                 f = m[r][col] / m[col][col]
                 m[r] = [v - f * w for v, w in zip(m[r], m[col], strict=True)]
     return [m[i][n] / m[i][i] / scale[i] for i in range(n)]
+
+
+class OnlineStepCost:
+    """The step-cost model kept current from measured steps (module docstring).
+
+    ``observe`` adds one step; every ``refit_every`` samples the model is refitted (``fit``
+    toward ``prior``) over the last ``window`` steps. ``model`` is the prior until then.
+
+    Args:
+      prior: the model before any step is measured (``StepCostModel.prior``).
+      window: how many recent steps a fit uses.
+      refit_every: steps between fits (each costs ~``window`` x 16 multiply-adds in Python).
+
+    Raises:
+      ValueError: ``window`` or ``refit_every`` < 1.
+    """
+
+    def __init__(self, prior: StepCostModel, window: int = 512, refit_every: int = 32) -> None:
+        if window < 1 or refit_every < 1:
+            raise ValueError(f"OnlineStepCost: {window=} and {refit_every=} must be >= 1")
+        self.prior = self.model = prior
+        self.samples: deque[StepSample] = deque(maxlen=window)
+        self.refit_every = refit_every
+        self.num_observed = 0
+
+    def observe(self, sample: StepSample) -> StepCostModel | None:
+        """Add one measured step; returns the refitted model when this sample triggered a
+        fit, else None. Samples with ``seconds <= 0`` are ignored."""
+        if not sample.seconds > 0:
+            return None
+        self.samples.append(sample)
+        self.num_observed += 1
+        if self.num_observed % self.refit_every:
+            return None
+        self.model = StepCostModel.fit(self.samples, prior=self.prior)
+        return self.model
+
+
+def resolve_itl_target(itl_slo_ms: float | None, auto_floor_s: float | None
+                       ) -> tuple[float, float]:
+    """``(SchedulerConfig.itl_target_s, itl_decode_ratio)`` for ``EngineConfig.itl_slo_ms``:
+    a given target is fixed (0: off); None takes the platform's automatic rule, the larger of
+    ``auto_floor_s`` and ``AUTO_ITL_DECODE_RATIO`` times the predicted decode step (off when
+    the platform has none)."""
+    if itl_slo_ms is not None:
+        return itl_slo_ms / 1000, 0.0
+    return (0.0, 0.0) if auto_floor_s is None else (auto_floor_s, AUTO_ITL_DECODE_RATIO)
+
+
+def itl_target_s(model: StepCostModel, floor_s: float, decode_ratio: float,
+                 num_decode_rows: int, num_context_tokens: int,
+                 token_buckets: Sequence[int] = ()) -> float:
+    """The step-time target (s) of a step with these decode rows: ``floor_s``, or
+    ``decode_ratio`` times the predicted time of the decodes alone (padded to their bucket)
+    when that is longer, so prefill may stretch a step to ``decode_ratio`` times the decode
+    step at any batch size, and to at least ``floor_s``."""
+    if decode_ratio <= 0:
+        return floor_s
+    i = bisect.bisect_left(token_buckets, num_decode_rows)
+    padded = token_buckets[i] if i < len(token_buckets) else num_decode_rows
+    return max(floor_s,
+               decode_ratio * model.predict(padded, num_decode_rows, num_context_tokens))
 
 
 def prefill_token_budget(model: StepCostModel, target_s: float, num_decode_rows: int,

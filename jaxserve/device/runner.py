@@ -336,14 +336,26 @@ class ModelRunner:
         compile_fn = lambda: jax.jit(set_bias_row, donate_argnums=(0,)).lower(*args).compile()
         self._set_bias = self._cached(("set_bias",), args, compile_fn)
 
-    def probe(self) -> float:
-        """Run the smallest bucket's program once on one greedy token in the padding block
-        (block 0, which no request holds) and wait for the sampled id; returns the seconds it
-        took. Proves that a compiled program runs, not only that it compiled."""
+    def probe(self, num_tokens: int = 1) -> tuple[float, int]:
+        """Run one step of a ``num_tokens``-token prompt chunk in the padding block (block 0,
+        which no request holds, every position of the chunk in it) with one greedy sample, and
+        wait for the sampled id. Returns (seconds, the bucket's token count). With the default
+        1 token it proves that a compiled program runs, not only that it compiled; larger
+        chunks time a step for the engine's step-cost model.
+
+        Raises:
+          ValueError: ``num_tokens`` outside 1..the largest token bucket.
+        """
+        most = min(max(b.num_tokens for b in self.buckets),
+                   self.packer.max_blocks_per_seq * self.block_size)
+        if not 1 <= num_tokens <= most:
+            raise ValueError(f"probe: {num_tokens=} must be in 1..{most}")
         t0 = time.perf_counter()
-        bucket, packed = self.pack_step([Chunk((0,), 0, (0,))], [RowParams(0.0, 0, 1.0, 0, 0)])
+        blocks = (0,) * -(-num_tokens // self.block_size)
+        bucket, packed = self.pack_step([Chunk((0,) * num_tokens, 0, blocks)],
+                                        [RowParams(0.0, 0, 1.0, 0, 0)])
         self.execute(bucket, packed).ids  # noqa: B018 (waits for the step)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, bucket.num_tokens
 
     def compile_bucket(self, bucket: Bucket) -> None:
         """Compile one bucket's model program, and the sampler program of its row count if

@@ -27,7 +27,9 @@ import jax
 import numpy as np
 
 from jaxserve.config import EngineConfig, LoadConfig
-from jaxserve.core.scheduler import Scheduler, SchedulerOutput
+from jaxserve.core.plan import SchedulerOutput
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.step_cost import OnlineStepCost, StepCostModel, StepSample
 from jaxserve.engine.kv_budget import weights_summary
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.penalty_slots import PenaltySlots
@@ -97,6 +99,10 @@ class LLMEngine:
                                        self.tokenizer, metrics)
         self.step_trace = StepTrace(config.step_trace_file) if config.step_trace_file else None
         self._inflight: InflightStep | None = None  # async scheduling: the step on the device
+        # the ITL target's step-cost model, refitted from measured steps (None: no target)
+        cost = parts.scheduler_config.step_cost
+        self.step_cost = OnlineStepCost(cost) if cost and parts.scheduler_config.itl_on else None
+        self._t_last_ready: float | None = None  # the last completed step's ids on the host
         self._rng = np.random.default_rng(config.seed)
         self._ids = IdCounter()
         self.load_s = time.perf_counter() - t0
@@ -121,8 +127,33 @@ class LLMEngine:
 
     def probe(self) -> float:
         """Run one step of the smallest program on the padding block and wait for it (no
-        request, no metrics); returns its seconds. Start-up runs it once after ``warmup``."""
-        return self.runner.probe()
+        request, no metrics); with an ITL target, also time prompt steps of two sizes and fit
+        the step-cost model's fixed and per-token terms to them (``calibrate_step_cost``).
+        Returns the seconds it all took. Start-up runs it once after ``warmup``."""
+        t0 = time.perf_counter()
+        self.runner.probe()
+        self.calibrate_step_cost()
+        return time.perf_counter() - t0
+
+    def calibrate_step_cost(self, sizes: tuple[int, ...] = (1, 128), repeats: int = 2
+                            ) -> StepCostModel | None:
+        """Time a prompt step of each of ``sizes`` tokens (clamped to what the runner can
+        probe) ``repeats`` times on the padding block, fit the step-cost model to the fastest
+        of each (toward the platform's prior: ``StepCostModel.fit``), and plan with it from
+        now on, as the prior of the online fit too. ~0.3 s on a 2-core CPU. Returns the model
+        (None without an ITL target)."""
+        if self.step_cost is None:
+            return None
+        most = min(max(b.num_tokens for b in self.runner.buckets),
+                   self.max_model_len - 1)
+        samples = []
+        for n in sorted({max(1, min(n, most)) for n in sizes}):
+            runs = [self.runner.probe(n) for _ in range(repeats)]
+            seconds, padded = min(runs)
+            samples.append(StepSample(padded, 0, 0, seconds))
+        model = StepCostModel.fit(samples, prior=self.step_cost.prior)
+        self.step_cost.prior = self.step_cost.model = self.scheduler.step_cost = model
+        return model
 
     # -- requests ------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -275,6 +306,7 @@ class LLMEngine:
         if not plan.is_empty:
             self._release_idle_slots()
             new = self.dispatcher.dispatch(plan, self.requests, prev)
+            new.t_start = times.t0
         times.t_pack = time.perf_counter()
         outputs, num_generated = [], 0
         for done in (prev, new if new is not None and self._needs_sync(new) else None):
@@ -283,6 +315,7 @@ class LLMEngine:
                 done.out.ids  # noqa: B018 (waits for the step's sampled ids)
                 done.t_ready = time.perf_counter()
                 times.wait_s += done.t_ready - t_wait
+                self._observe_step(done)
                 n, outs = self.outputs.complete(done)
                 num_generated += n
                 outputs += outs
@@ -293,6 +326,20 @@ class LLMEngine:
         if self.step_trace is not None:
             self.step_trace.record(times, plan, new, prev)
         return outputs
+
+    def _observe_step(self, done: InflightStep) -> None:
+        """Give the step-cost model one measured step: from the later of its planning and the
+        previous step's ids on the host (the step before it ran) to its own ids on the host,
+        which is the gap a decoding stream sees between the two steps' tokens."""
+        last, self._t_last_ready = self._t_last_ready, done.t_ready
+        if self.step_cost is None or done.t_ready is None:
+            return
+        start = done.t_start if last is None else max(done.t_start, last)
+        model = self.step_cost.observe(StepSample(
+            done.bucket.num_tokens, done.plan.num_decode_rows, done.plan.num_context_tokens,
+            done.t_ready - start))
+        if model is not None:
+            self.scheduler.step_cost = model
 
     def _needs_sync(self, step: InflightStep) -> bool:
         """Whether ``step`` is finished before the next is planned: always without async

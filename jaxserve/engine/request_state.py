@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxserve.core.scheduler import ScheduledSeq
+from jaxserve.core.plan import ScheduledSeq
 from jaxserve.core.sequence import SeqState
 from jaxserve.device.step_buffer import RowParams
 from jaxserve.engine.detokenizer import IncrementalDetokenizer

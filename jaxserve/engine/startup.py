@@ -25,8 +25,8 @@ import jax.numpy as jnp
 
 from jaxserve import sharding
 from jaxserve.config import EngineConfig, LoadConfig
-from jaxserve.core.scheduler import SchedulerConfig
-from jaxserve.core.step_cost import StepCostModel
+from jaxserve.core.plan import SchedulerConfig
+from jaxserve.core.step_cost import StepCostModel, resolve_itl_target
 from jaxserve.device.executable_cache import ExecutableCache
 from jaxserve.device.host_tier import HostKVTier
 from jaxserve.device.runner import ModelRunner
@@ -172,16 +172,17 @@ def assemble(config: EngineConfig, load: LoadConfig, devices: Sequence[jax.Devic
                          "on process 0 alone")
     bounds = RequestBounds(tokenizer.vocab_size, max_model_len, kv_layout.num_blocks,
                            config.block_size, runner.multiprocess, tokenizer.eos_token_ids)
-    step_cost = None
-    if platform.prompt_token_s is not None:  # the prior: not fitted to measured steps yet
+    step_cost, itl = None, (0.0, 0.0)  # the target's floor (s) and decode ratio
+    if platform.prompt_token_s is not None:  # the prior; the engine refits it as steps run
         step_cost = StepCostModel.prior(platform.step_overhead_tokens, platform.prompt_token_s)
-    elif config.itl_slo_ms > 0:
+        itl = resolve_itl_target(config.itl_slo_ms, platform.auto_itl_floor_s)
+    elif config.itl_slo_ms:
         raise ValueError(f"itl_slo_ms={config.itl_slo_ms} needs a step-cost model, which the "
                          f"{platform.name!r} platform does not have yet (measured on CPUs only)")
     sched_config = dataclasses.replace(
         SchedulerConfig.from_engine_config(config, kv_layout.num_blocks, max_model_len,
                                            host_kv.num_blocks if host_kv is not None else 0,
-                                           step_cost),
+                                           step_cost, *itl),
         token_buckets=tuple(b.num_tokens for b in runner.buckets),
         step_overhead_tokens=platform.step_overhead_tokens,
         # one model over several processes: the followers replay the steps (runner.follow)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from jaxserve.core.scheduler import PLACEHOLDER_TOKEN, SchedulerOutput
+from jaxserve.core.plan import PLACEHOLDER_TOKEN, SchedulerOutput
 from jaxserve.device.buckets import Bucket
 from jaxserve.device.runner import ModelRunner, StepOutput
 from jaxserve.device.step_buffer import RowParams
@@ -40,6 +40,7 @@ class InflightStep:
     mask_s: float  # seconds spent filling the grammar masks
     t_dispatch: float
     t_ready: float | None = None  # when its sampled ids were on the host
+    t_start: float = 0.0  # when the engine step that planned it began (set by the engine)
     row_of: dict[str, int] = field(init=False)  # sequence id -> batch row
 
     def __post_init__(self) -> None:

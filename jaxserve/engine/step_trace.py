@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from jaxserve.core.scheduler import SchedulerOutput
+    from jaxserve.core.plan import SchedulerOutput
     from jaxserve.engine.step_inputs import InflightStep
 
 PHASES = ("schedule_ms", "pack_ms", "device_ms", "post_ms")

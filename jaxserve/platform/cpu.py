@@ -32,7 +32,9 @@ would not repay it.
 
 **Step cost.** ~30 ms a step against ~0.75 ms a prompt token (SmolLM2-135M, 2 cores;
 docs/decisions/0005-bucket-fit.md): ``step_overhead_tokens`` 32, ``prompt_token_s`` 0.75 ms
-(the step-cost model's prior for ``--itl-slo-ms``; not yet fitted to the machine it runs on).
+(the step-cost model's prior for ``--itl-slo-ms``; the engine refits it from measured steps).
+Without ``--itl-slo-ms`` the target is the larger of 150 ms (``auto_itl_floor_s``) and twice
+the predicted decode step (docs/decisions/0036-itl-target-default.md).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class CpuPlatform(Platform):
     name = "cpu"
     step_overhead_tokens = 32
     prompt_token_s = 0.75e-3
+    auto_itl_floor_s = 0.15
 
     def resolve_dtype(self, name: str) -> jnp.dtype:
         if name == "auto":

@@ -16,7 +16,8 @@ import zlib
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxserve.core.scheduler import PLACEHOLDER_TOKEN, Scheduler, SchedulerConfig, SchedulerOutput
+from jaxserve.core.plan import PLACEHOLDER_TOKEN, SchedulerConfig, SchedulerOutput
+from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import SeqState
 
 STOP = 0  # a stop token id (about one sample in 24)

@@ -19,9 +19,10 @@ from hypothesis.stateful import (
 )
 
 from jaxserve.config import EngineConfig
-from jaxserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, UpdateResult
+from jaxserve.core.plan import SchedulerConfig, SchedulerOutput, UpdateResult
+from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import SeqState, cdiv
-from jaxserve.core.step_cost import StepCostModel
+from jaxserve.core.step_cost import AUTO_ITL_DECODE_RATIO, StepCostModel, resolve_itl_target
 from jaxserve.device.buckets import token_buckets
 
 STOP = 0
@@ -37,6 +38,8 @@ def make_scheduler(
     enable_prefix_caching: bool = False,
     num_host_blocks: int = 0,
     preemption_policy: str = "newest",
+    prefill_order: str = "fcfs",
+    max_prefill_skips: int = 8,
 ) -> Scheduler:
     """A scheduler; prefix caching is off unless asked for, because make_seq's prompts all
     share their start (the plan tests below are about plans without cache hits), and the
@@ -44,7 +47,8 @@ def make_scheduler(
     return Scheduler(
         SchedulerConfig(max_num_seqs, max_num_batched_tokens, block_size, max_model_len, num_blocks,
                         long_prefill_token_threshold, enable_prefix_caching, num_host_blocks,
-                        preemption_policy)
+                        preemption_policy, prefill_order=prefill_order,
+                        max_prefill_skips=max_prefill_skips)
     )
 
 
@@ -75,7 +79,8 @@ def test_from_engine_config() -> None:
     cfg = SchedulerConfig.from_engine_config(
         EngineConfig(block_size=8, max_num_seqs=3, max_num_batched_tokens=32), 100, 256
     )
-    assert cfg == SchedulerConfig(3, 32, 8, 256, 100, 0, True, 0, async_scheduling=True)
+    assert cfg == SchedulerConfig(3, 32, 8, 256, 100, 0, True, 0, async_scheduling=True,
+                                  prefill_order="shortest-first")
     cfg = SchedulerConfig.from_engine_config(EngineConfig(enable_prefix_caching=False), 9, 64, 5)
     assert (cfg.enable_prefix_caching, cfg.num_host_blocks) == (False, 5)
     with pytest.raises(ValueError, match="preemption_policy"):
@@ -593,15 +598,24 @@ def check_invariants(sched: Scheduler) -> None:
     assert len(ids) == len(set(ids))
 
 
+def running_prompt_len(sched: Scheduler, rid: str) -> int:
+    return next(s.num_prompt_tokens for s in sched.running if s.request_id == rid)
+
+
 def check_plan(sched: Scheduler, out: SchedulerOutput) -> None:
     cfg = sched.config
     assert out.num_scheduled_tokens == sum(len(s.token_ids) for s in out.scheduled)
     assert 0 <= out.num_scheduled_tokens <= cfg.max_num_batched_tokens
     assert len(out.scheduled) <= cfg.max_num_seqs
     running = {s.request_id: s for s in sched.running}
-    assert [s.request_id for s in out.scheduled] == [
-        s.request_id for s in sched.running if s.request_id in {x.request_id for x in out.scheduled}
-    ]
+    # batch order: the decodes in running order first, then the prompt chunks (prefill
+    # order; a sequence swapped back in may be down to its last token, decode-like)
+    order = {s.request_id: j for j, s in enumerate(sched.running)}
+    kinds = [len(x.token_ids) == 1 and x.sample  # a decode: the one token left, past the prompt
+             and x.start_pos >= running_prompt_len(sched, x.request_id) for x in out.scheduled]
+    decodes = [order[x.request_id] for x, k in zip(out.scheduled, kinds, strict=True) if k]
+    assert decodes == sorted(decodes)
+    assert len({x.request_id for x in out.scheduled}) == len(out.scheduled)
     for x in out.scheduled:
         seq = running[x.request_id]
         end = x.start_pos + len(x.token_ids)
@@ -670,6 +684,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         num_host_blocks=st.sampled_from([0, 0, 2, 4, 12]),
         policy=st.sampled_from(["newest", "least_progress"]),
         fit=st.sampled_from([None, 0, 2]),
+        order=st.sampled_from(["fcfs", "shortest-first"]),
+        max_skips=st.sampled_from([0, 2, 8]),
     )
     def init(
         self,
@@ -684,10 +700,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         num_host_blocks: int,
         policy: str,
         fit: int | None,
+        order: str,
+        max_skips: int,
     ) -> None:
         self.sched = make_scheduler(
             max_num_seqs, max_num_batched_tokens, block_size, max_model_len, num_blocks,
-            long_prefill, caching, num_host_blocks, policy,
+            long_prefill, caching, num_host_blocks, policy, order, max_skips,
         )
         if fit is not None:  # plan to the engine's buckets, the step overhead 0 or 2 tokens
             self.sched.config = dataclasses.replace(
@@ -828,6 +846,7 @@ TestSchedulerMachine.settings = settings(
     caching=st.booleans(),
     num_host_blocks=st.sampled_from([0, 3, 16]),
     policy=st.sampled_from(["newest", "least_progress"]),
+    order=st.sampled_from(["fcfs", "shortest-first"]),
 )
 def test_liveness_every_request_finishes(
     block_size: int,
@@ -839,13 +858,14 @@ def test_liveness_every_request_finishes(
     caching: bool,
     num_host_blocks: int,
     policy: str,
+    order: str,
 ) -> None:
     """No aborts: staggered arrivals all finish within sum(prompt + max_tokens) steps after the
     last arrival (the request with the most computed tokens is never preempted and gains >= 1
-    token a step)."""
+    token a step), in either prefill order."""
     max_model_len = 48
     sched = make_scheduler(max_num_seqs, max_num_batched_tokens, block_size, max_model_len,
-                           num_blocks, 0, caching, num_host_blocks, policy)
+                           num_blocks, 0, caching, num_host_blocks, policy, order, 2)
     usable = num_blocks - 1
     arrivals: dict[int, list[SeqState]] = {}
     total = 0
@@ -1001,11 +1021,17 @@ def test_itl_target_bounds_predicted_steps_and_every_prompt_finishes(
 
 
 def test_itl_slo_ms_maps_to_the_target_and_needs_a_cost_model() -> None:
+    assert resolve_itl_target(150, 0.2) == (0.15, 0.0)  # a given target is fixed
+    assert resolve_itl_target(0, 0.2) == (0.0, 0.0)  # 0: off
+    assert resolve_itl_target(None, 0.2) == (0.2, AUTO_ITL_DECODE_RATIO)  # the platform's rule
+    assert resolve_itl_target(None, None) == (0.0, 0.0)
+    target, ratio = resolve_itl_target(150, None)
     cfg = SchedulerConfig.from_engine_config(EngineConfig(itl_slo_ms=150), 100, 256,
-                                             step_cost=COST)
-    assert (cfg.itl_target_s, cfg.step_cost) == (0.15, COST)
-    assert SchedulerConfig.from_engine_config(EngineConfig(), 100, 256).itl_target_s == 0
+                                             step_cost=COST, itl_target_s=target,
+                                             itl_decode_ratio=ratio)
+    assert (cfg.itl_target_s, cfg.step_cost, cfg.itl_on) == (0.15, COST, True)
+    assert not SchedulerConfig.from_engine_config(EngineConfig(), 100, 256).itl_on
     with pytest.raises(ValueError, match="step_cost"):
-        SchedulerConfig.from_engine_config(EngineConfig(itl_slo_ms=150), 100, 256)
+        SchedulerConfig.from_engine_config(EngineConfig(), 100, 256, itl_decode_ratio=2.0)
     with pytest.raises(ValueError, match="itl_slo_ms"):
         EngineConfig(itl_slo_ms=-1.0)

@@ -9,7 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.core.step_cost import StepCostModel, StepSample, prefill_token_budget
+from jaxserve.core.step_cost import (
+    AUTO_ITL_DECODE_RATIO,
+    OnlineStepCost,
+    StepCostModel,
+    StepSample,
+    itl_target_s,
+    prefill_token_budget,
+    resolve_itl_target,
+)
 from jaxserve.device.buckets import token_buckets
 
 MODEL = StepCostModel(fixed_s=0.02, per_token_s=1e-3, per_row_s=5e-4, per_context_token_s=2e-6)
@@ -96,3 +104,60 @@ def test_budget_keeps_the_padded_step_within_the_target_or_at_the_minimum(
     assert (model.predict(padded, rows, rows * ctx_per_row) <= target_ms * 1e-3 + 1e-12
             or padded <= floor)
     assert got >= min(8, max_tokens - rows)  # prompts always progress
+
+
+# -- fitting toward a prior, online -----------------------------------------------------------
+
+
+def test_fit_toward_a_prior_keeps_unmeasured_terms_and_follows_measured_ones() -> None:
+    """Prefill-only steps determine the fixed and per-token terms, not the decode ones: those
+    stay at the prior instead of making the fit singular."""
+    prior = StepCostModel(fixed_s=0.03, per_token_s=2e-3, per_row_s=1e-4,
+                          per_context_token_s=1e-6)
+    prefill_only = [StepSample(n, 0, 0, MODEL.predict(n)) for n in (8, 16, 32, 64, 128) * 20]
+    got = StepCostModel.fit(prefill_only, prior=prior)
+    assert got.per_row_s == pytest.approx(prior.per_row_s, rel=1e-6)
+    assert got.per_context_token_s == pytest.approx(prior.per_context_token_s, rel=1e-6)
+    assert got.fixed_s == pytest.approx(MODEL.fixed_s, rel=0.05)
+    assert got.per_token_s == pytest.approx(MODEL.per_token_s, rel=0.05)
+    empty = StepCostModel.fit([], prior=prior)
+    for name in ("fixed_s", "per_token_s", "per_row_s", "per_context_token_s"):
+        assert getattr(empty, name) == pytest.approx(getattr(prior, name), rel=1e-9)
+
+
+def test_fit_toward_a_prior_clips_negative_terms_and_refuses_a_free_token() -> None:
+    prior = StepCostModel.prior(32, 0.75e-3)
+    falling = [StepSample(n, 0, 0, 0.5 - 1e-3 * n) for n in (8, 64, 128, 256) * 10]
+    assert StepCostModel.fit(falling, prior=prior) == prior  # tokens cannot cost < 0
+    noisy_rows = [StepSample(64, r, 0, 0.1 - 1e-3 * r) for r in range(1, 40)]
+    assert StepCostModel.fit(noisy_rows, prior=prior).per_row_s == 0.0
+
+
+def test_online_fit_refits_every_k_steps_over_its_window() -> None:
+    prior = StepCostModel.prior(32, 0.75e-3)
+    online = OnlineStepCost(prior, window=64, refit_every=8)
+    rng = random.Random(1)
+    for i in range(7):
+        assert online.observe(StepSample(64, 4, 400, 1.0)) is None
+    assert online.model == prior
+    assert online.observe(StepSample(64, 4, 400, 0.0)) is None  # not a measurement: ignored
+    for _ in range(200):
+        n, rows = rng.choice(BUCKETS), rng.randrange(0, 32)
+        ctx = rows * rng.randrange(1, 500)
+        online.observe(StepSample(max(n, rows), rows, ctx, MODEL.predict(max(n, rows), rows,
+                                                                            ctx)))
+    assert len(online.samples) == 64  # the window: the seven 1-second steps are gone
+    assert online.model.per_token_s == pytest.approx(MODEL.per_token_s, rel=0.1)
+    assert online.model.fixed_s == pytest.approx(MODEL.fixed_s, rel=0.1)
+    with pytest.raises(ValueError, match="refit_every"):
+        OnlineStepCost(prior, refit_every=0)
+
+
+def test_itl_target_is_the_floor_or_a_multiple_of_the_decode_step() -> None:
+    m = StepCostModel(fixed_s=0.02, per_token_s=1e-3)
+    assert itl_target_s(m, 0.15, 0.0, 64, 1000, BUCKETS) == 0.15  # fixed: the floor alone
+    assert itl_target_s(m, 0.15, 2.0, 4, 100, BUCKETS) == 0.15  # 2 x 24 ms < 150 ms
+    # 64 decodes pad to the 64 bucket: 2 x (20 + 64) ms
+    assert itl_target_s(m, 0.15, 2.0, 64, 100, BUCKETS) == pytest.approx(0.168)
+    assert itl_target_s(m, 0.15, 2.0, 60, 100, BUCKETS) == pytest.approx(0.168)
+    assert resolve_itl_target(None, 0.15) == (0.15, AUTO_ITL_DECODE_RATIO)

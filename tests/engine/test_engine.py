@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.core.step_cost import StepCostModel
+from jaxserve.core.step_cost import AUTO_ITL_DECODE_RATIO, OnlineStepCost, StepCostModel
 from jaxserve.device.buckets import Bucket
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
@@ -189,15 +189,24 @@ def test_greedy_batched_matches_golden(llm: LLMEngine, goldens: dict) -> None:
     assert len(steps_with_golden_running) >= 20  # goldens really shared steps with others
 
 
+@pytest.mark.parametrize("auto", [False, True], ids=["fixed-fcfs", "auto-shortest-first"])
 def test_itl_target_keeps_goldens_and_compiles_nothing(
-    llm: LLMEngine, goldens: dict, monkeypatch: pytest.MonkeyPatch
+    llm: LLMEngine, goldens: dict, monkeypatch: pytest.MonkeyPatch, auto: bool
 ) -> None:
     """The busy batch above under a 30 ms ITL target (the CPU prior predicts 24 ms for an
     empty step, so prefill beside decodes is cut to its minimum chunks): the same golden
-    tokens, and only compiled buckets run."""
-    cfg = dataclasses.replace(llm.scheduler.config, itl_target_s=0.03,
-                              step_cost=StepCostModel.prior(32, 0.75e-3))
+    tokens, and only compiled buckets run. ``auto``: the automatic rule (at least twice the
+    predicted decode step) with shortest-first prefill and the model refitted online from
+    the steps every 4 of them, as ``jaxserve serve`` runs by default."""
+    prior = StepCostModel.prior(32, 0.75e-3)
+    cfg = dataclasses.replace(llm.scheduler.config, itl_target_s=0.03, step_cost=prior,
+                              itl_decode_ratio=AUTO_ITL_DECODE_RATIO if auto else 0.0,
+                              prefill_order="shortest-first" if auto else "fcfs")
     monkeypatch.setattr(llm.scheduler, "config", cfg)
+    monkeypatch.setattr(llm.scheduler, "step_cost", prior)
+    online = OnlineStepCost(prior, refit_every=4)
+    if auto:
+        monkeypatch.setattr(llm, "step_cost", online)
     budgets: list[int] = []  # prefill tokens each step may take
     budget_of = llm.scheduler._itl_prefill_budget
     monkeypatch.setattr(llm.scheduler, "_itl_prefill_budget",
@@ -206,6 +215,9 @@ def test_itl_target_keeps_goldens_and_compiles_nothing(
     test_greedy_batched_matches_golden(llm, goldens)
     assert llm.runner.num_compiles == compiles_before
     assert sum(b < cfg.max_num_batched_tokens for b in budgets) >= 20  # prefill was cut
+    if auto:  # the steps were measured and the scheduler planned with the refitted model
+        assert online.num_observed >= 20 and llm.scheduler.step_cost is online.model
+        assert online.model != prior
 
 
 # -- compilation -----------------------------------------------------------------------------
