@@ -14,7 +14,9 @@ compute the metrics (metrics.py) over the span from the first arrival to the las
 the table; with ``--save-result`` write the JSON. Differences from vLLM: ``--ignore-eos`` is on by
 default (``--no-ignore-eos`` turns it off) for every workload here, so output lengths are exact;
 the per-request lists are always saved (vLLM now needs ``--save-detailed``); ``--metric-percentiles``
-defaults to ``90,95,99`` (vLLM: ``99``) and ``--percentile-metrics`` to ``ttft,tpot,itl,e2el``.
+defaults to ``90,95,99`` (vLLM: ``99``) and always includes 99; ``--percentile-metrics`` defaults
+to ``ttft,tpot,itl,max_itl,e2el`` and always includes ttft, itl and max_itl (each request's
+largest gap); ``--goodput`` also takes ``itl`` (metrics.py).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from jaxserve.bench.metrics import (
     build_result,
     format_table,
     parse_goodput,
+    with_tails,
 )
 from jaxserve.bench.profiles import (
     DEFAULT_MAX_LEN,
@@ -116,7 +119,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
            "(default: the --dataset-name profile's, chat-like 0.84, code-like 0.2; else 1)")
     a("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     a("--goodput", nargs="+", default=None, metavar="KEY:MS",
-      help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:2000 (ms)")
+      help="SLOs for goodput, e.g. ttft:500 tpot:50 itl:200 e2el:2000 (ms; itl: the request's "
+           "largest gap, jaxserve only)")
     a("--seed", type=int, default=0, help="seed of the workload and the arrival times")
     a("--num-warmups", type=int, default=0, help="unmeasured requests sent first")
     a("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
@@ -125,8 +129,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     a("--top-p", type=float, default=None, help="top-p (server default)")
     a("--top-k", type=int, default=None, help="top-k (server default)")
     a("--percentile-metrics", default=",".join(METRICS),
-      help="comma-separated metrics with statistics: ttft,tpot,itl,e2el")
-    a("--metric-percentiles", default="90,95,99", help="comma-separated percentiles")
+      help="comma-separated metrics with statistics: ttft,tpot,itl,max_itl,e2el (ttft, itl "
+           "and max_itl, each request's largest gap, are always included)")
+    a("--metric-percentiles", default="90,95,99",
+      help="comma-separated percentiles (99 is always included)")
     a("--request-id-prefix", default="bench-", help="X-Request-Id prefix (then the index)")
     a("--server-pid", type=int, default=None,
       help="a local server's process id: also report the CPU seconds its process tree used "
@@ -230,8 +236,9 @@ async def run_benchmark(ns: argparse.Namespace) -> tuple[dict[str, Any], str]:
     _check(ns, burstiness)
     httpx = require("httpx", "bench", "jaxserve bench serve")
     goodput = parse_goodput(ns.goodput)
-    percentiles = [float(x) for x in ns.metric_percentiles.split(",") if x.strip()]
-    metrics_sel = [m.strip() for m in ns.percentile_metrics.split(",") if m.strip()]
+    metrics_sel, percentiles = with_tails(
+        [m.strip() for m in ns.percentile_metrics.split(",") if m.strip()],
+        [float(x) for x in ns.metric_percentiles.split(",") if x.strip()])
     base = ns.base_url.rstrip("/")
     url = base + ns.endpoint
     chat = ns.endpoint.endswith("chat/completions")
