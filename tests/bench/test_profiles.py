@@ -4,6 +4,8 @@ they were fitted to, the bounds, the shared system prompt, and the default burst
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +19,10 @@ from jaxserve.bench.profiles import (
     profile_lengths,
 )
 from jaxserve.bench.serve import add_cli_args, arrival_burstiness
+from jaxserve.cli.main import main
+from jaxserve.server.routes import build_app
+from tests.support.fake_engine import FakeEngine
+from tests.support.http_server import serve_app
 
 # (prompt median, prompt p90, output median, output p90) of the Azure LLM inference trace 2023,
 # computed from its CSV files (profiles.py's module doc).
@@ -92,3 +98,19 @@ def test_default_burstiness_only_without_the_flag() -> None:
     assert arrival_burstiness(_ns("--dataset-name", "chat-like", "--burstiness", "3")) == 3.0
     assert arrival_burstiness(_ns()) == 1.0  # random: Poisson, as vLLM
     assert arrival_burstiness(_ns("--dataset-name", "sharegpt-like")) == 1.0
+
+
+def test_bench_serve_runs_a_profile_with_its_burstiness(tmp_path: Path) -> None:
+    """--dataset-name code-like through the CLI against the fake engine: lengths within
+    --profile-max-len, the profile's burstiness recorded, the tails in the result."""
+    with serve_app(build_app(FakeEngine(max_model_len=1024, step_s=0.0005), "m")) as url:
+        rc = main(["bench", "serve", "--base-url", url, "--disable-tqdm", "--save-result",
+                   "--result-dir", str(tmp_path), "--result-filename", "out.json",
+                   "--dataset-name", "code-like", "--profile-max-len", "1000",
+                   "--num-prompts", "6", "--request-rate", "100", "--goodput", "itl:60000"])
+    res = json.loads((tmp_path / "out.json").read_text())
+    assert rc == 0 and res["completed"] == 6 and res["burstiness"] == 0.2
+    assert all(i + o <= 1000 for i, o in zip(res["input_lens"], res["output_lens"]))
+    assert res["request_goodput"] == res["request_throughput"]
+    assert res["largest_itl_ms"] >= res["p99_max_itl_ms"] > 0
+    assert res["largest_itl_ms"] >= res["p99_itl_ms"] > 0
