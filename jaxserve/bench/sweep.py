@@ -171,7 +171,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
       help="SLOs (ms): a step meets them when their --percentile does (itl: pooled gaps); its "
            "goodput counts the requests meeting them (itl: the request's largest gap)")
     a("--headroom", type=float, default=0.25,
-      help="interactive config: fraction of the SLO-meeting concurrency held back for spikes")
+      help="interactive config: fraction of the concurrency with the most goodput held back "
+           "for spikes")
     a("--metrics-interval-s", type=float, default=0.2, help="how often /metrics is polled")
     a("--server-start-timeout-s", type=float, default=900.0,
       help="how long a started server may take to load and compile")
