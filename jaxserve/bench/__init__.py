@@ -6,6 +6,8 @@
 Modules:
   datasets      workloads (``random``, ``sharegpt-like``, ``prefix``, ``trace``) as
                 ``SampleRequest`` lists; the shipped public-domain text (``jaxserve/data/``).
+  profiles      production-shaped workloads (``chat-like``, ``code-like``,
+                ``mixed-system-prompt``): trace-fitted lengths and default burstiness.
   arrivals      request arrival times: closed burst, Poisson, or gamma (burstiness) open loop.
   client        one streamed request over httpx, timed per chunk (TTFT, ITL, latency).
   metrics       vLLM ``benchmark_serving`` metrics from per-request timelines; the result table.

@@ -5,12 +5,18 @@ Per successful request (times in s, client side):
   TTFT    time from sending to the first token chunk;
   ITL     the gaps between successive token chunks (a chunk may carry several tokens);
   E2EL    ``latency``: sending to the last chunk with choices;
-  TPOT    ``(latency - ttft) / (output_len - 1)``, only for ``output_len > 1``.
+  TPOT    ``(latency - ttft) / (output_len - 1)``, only for ``output_len > 1``;
+  max ITL the request's largest gap, only for requests with a gap (jaxserve only: a stall that
+          pooled ITL percentiles hide, since one request's 2 s pause is one gap among
+          thousands).
 Over the run (``duration`` s, from the first send to the last response, warm-ups excluded):
   request_throughput = completed / duration (req/s); output_throughput = output tokens / duration
   (tok/s); total_token_throughput = (input + output tokens) / duration (tok/s); request_goodput =
   requests meeting every SLO / duration (req/s), an SLO met when ``value <= slo``; a request with
-  ``output_len <= 1`` counts TPOT 0 for goodput. ITLs are pooled over all requests before the
+  ``output_len <= 1`` counts TPOT 0 for goodput. An ``itl`` SLO (jaxserve only: vLLM has no ITL
+  goodput) is met when the request's largest gap is within it (no gap: met): a user sees the
+  worst stall of their stream, which a mean (TPOT) or a pooled percentile does not bound; the
+  run's largest gap is ``largest_itl_ms``. ITLs are pooled over all requests before the
   statistics. Means, medians, standard deviations (population) and ``numpy.percentile``
   (linear interpolation) are reported in ms; an empty list counts as ``[0]``, as in vLLM. Failed
   requests count in no statistic and add 0 to ``output_lens``.
@@ -24,12 +30,14 @@ from typing import Any
 
 import numpy as np
 
-METRICS = ("ttft", "tpot", "itl", "e2el")
-SLO_NAMES = ("ttft", "tpot", "e2el")
+METRICS = ("ttft", "tpot", "itl", "max_itl", "e2el")
+SLO_NAMES = ("ttft", "tpot", "itl", "e2el")
+TAIL_METRICS = ("ttft", "itl", "max_itl")  # always in the table, with their p99
 _HEADERS = {
     "ttft": ("TTFT", "Time to First Token"),
     "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
     "itl": ("ITL", "Inter-token Latency"),
+    "max_itl": ("Max ITL", "Largest Gap per Request"),
     "e2el": ("E2EL", "End-to-end Latency"),
 }
 
@@ -75,7 +83,7 @@ def parse_goodput(pairs: list[str] | None) -> dict[str, float]:
     """``["ttft:500", "tpot:50"]`` -> ``{"ttft": 500.0, "tpot": 50.0}`` (ms).
 
     Raises:
-      ValueError: malformed pair, unknown name (ttft, tpot, e2el) or negative value.
+      ValueError: malformed pair, unknown name (ttft, tpot, itl, e2el) or negative value.
     """
     out: dict[str, float] = {}
     for name, ms in parse_ms_pairs(pairs or [], "--goodput", SLO_NAMES):
@@ -88,6 +96,15 @@ def parse_goodput(pairs: list[str] | None) -> dict[str, float]:
 def percentile_key(p: float) -> str:
     """vLLM's key word for a percentile: 99 -> "99", 99.9 -> "99.9"."""
     return str(int(p)) if int(p) == p else str(p)
+
+
+def with_tails(percentile_metrics: list[str], percentiles: list[float]
+               ) -> tuple[list[str], list[float]]:
+    """The selection with ``TAIL_METRICS`` added (in ``METRICS`` order) and 99 added to the
+    percentiles (sorted), so every table shows p99 TTFT, p99 ITL and the largest gaps."""
+    chosen = set(percentile_metrics) | set(TAIL_METRICS)
+    extra = [m for m in percentile_metrics if m not in METRICS]  # left for build_result to refuse
+    return [m for m in METRICS if m in chosen] + extra, sorted({*percentiles, 99.0})
 
 
 def _stats(values: list[float], percentiles: list[float]) -> dict[str, Any]:
@@ -112,8 +129,9 @@ def calculate_metrics(
     Returns:
       ``({"completed", "failed", "total_input", "total_output", "request_throughput",
       "request_goodput", "output_throughput", "total_token_throughput", "ttft", "tpot", "itl",
-      "e2el"}, output_lens)`` where each metric entry holds mean/median/std and
-      ``percentiles`` ``[(p, ms)]``; ``request_goodput`` is None without SLOs.
+      "max_itl", "e2el", "largest_itl"}, output_lens)`` where each metric entry holds
+      mean/median/std and ``percentiles`` ``[(p, ms)]``, ``largest_itl`` is the run's largest
+      gap (ms; 0 without gaps); ``request_goodput`` is None without SLOs.
     """
     output_lens: list[int] = []
     total_input = completed = good = 0
@@ -121,6 +139,8 @@ def calculate_metrics(
     tpots: list[float] = []
     all_tpots: list[float] = []
     itls: list[float] = []
+    max_itls: list[float] = []
+    all_max_itls: list[float] = []
     e2els: list[float] = []
     for o in outputs:
         if not o.success:
@@ -135,11 +155,14 @@ def calculate_metrics(
             tpots.append(tpot)
         all_tpots.append(tpot)
         itls += o.itl
+        if o.itl:
+            max_itls.append(max(o.itl))
+        all_max_itls.append(max(o.itl, default=0.0))
         ttfts.append(o.ttft)
         e2els.append(o.latency)
         completed += 1
     if goodput:
-        per_metric = {"ttft": ttfts, "tpot": all_tpots, "e2el": e2els}
+        per_metric = {"ttft": ttfts, "tpot": all_tpots, "itl": all_max_itls, "e2el": e2els}
         names = list(goodput)
         for values in zip(*(per_metric[k] for k in names)):
             if all(v <= goodput[k] / 1000 for k, v in zip(names, values)):
@@ -157,7 +180,9 @@ def calculate_metrics(
         "ttft": _stats(ttfts, percentiles),
         "tpot": _stats(tpots, percentiles),
         "itl": _stats(itls, percentiles),
+        "max_itl": _stats(max_itls, percentiles),
         "e2el": _stats(e2els, percentiles),
+        "largest_itl": max(max_itls, default=0.0) * 1000,
     }
     return metrics, output_lens
 
@@ -173,7 +198,7 @@ def build_result(
     ``p<P>_<m>_ms`` for each selected metric ``m``, and the per-request lists (``input_lens``,
     ``output_lens``, ``ttfts``, ``itls``, ``latencies``, ``start_times``, ``generated_texts``,
     ``errors``; ``ttfts``/``itls``/``latencies`` in s, ``start_times`` in s after the first
-    send)."""
+    send), and ``largest_itl_ms`` (jaxserve only)."""
     for m in percentile_metrics:
         if m not in METRICS:
             raise ValueError(f"--percentile-metrics names must be in {METRICS}, got {m!r}")
@@ -189,6 +214,7 @@ def build_result(
         "request_goodput": metrics["request_goodput"],
         "output_throughput": metrics["output_throughput"],
         "total_token_throughput": metrics["total_token_throughput"],
+        "largest_itl_ms": metrics["largest_itl"],
         "input_lens": [o.prompt_len for o in outputs],
         "output_lens": output_lens,
         "ttfts": [o.ttft for o in outputs],
@@ -245,5 +271,7 @@ def format_table(
         for p in percentiles:
             w = percentile_key(p)
             row(f"P{w} {name} (ms):", result[f"p{w}_{m}_ms"], ".2f")
+        if m == "max_itl":
+            row("Largest ITL (ms):", result["largest_itl_ms"], ".2f")
     lines.append("=" * 50)
     return "\n".join(lines)

@@ -14,7 +14,9 @@ compute the metrics (metrics.py) over the span from the first arrival to the las
 the table; with ``--save-result`` write the JSON. Differences from vLLM: ``--ignore-eos`` is on by
 default (``--no-ignore-eos`` turns it off) for every workload here, so output lengths are exact;
 the per-request lists are always saved (vLLM now needs ``--save-detailed``); ``--metric-percentiles``
-defaults to ``90,95,99`` (vLLM: ``99``) and ``--percentile-metrics`` to ``ttft,tpot,itl,e2el``.
+defaults to ``90,95,99`` (vLLM: ``99``) and always includes 99; ``--percentile-metrics`` defaults
+to ``ttft,tpot,itl,max_itl,e2el`` and always includes ttft, itl and max_itl (each request's
+largest gap); ``--goodput`` also takes ``itl`` (metrics.py).
 """
 
 from __future__ import annotations
@@ -51,11 +53,19 @@ from jaxserve.bench.metrics import (
     build_result,
     format_table,
     parse_goodput,
+    with_tails,
+)
+from jaxserve.bench.profiles import (
+    DEFAULT_MAX_LEN,
+    DEFAULT_SYSTEM_PROMPT_LEN,
+    PROFILES,
+    default_burstiness,
+    profile_dataset,
 )
 from jaxserve.extras import require
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
-DATASETS = ("random", "sharegpt-like", "prefix", "prefix_repetition", "trace")
+DATASETS = ("random", "sharegpt-like", *PROFILES, "prefix", "prefix_repetition", "trace")
 
 
 def add_dataset_args(p: argparse.ArgumentParser, num_prompts: int = 1000) -> None:
@@ -63,8 +73,10 @@ def add_dataset_args(p: argparse.ArgumentParser, num_prompts: int = 1000) -> Non
     a = p.add_argument
     a("--dataset-name", default="random", choices=DATASETS,
       help="workload: random lengths; sharegpt-like (published ShareGPT length statistics, "
-           "real text); shared prefixes (prefix_repetition: the same); trace (--dataset-path "
-           "JSONL replayed at its own arrival times)")
+           "real text); chat-like, code-like, mixed-system-prompt (lengths and burstiness of "
+           "the Azure LLM inference trace 2023, real text; jaxserve only); shared prefixes "
+           "(prefix_repetition: the same); trace (--dataset-path JSONL replayed at its own "
+           "arrival times)")
     a("--dataset-path", default=None,
       help="the trace file of --dataset-name trace: JSONL of arrival_time (s) or timestamp "
            "(ms), prompt or input_length, output_length")
@@ -81,6 +93,11 @@ def add_dataset_args(p: argparse.ArgumentParser, num_prompts: int = 1000) -> Non
       help="distribution of the random lengths (jaxserve only; uniform is vLLM's rule)")
     a("--random-token-range", type=int, nargs=2, default=list(DEFAULT_TOKEN_RANGE),
       metavar=("LOW", "HIGH"), help="prompt token ids drawn from [LOW, HIGH) (jaxserve only)")
+    a("--profile-max-len", type=int, default=DEFAULT_MAX_LEN,
+      help="chat-like, code-like, mixed-system-prompt: most prompt + output tokens of a request "
+           "(longer draws are rejected; leave room for a chat template with the chat endpoint)")
+    a("--profile-system-prompt-len", type=int, default=DEFAULT_SYSTEM_PROMPT_LEN,
+      help="mixed-system-prompt: tokens of the system prompt every request shares")
     a("--prefix-repetition-prefix-len", type=int, default=256, help="shared prefix (tokens)")
     a("--prefix-repetition-suffix-len", type=int, default=256, help="unique suffix (tokens)")
     a("--prefix-repetition-num-prefixes", type=int, default=10, help="distinct prefixes")
@@ -97,11 +114,13 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     add_dataset_args(p)
     a("--request-rate", type=float, default=float("inf"),
       help="arrivals per second; inf sends every request at once")
-    a("--burstiness", type=float, default=1.0,
-      help="gamma shape of the inter-arrival times: 1 Poisson, <1 burstier, >1 more regular")
+    a("--burstiness", type=float, default=None,
+      help="gamma shape of the inter-arrival times: 1 Poisson, <1 burstier, >1 more regular "
+           "(default: the --dataset-name profile's, chat-like 0.84, code-like 0.2; else 1)")
     a("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     a("--goodput", nargs="+", default=None, metavar="KEY:MS",
-      help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:2000 (ms)")
+      help="SLOs for goodput, e.g. ttft:500 tpot:50 itl:200 e2el:2000 (ms; itl: the request's "
+           "largest gap, jaxserve only)")
     a("--seed", type=int, default=0, help="seed of the workload and the arrival times")
     a("--num-warmups", type=int, default=0, help="unmeasured requests sent first")
     a("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
@@ -110,8 +129,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     a("--top-p", type=float, default=None, help="top-p (server default)")
     a("--top-k", type=int, default=None, help="top-k (server default)")
     a("--percentile-metrics", default=",".join(METRICS),
-      help="comma-separated metrics with statistics: ttft,tpot,itl,e2el")
-    a("--metric-percentiles", default="90,95,99", help="comma-separated percentiles")
+      help="comma-separated metrics with statistics: ttft,tpot,itl,max_itl,e2el (ttft, itl "
+           "and max_itl, each request's largest gap, are always included)")
+    a("--metric-percentiles", default="90,95,99",
+      help="comma-separated percentiles (99 is always included)")
     a("--request-id-prefix", default="bench-", help="X-Request-Id prefix (then the index)")
     a("--server-pid", type=int, default=None,
       help="a local server's process id: also report the CPU seconds its process tree used "
@@ -123,14 +144,20 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     a("--disable-tqdm", action="store_true", help="no progress bar")
 
 
-def _check(ns: argparse.Namespace) -> None:
+def arrival_burstiness(ns: argparse.Namespace) -> float:
+    """``--burstiness`` if given, else the ``--dataset-name`` profile's default (profiles.py),
+    else 1.0 (Poisson)."""
+    return ns.burstiness if ns.burstiness is not None else default_burstiness(ns.dataset_name)
+
+
+def _check(ns: argparse.Namespace, burstiness: float) -> None:
     if ns.num_prompts < 1:
         raise ValueError("--num-prompts must be >= 1")
     if ns.max_concurrency is not None and ns.max_concurrency < 1:
         raise ValueError("--max-concurrency must be >= 1")
     if ns.num_warmups < 0:
         raise ValueError("--num-warmups must be >= 0")
-    if not ns.request_rate > 0 or not ns.burstiness > 0:
+    if not ns.request_rate > 0 or not burstiness > 0:
         raise ValueError("--request-rate and --burstiness must be > 0")
 
 
@@ -162,6 +189,9 @@ def build_workload(ns: argparse.Namespace, chat: bool
     corpus = TextCorpus(load_tokenizer(ns.tokenizer))
     if name == "trace":
         return trace_dataset(ns.dataset_path, ns.num_prompts, ns.seed, chat, corpus)
+    if name in PROFILES:
+        return profile_dataset(name, ns.num_prompts, ns.seed, chat, corpus, ns.profile_max_len,
+                               ns.profile_system_prompt_len), None
     return sharegpt_like_dataset(ns.num_prompts, ns.seed, chat, corpus), None
 
 
@@ -202,17 +232,19 @@ async def run_benchmark(ns: argparse.Namespace) -> tuple[dict[str, Any], str]:
       ValueError: bad flags, or a server that cannot be reached.
       MissingExtraError: httpx (the ``bench`` extra) is not installed.
     """
-    _check(ns)
+    burstiness = arrival_burstiness(ns)
+    _check(ns, burstiness)
     httpx = require("httpx", "bench", "jaxserve bench serve")
     goodput = parse_goodput(ns.goodput)
-    percentiles = [float(x) for x in ns.metric_percentiles.split(",") if x.strip()]
-    metrics_sel = [m.strip() for m in ns.percentile_metrics.split(",") if m.strip()]
+    metrics_sel, percentiles = with_tails(
+        [m.strip() for m in ns.percentile_metrics.split(",") if m.strip()],
+        [float(x) for x in ns.metric_percentiles.split(",") if x.strip()])
     base = ns.base_url.rstrip("/")
     url = base + ns.endpoint
     chat = ns.endpoint.endswith("chat/completions")
     samples, offsets = build_workload(ns, chat)
     if offsets is None:
-        offsets = arrival_offsets(len(samples), ns.request_rate, ns.burstiness,
+        offsets = arrival_offsets(len(samples), ns.request_rate, burstiness,
                                   np.random.default_rng(ns.seed))
     extra = {k: v for k, v in (("temperature", ns.temperature), ("top_p", ns.top_p),
                                ("top_k", ns.top_k)) if v is not None}
@@ -236,8 +268,8 @@ async def run_benchmark(ns: argparse.Namespace) -> tuple[dict[str, Any], str]:
             print(f"Warming up with {ns.num_warmups} requests...", flush=True)
             await asyncio.gather(*(one(samples[0], f"{ns.request_id_prefix}warmup-{k}", None)
                                    for k in range(ns.num_warmups)))
-        dist = "Poisson process" if ns.burstiness == 1.0 else "Gamma distribution"
-        print(f"Traffic request rate: {ns.request_rate}\nBurstiness factor: {ns.burstiness} "
+        dist = "Poisson process" if burstiness == 1.0 else "Gamma distribution"
+        print(f"Traffic request rate: {ns.request_rate}\nBurstiness factor: {burstiness} "
               f"({dist})\nMaximum request concurrency: {cap}", flush=True)
         pbar = None
         if not ns.disable_tqdm:
@@ -271,7 +303,7 @@ async def run_benchmark(ns: argparse.Namespace) -> tuple[dict[str, Any], str]:
         "dataset_name": ns.dataset_name,
         "num_prompts": ns.num_prompts,
         "request_rate": ns.request_rate if not math.isinf(ns.request_rate) else "inf",
-        "burstiness": ns.burstiness,
+        "burstiness": burstiness,
         "max_concurrency": cap,
         "goodput_slos_ms": goodput or None,
         "ignore_eos": ns.ignore_eos,

@@ -2,9 +2,10 @@
 workload should be served at.
 
     jaxserve sweep --serve-args "--max-model-len 2048" --grid max_num_seqs=32,64 \\
-        --dataset-name sharegpt-like --percentile 99 --goodput ttft:500 tpot:50 --output-dir sw/
+        itl_slo_ms=0,50 --dataset-name chat-like --goodput ttft:500 itl:100 --output-dir sw/
 
-The method: for each engine configuration (each point of ``--grid``, each on a
+The method: for each engine configuration (each point of ``--grid``, the cross product of any
+engine settings, e.g. ``max_num_seqs``, ``max_num_batched_tokens``, ``itl_slo_ms``, each on a
 freshly started ``jaxserve serve`` subprocess; or the one server at ``--base-url``):
   1. send ``--num-warmups`` unmeasured requests;
   2. run ``jaxserve bench serve`` closed loop at concurrency 1 (the single-request baseline),
@@ -15,14 +16,17 @@ freshly started ``jaxserve serve`` subprocess; or the one server at ``--base-url
   3. while each step runs, poll the server's ``/metrics`` (every ``--metrics-interval-s``) and
      average its batch occupancy: sequences over ``max_num_seqs``, scheduled tokens over
      ``max_num_batched_tokens``, KV-cache usage (None against servers without those gauges).
-Then, per configuration: the highest concurrency meeting the SLOs at the chosen percentile
-(``slo_concurrency``) and the knee (``knee_concurrency``); over all configurations, two
+Then, per configuration: the highest concurrency meeting the SLOs (``--goodput``, default p99
+TTFT <= 500 ms and p99 ITL <= 100 ms at ``--percentile``) before the first breach
+(``slo_concurrency``), its goodput (the most requests/s meeting every SLO, per request, among
+those steps; ``best_goodput``) and the knee (``knee_concurrency``); over all configurations, two
 recommendations written as ``jaxserve serve --config`` files: ``interactive.yaml`` (the
-configuration that meets the SLOs at the highest concurrency, ``max_num_seqs`` held
-``--headroom`` below that concurrency for spikes) and ``offline.yaml`` (the configuration with
-the highest throughput, ``max_num_seqs`` at least the concurrency that reached it). Output: the
-table on the terminal, ``sweep.json``, and ``throughput.png``, ``latency.png``,
-``occupancy.png`` (matplotlib, Agg backend) in ``--output-dir``.
+configuration with the most goodput, ``max_num_seqs`` held ``--headroom`` below the concurrency
+that reached it, for spikes) and ``offline.yaml`` (the configuration with the highest
+throughput, ``max_num_seqs`` at least the concurrency that reached it). Output: the table
+(throughput, mean and p99 TTFT and ITL, the largest gap, goodput, occupancy) on the terminal,
+``sweep.json``, and ``throughput.png``, ``latency.png``, ``occupancy.png`` (matplotlib, Agg
+backend) in ``--output-dir``.
 """
 
 from __future__ import annotations
@@ -46,10 +50,18 @@ from typing import Any, Self
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxserve.bench.metrics import parse_goodput
+from jaxserve.bench.metrics import METRICS, parse_goodput
 from jaxserve.bench.serve import ENDPOINTS, add_dataset_args, run_benchmark
 from jaxserve.bench.serve import add_cli_args as add_serve_args
-from jaxserve.bench.sweep_report import LIMIT_GAUGES, config_label, plot, recommend, write_yaml
+from jaxserve.bench.sweep_report import (
+    LIMIT_GAUGES,
+    best_goodput,
+    format_table,
+    gains,
+    plot,
+    recommend,
+    write_yaml,
+)
 from jaxserve.config import EngineConfig
 from jaxserve.extras import require
 
@@ -61,15 +73,6 @@ OCCUPANCY_GAUGES = {
 
 
 # -- the decisions, as pure functions --------------------------------------------------------------
-
-
-def gains(throughputs: list[float]) -> list[float | None]:
-    """Relative gain of each step over the previous one (``None`` for the first; ``inf`` after a
-    zero)."""
-    out: list[float | None] = [None]
-    for a, b in itertools.pairwise(throughputs):
-        out.append(b / a - 1 if a > 0 else math.inf)
-    return out
 
 
 def should_stop(throughputs: list[float], threshold: float, patience: int) -> bool:
@@ -150,7 +153,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     a("--serve-args", default="",
       help="arguments for each started `jaxserve serve` (model, --max-model-len, ...)")
     a("--grid", nargs="+", default=None, metavar="KEY=V1,V2",
-      help="engine settings to cross, e.g. max_num_seqs=32,64 max_num_batched_tokens=512,2048")
+      help="engine settings to cross (any engine flag), e.g. max_num_seqs=32,64 "
+           "max_num_batched_tokens=512,2048 itl_slo_ms=0,50")
     a("--endpoint", default="/v1/completions", choices=ENDPOINTS, help="API path")
     add_dataset_args(p, num_prompts=16)
     a("--prompts-per-concurrency", type=int, default=4,
@@ -163,10 +167,12 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
       help="stop when throughput gains less than this fraction ...")
     a("--patience", type=int, default=2, help="... for this many steps in a row")
     a("--percentile", type=float, default=99.0, help="percentile the SLOs apply to")
-    a("--goodput", nargs="+", default=["ttft:500", "tpot:50"], metavar="KEY:MS",
-      help="SLOs (ms) at --percentile, e.g. ttft:500 tpot:50")
+    a("--goodput", nargs="+", default=["ttft:500", "itl:100"], metavar="KEY:MS",
+      help="SLOs (ms): a step meets them when their --percentile does (itl: pooled gaps); its "
+           "goodput counts the requests meeting them (itl: the request's largest gap)")
     a("--headroom", type=float, default=0.25,
-      help="interactive config: fraction of the SLO-meeting concurrency held back for spikes")
+      help="interactive config: fraction of the concurrency with the most goodput held back "
+           "for spikes")
     a("--metrics-interval-s", type=float, default=0.2, help="how often /metrics is polled")
     a("--server-start-timeout-s", type=float, default=900.0,
       help="how long a started server may take to load and compile")
@@ -273,9 +279,10 @@ def sweep_server(ns: argparse.Namespace, base_url: str) -> list[dict[str, Any]]:
                 "output_throughput": result["output_throughput"],
                 "total_token_throughput": result["total_token_throughput"],
                 "request_goodput": result["request_goodput"]}
-        for m in ("ttft", "tpot", "itl", "e2el"):
-            step[f"median_{m}_ms"] = result[f"median_{m}_ms"]
-            step[f"p{pkey}_{m}_ms"] = result[f"p{pkey}_{m}_ms"]
+        for m in METRICS:
+            for k in ("mean", "median", f"p{pkey}", "p99"):
+                step[f"{k}_{m}_ms"] = result[f"{k}_{m}_ms"]
+        step["largest_itl_ms"] = result["largest_itl_ms"]
         step.update(occupancy(samples))
         step["meets_slo"] = meets_slo(step, ns.percentile, slos)
         steps.append(step)
@@ -347,32 +354,6 @@ class ServerProcess:
         self.log.close()
 
 
-def format_table(configs: list[dict[str, Any]], percentile: float) -> str:
-    """One row per step: load, throughput and its gain, latency, goodput, occupancy, SLO."""
-    pkey = str(int(percentile)) if int(percentile) == percentile else str(percentile)
-
-    def pct(x: float | None) -> str:
-        return "-" if x is None else f"{x:.0%}"
-
-    lines = []
-    for c in configs:
-        lines.append(f"== {config_label(c['config'])}: knee {c['knee']}, meets SLOs up to "
-                     f"concurrency {c['slo_concurrency']}")
-        lines.append(f"{'conc':>5}{'req/s':>8}{'out tok/s':>10}{'gain':>7}{'TTFT p50':>9}"
-                     f"{'p' + pkey:>8}{'TPOT p50':>9}{'p' + pkey:>8}{'goodput':>8}"
-                     f"{'seqs':>6}{'tokens':>7}{'KV':>6}  SLO")
-        for s, g in zip(c["steps"], gains([s["output_throughput"] for s in c["steps"]])):
-            gs = "-" if g is None else f"{g:+.0%}"
-            lines.append(
-                f"{s['concurrency']:>5}{s['request_throughput']:>8.2f}"
-                f"{s['output_throughput']:>10.1f}{gs:>7}{s['median_ttft_ms']:>9.0f}"
-                f"{s[f'p{pkey}_ttft_ms']:>8.0f}{s['median_tpot_ms']:>9.1f}"
-                f"{s[f'p{pkey}_tpot_ms']:>8.1f}{s['request_goodput'] or 0:>8.2f}"
-                f"{pct(s['seqs_usage']):>6}{pct(s['tokens_usage']):>7}{pct(s['kv_usage']):>6}"
-                f"  {'ok' if s['meets_slo'] else 'BREACH'}")
-    return "\n".join(lines)
-
-
 def run(ns: argparse.Namespace) -> int:
     """Entry point of ``jaxserve sweep``; returns the exit status (1 if a step failed every
     request).
@@ -398,10 +379,14 @@ def run(ns: argparse.Namespace) -> int:
                                log) as server:
                 steps = sweep_server(ns, server.url)
         thr = [s["output_throughput"] for s in steps]
+        c_slo = slo_concurrency(steps, ns.percentile, parse_goodput(ns.goodput))
+        best = best_goodput(steps, c_slo)
         configs.append({
             "config": cfg, "steps": steps,
             "knee": knee_concurrency([s["concurrency"] for s in steps], thr, ns.gain_threshold),
-            "slo_concurrency": slo_concurrency(steps, ns.percentile, parse_goodput(ns.goodput)),
+            "slo_concurrency": c_slo,
+            "goodput": best["request_goodput"] if best else None,
+            "goodput_concurrency": best["concurrency"] if best else None,
         })
     rec = recommend(configs, ns.headroom)
     files = {}
@@ -414,7 +399,7 @@ def run(ns: argparse.Namespace) -> int:
     path = os.path.join(ns.output_dir, "sweep.json")
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(result, fh, indent=2, default=str)
-    print(format_table(configs, ns.percentile))
+    print(format_table(configs, ns.percentile, parse_goodput(ns.goodput)))
     for name, r in rec.items():
         print(f"{name}: {files[name]}: {r['settings']} -- {r['why']}")
     if "interactive" not in rec:

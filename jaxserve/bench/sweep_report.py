@@ -1,9 +1,11 @@
-"""What ``jaxserve sweep`` makes of its measurements: the two recommended ``--config`` files
-(``interactive``, ``offline``) and the plots (matplotlib, the ``bench`` extra)."""
+"""What ``jaxserve sweep`` makes of its measurements: each configuration's goodput, the two
+recommended ``--config`` files (``interactive``: most goodput; ``offline``: most throughput), the
+table and the plots (matplotlib, the ``bench`` extra)."""
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 from typing import Any
@@ -17,6 +19,25 @@ LIMIT_GAUGES = {"max_num_seqs": "jaxserve:max_num_seqs",
                 "max_num_batched_tokens": "jaxserve:max_num_batched_tokens"}
 
 
+def gains(throughputs: list[float]) -> list[float | None]:
+    """Relative gain of each step over the previous one (``None`` for the first; ``inf`` after a
+    zero)."""
+    out: list[float | None] = [None]
+    for a, b in itertools.pairwise(throughputs):
+        out.append(b / a - 1 if a > 0 else math.inf)
+    return out
+
+
+def best_goodput(steps: list[dict[str, Any]], slo_concurrency: int | None
+                 ) -> dict[str, Any] | None:
+    """The step with the most ``request_goodput`` (requests/s meeting every SLO, per request)
+    among those meeting the SLOs at the sweep's percentile (concurrency <= ``slo_concurrency``),
+    the higher output throughput on a tie; None if none met them."""
+    ok = [s for s in steps if slo_concurrency is not None and s["concurrency"] <= slo_concurrency]
+    return max(ok, key=lambda s: (s["request_goodput"] or 0.0, s["output_throughput"]),
+               default=None)
+
+
 def recommend(configs: list[dict[str, Any]], headroom: float) -> dict[str, dict[str, Any]]:
     """The interactive and offline recommendations (module doc) from the per-configuration
     results (each with ``config``, ``steps``, ``slo_concurrency``). Each entry: ``settings``
@@ -28,26 +49,24 @@ def recommend(configs: list[dict[str, Any]], headroom: float) -> dict[str, dict[
         base = {k: steps[0].get(k) for k in LIMIT_GAUGES if steps and steps[0].get(k)}
         return {**{k: int(v) for k, v in base.items()}, **cfg["config"]}
 
-    ok = [c for c in configs if c["slo_concurrency"]]
-    if ok:
-        def at_slo(c: dict[str, Any]) -> float:
-            return next(s["output_throughput"] for s in c["steps"]
-                        if s["concurrency"] == c["slo_concurrency"])
-
-        best = max(ok, key=lambda c: (c["slo_concurrency"], at_slo(c)))
+    goodput = [(c, g) for c in configs if (g := best_goodput(c["steps"], c["slo_concurrency"]))]
+    if goodput:
+        best, step = max(goodput, key=lambda cg: (cg[1]["request_goodput"] or 0.0,
+                                                  cg[1]["output_throughput"]))
         s = settings(best, best["steps"])
-        c_slo = best["slo_concurrency"]
-        target = max(1, math.floor(c_slo * (1 - headroom)))
+        c = step["concurrency"]
+        target = max(1, math.floor(c * (1 - headroom)))
         s["max_num_seqs"] = min(int(s.get("max_num_seqs", target)), target)
-        held = 1 - s["max_num_seqs"] / c_slo
+        held = 1 - s["max_num_seqs"] / c
         spare = (f"max_num_seqs {s['max_num_seqs']} holds back {held:.0%} of that for spikes "
                  "(bursts queue instead of slowing every stream)" if held > 0 else
-                 f"max_num_seqs {s['max_num_seqs']}: at concurrency {c_slo} no headroom can be "
+                 f"max_num_seqs {s['max_num_seqs']}: at concurrency {c} no headroom can be "
                  f"held back (the asked {headroom:.0%} rounds to zero sequences), so a spike "
                  "breaches the SLOs")
         out["interactive"] = {"settings": s, "from_config": best["config"], "why": (
-            f"meets the SLOs up to concurrency {c_slo} ({at_slo(best):.1f} output tok/s there); "
-            + spare)}
+            f"most goodput, {step['request_goodput'] or 0.0:.2f} req/s meeting the SLOs at "
+            f"concurrency {c} ({step['output_throughput']:.1f} output tok/s; SLOs met up to "
+            f"concurrency {best['slo_concurrency']}); " + spare)}
     if configs and any(c["steps"] for c in configs):
         def peak(c: dict[str, Any]) -> dict[str, Any]:
             return max(c["steps"], key=lambda s: s["output_throughput"])
@@ -70,6 +89,41 @@ def write_yaml(path: str, rec: dict[str, Any], serve_args: str) -> None:
                 "  ", " ")]
     with open(path, "w", encoding="utf-8") as fh:
         fh.write("\n".join(head) + "\n" + yaml.safe_dump(rec["settings"], sort_keys=True))
+
+
+def format_table(configs: list[dict[str, Any]], percentile: float, slos: dict[str, float]
+                 ) -> str:
+    """One row per step: load, throughput and its gain, mean and p99 TTFT and ITL, the largest
+    gap, each SLO metric at ``percentile`` (unless a p99 column shows it), goodput, occupancy,
+    the SLO verdict."""
+    pkey = str(int(percentile)) if int(percentile) == percentile else str(percentile)
+    shown = {"p99_ttft_ms", "p99_itl_ms"}
+    slo_cols = [k for m in slos if (k := f"p{pkey}_{m}_ms") not in shown]
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:.0%}"
+
+    lines = []
+    for c in configs:
+        good = ("none" if c.get("goodput") is None else
+                f"{c['goodput']:.2f} req/s at concurrency {c['goodput_concurrency']}")
+        lines.append(f"== {config_label(c['config'])}: knee {c['knee']}, meets SLOs (p{pkey}) up "
+                     f"to concurrency {c['slo_concurrency']}, goodput {good}")
+        head = "".join(f"{k[:-3].replace('_', ' '):>15}" for k in slo_cols)
+        lines.append(f"{'conc':>5}{'req/s':>8}{'out tok/s':>10}{'gain':>7}{'TTFT mean':>10}"
+                     f"{'p99':>8}{'ITL mean':>9}{'p99':>8}{'max gap':>8}{head}{'goodput':>8}"
+                     f"{'seqs':>6}{'tokens':>7}{'KV':>6}  SLO")
+        for s, g in zip(c["steps"], gains([s["output_throughput"] for s in c["steps"]])):
+            gs = "-" if g is None else f"{g:+.0%}"
+            extra = "".join(f"{s[k]:>15.1f}" for k in slo_cols)
+            lines.append(
+                f"{s['concurrency']:>5}{s['request_throughput']:>8.2f}"
+                f"{s['output_throughput']:>10.1f}{gs:>7}{s['mean_ttft_ms']:>10.0f}"
+                f"{s['p99_ttft_ms']:>8.0f}{s['mean_itl_ms']:>9.1f}{s['p99_itl_ms']:>8.1f}"
+                f"{s['largest_itl_ms']:>8.0f}{extra}{s['request_goodput'] or 0:>8.2f}"
+                f"{pct(s['seqs_usage']):>6}{pct(s['tokens_usage']):>7}{pct(s['kv_usage']):>6}"
+                f"  {'ok' if s['meets_slo'] else 'BREACH'}")
+    return "\n".join(lines)
 
 
 def config_label(cfg: dict[str, Any]) -> str:
@@ -105,7 +159,7 @@ def plot(configs: list[dict[str, Any]], ns: argparse.Namespace, out_dir: str) ->
     plt.close(fig)
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, m, name in ((axes[0], "ttft", "TTFT"), (axes[1], "tpot", "TPOT")):
+    for ax, m, name in ((axes[0], "ttft", "TTFT"), (axes[1], "itl", "ITL")):
         for c in configs:
             xs = [s["concurrency"] for s in c["steps"]]
             line, = ax.plot(xs, [s[f"median_{m}_ms"] for s in c["steps"]], "o--",

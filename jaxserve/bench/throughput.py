@@ -133,7 +133,7 @@ def run(ns: argparse.Namespace) -> int:
         raise ValueError("--num-prompts must be >= 1")
     if ns.dataset_name == "trace":
         raise ValueError("bench throughput is offline: every request is present at the start; "
-                         "use random, sharegpt-like or prefix")
+                         "use random, sharegpt-like, a profile (chat-like, ...) or prefix")
     cfg = engine_config_from_args(ns)
     ns.seed = cfg.seed
     samples, _ = build_workload(ns, chat=False)

@@ -39,6 +39,7 @@ from jaxserve.bench.metrics import (
     calculate_metrics,
     format_table,
     parse_goodput,
+    with_tails,
 )
 from jaxserve.bench.serve import result_path
 from jaxserve.cli.main import main
@@ -93,11 +94,38 @@ def test_metrics_hand_computed() -> None:
         ({"tpot": 50}, 2),  # A and B (B's TPOT counts 0)
         ({"e2el": 250}, 2),  # A and D (0.25 <= 0.25 meets it)
         ({"ttft": 10}, 0),
+        # itl: each request's largest gap, A 0.05, B none (met), D 0.1
+        ({"itl": 50}, 2),  # A (0.05 <= 0.05) and B
+        ({"itl": 49}, 1),  # B only
+        ({"itl": 100}, 3),
+        ({"ttft": 150, "itl": 50}, 1),  # A (B breaks TTFT)
     ],
 )
 def test_goodput(slos: dict[str, float], good: int) -> None:
     m, _ = calculate_metrics(TIMELINES, 2.0, [99], slos)
     assert m["request_goodput"] == pytest.approx(good / 2.0)
+
+
+def test_largest_gap_per_request() -> None:
+    """max_itl: A's largest gap 0.05, D's 0.1 (B has none, C failed): mean 75 ms, median 75,
+    p99 at index 0.99 -> 0.05 + 0.99 * 0.05 = 0.0995; the run's largest 100 ms."""
+    m, _ = calculate_metrics(TIMELINES, 2.0, [50, 99])
+    x = m["max_itl"]
+    assert (x["mean"], x["median"]) == (pytest.approx(75.0), pytest.approx(75.0))
+    assert x["percentiles"] == [(50, pytest.approx(75.0)), (99, pytest.approx(99.5))]
+    assert m["largest_itl"] == pytest.approx(100.0)
+    sel, pcts = with_tails(["tpot"], [50])
+    res = build_result(TIMELINES, 2.0, pcts, sel)
+    assert res["p99_max_itl_ms"] == pytest.approx(99.5) and res["largest_itl_ms"] == 100.0
+    assert res["p99_ttft_ms"] == pytest.approx(296.0) and res["p99_itl_ms"] == pytest.approx(98.0)
+    table = format_table(res, sel, pcts, None, float("inf"))
+    for label in ("Mean TTFT (ms):", "P99 TTFT (ms):", "Mean ITL (ms):", "P99 ITL (ms):",
+                  "Mean Max ITL (ms):", "P99 Max ITL (ms):", "Largest ITL (ms):",
+                  "P50 TPOT (ms):"):
+        assert label in table, label
+    assert "E2EL" not in table
+    assert with_tails(["e2el", "ttft"], [90.0, 50.0]) == (
+        ["ttft", "itl", "max_itl", "e2el"], [50.0, 90.0, 99.0])
 
 
 def test_result_keys_and_table() -> None:
@@ -126,7 +154,8 @@ def test_parse_goodput() -> None:
     assert parse_goodput(["ttft:500", "tpot:50", "e2el:2e3"]) == {
         "ttft": 500.0, "tpot": 50.0, "e2el": 2000.0}
     assert parse_goodput(None) == {}
-    for bad in (["itl:5"], ["ttft"], ["ttft:x"], ["ttft:-1"]):
+    assert parse_goodput(["itl:200"]) == {"itl": 200.0}
+    for bad in (["max_itl:5"], ["ttft"], ["ttft:x"], ["ttft:-1"]):
         with pytest.raises(ValueError):
             parse_goodput(bad)
 

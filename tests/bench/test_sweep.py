@@ -18,7 +18,7 @@ from jaxserve.bench.sweep import (
     should_stop,
     slo_concurrency,
 )
-from jaxserve.bench.sweep_report import recommend
+from jaxserve.bench.sweep_report import best_goodput, format_table, recommend
 from jaxserve.cli.main import main
 from jaxserve.config_args import engine_config_from_args
 from jaxserve.engine.metrics import EngineMetrics
@@ -81,6 +81,9 @@ def test_slo_detection() -> None:
 
 def test_parse_grid() -> None:
     assert parse_grid(None) == [{}]
+    assert parse_grid(["itl_slo_ms=0,50", "max_num_batched_tokens=512"]) == [
+        {"itl_slo_ms": 0.0, "max_num_batched_tokens": 512},
+        {"itl_slo_ms": 50.0, "max_num_batched_tokens": 512}]
     g = parse_grid(["max_num_seqs=32,64", "max-num-batched-tokens=512", "kv_cache_memory_gib=1.5"])
     assert g == [{"max_num_seqs": 32, "max_num_batched_tokens": 512, "kv_cache_memory_gib": 1.5},
                  {"max_num_seqs": 64, "max_num_batched_tokens": 512, "kv_cache_memory_gib": 1.5}]
@@ -89,26 +92,66 @@ def test_parse_grid() -> None:
             parse_grid(bad)
 
 
-def test_recommend() -> None:
-    def cfg(mns: int, thr: list[float], ok_upto: int | None) -> dict:
-        steps = [{"concurrency": c, "output_throughput": t, "max_num_seqs": mns,
-                  "max_num_batched_tokens": 512} for c, t in zip(CONC, thr)]
-        return {"config": {"max_num_seqs": mns}, "steps": steps, "slo_concurrency": ok_upto}
+def _cfg(mns: int, thr: list[float], ok_upto: int | None,
+         goodput: list[float] | None = None) -> dict:
+    good = goodput or [t / 10 for t in thr]  # requests/s meeting the SLOs, per step
+    steps = [{"concurrency": c, "output_throughput": t, "request_goodput": g,
+              "max_num_seqs": mns, "max_num_batched_tokens": 512}
+             for c, t, g in zip(CONC, thr, good)]
+    return {"config": {"max_num_seqs": mns}, "steps": steps, "slo_concurrency": ok_upto}
 
-    configs = [cfg(16, [10, 19, 35, 60, 70, 71], 8), cfg(64, [10, 19, 36, 62, 80, 95], 8)]
-    rec = recommend(configs, headroom=0.25)
-    # both meet the SLOs up to 8; the second is faster there; 8 * 0.75 = 6 sequences
+
+def test_best_goodput_counts_only_steps_meeting_the_slos() -> None:
+    c = _cfg(16, [10, 20, 30, 40], 4, goodput=[1.0, 1.9, 1.7, 3.5])
+    assert best_goodput(c["steps"], 4)["concurrency"] == 2  # 8 has more, but breaks the SLOs
+    assert best_goodput(c["steps"], 8)["concurrency"] == 8
+    assert best_goodput(c["steps"], None) is None
+    tie = _cfg(16, [10, 20], 2, goodput=[1.0, 1.0])
+    assert best_goodput(tie["steps"], 2)["concurrency"] == 2  # the tie goes to throughput
+
+
+def test_recommend_interactive_is_most_goodput_offline_most_throughput() -> None:
+    # A meets the SLOs up to 16 but few of its requests meet them per request (goodput 1.2);
+    # B only up to 8, with more goodput there (2.5 at concurrency 8). Goodput picks B.
+    a = _cfg(64, [10, 19, 36, 62, 80, 95], 16, goodput=[0.9, 1.0, 1.1, 1.2, 1.2, 0.5])
+    b = _cfg(16, [10, 19, 35, 60, 70, 71], 8, goodput=[1.0, 1.8, 2.2, 2.5, 2.0, 1.0])
+    rec = recommend([a, b], headroom=0.25)
+    assert rec["interactive"]["from_config"] == {"max_num_seqs": 16}
+    # 8 * 0.75 = 6 sequences
     assert rec["interactive"]["settings"] == {"max_num_seqs": 6, "max_num_batched_tokens": 512}
-    assert rec["interactive"]["from_config"] == {"max_num_seqs": 64}
+    assert "2.50 req/s" in rec["interactive"]["why"] and "holds back 25%" in rec["interactive"]["why"]
     # the highest throughput: 95 tok/s at concurrency 32 on max_num_seqs 64
     assert rec["offline"]["settings"] == {"max_num_seqs": 64, "max_num_batched_tokens": 512}
-    assert "32" in rec["offline"]["why"]
-    assert "holds back 25%" in rec["interactive"]["why"]
-    # met only at concurrency 1: one sequence, and the sentence says no headroom is left
-    at_one = recommend([cfg(16, [10, 12], 1)], 0.25)["interactive"]
-    assert at_one["settings"]["max_num_seqs"] == 1 and "no headroom" in at_one["why"]
-    none_ok = recommend([cfg(16, [10, 12], None)], 0.25)
+    assert rec["offline"]["from_config"] == {"max_num_seqs": 64} and "32" in rec["offline"]["why"]
+    # the most goodput below the SLO limit: concurrency 2 of 4 -> floor(1.5) = 1 sequence
+    two = recommend([_cfg(16, [10, 12, 13], 4, goodput=[1.0, 1.5, 1.4])], 0.25)["interactive"]
+    assert two["settings"]["max_num_seqs"] == 1 and "holds back 50%" in two["why"]
+    # most goodput at concurrency 1: one sequence, and the sentence says no headroom is left
+    one = recommend([_cfg(16, [10, 12], 2, goodput=[1.5, 1.2])], 0.25)["interactive"]
+    assert one["settings"]["max_num_seqs"] == 1 and "no headroom" in one["why"]
+    none_ok = recommend([_cfg(16, [10, 12], None)], 0.25)
     assert "interactive" not in none_ok and none_ok["offline"]["settings"]["max_num_seqs"] == 16
+
+
+def test_table_prints_p99_ttft_itl_and_the_largest_gap() -> None:
+    step = {"concurrency": 4, "request_throughput": 2.0, "output_throughput": 64.0,
+            "mean_ttft_ms": 120.0, "p99_ttft_ms": 410.0, "mean_itl_ms": 21.5, "p99_itl_ms": 88.2,
+            "largest_itl_ms": 950.0, "p90_tpot_ms": 33.3, "p90_ttft_ms": 300.0,
+            "p90_itl_ms": 40.0, "request_goodput": 1.75, "seqs_usage": 0.5,
+            "tokens_usage": None, "kv_usage": 0.25, "meets_slo": True}
+    cfg = {"config": {"itl_slo_ms": 50.0}, "steps": [step], "knee": None, "slo_concurrency": 4,
+           "goodput": 1.75, "goodput_concurrency": 4}
+    table = format_table([cfg], 99, {"ttft": 500.0, "itl": 100.0})
+    head, cols, row = table.splitlines()
+    assert "itl_slo_ms=50.0" in head and "goodput 1.75 req/s at concurrency 4" in head
+    assert cols.split() == ["conc", "req/s", "out", "tok/s", "gain", "TTFT", "mean", "p99",
+                            "ITL", "mean", "p99", "max", "gap", "goodput", "seqs", "tokens",
+                            "KV", "SLO"]
+    assert row.split() == ["4", "2.00", "64.0", "-", "120", "410", "21.5", "88.2", "950",
+                           "1.75", "50%", "-", "25%", "ok"]
+    # SLOs at p90 (and on TPOT) add their own columns
+    cols90 = format_table([cfg], 90, {"ttft": 500.0, "tpot": 50.0}).splitlines()[1]
+    assert "p90 ttft" in cols90 and "p90 tpot" in cols90
 
 
 # -- end to end -------------------------------------------------------------------------------
@@ -151,11 +194,16 @@ def test_sweep_real_server_real_model(engine, tmp_path: Path) -> None:  # type: 
         assert 0 < s["seqs_usage"] <= 1 and 0 < s["tokens_usage"] <= 1 and 0 < s["kv_usage"] <= 1
         assert s["meets_slo"] and s["p90_ttft_ms"] >= s["median_ttft_ms"] > 0
     assert c["slo_concurrency"] == 4 and c["config"] == {}
+    assert c["goodput"] == max(s["request_goodput"] for s in c["steps"])
+    for s in c["steps"]:
+        assert s["p99_itl_ms"] <= s["largest_itl_ms"] and s["mean_max_itl_ms"] > 0
     for name in ("throughput.png", "latency.png", "occupancy.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     inter = engine_config_from_args(argparse.Namespace(config=str(out / "interactive.yaml")))
     offline = engine_config_from_args(argparse.Namespace(config=str(out / "offline.yaml")))
-    assert (inter.max_num_seqs, inter.max_num_batched_tokens) == (3, 512)  # 4 * (1 - 0.25)
+    # the most goodput's concurrency (1, 2 or 4 on a busy machine) less 25%, at least 1
+    assert inter.max_num_seqs == max(1, int(c["goodput_concurrency"] * 0.75))
+    assert inter.max_num_batched_tokens == 512
     assert (offline.max_num_seqs, offline.max_num_batched_tokens) == (64, 512)
 
 
