@@ -119,10 +119,11 @@ class SchedulerOutput:
     preempted_ids: tuple[str, ...] = ()  # lost their device blocks this step
     offloads: tuple[tuple[int, int], ...] = ()  # (device block, host block) copies
     loads: tuple[tuple[int, int], ...] = ()  # (host block, device block) copies
-    # the step's shape for its cost (step_cost.StepSample): rows decoding one token, and the
-    # K/V tokens their attention reads
+    # the step's shape for its cost (step_cost.StepSample): rows decoding one token, the K/V
+    # tokens their attention reads, and the query-key pairs of the prompt chunks' attention
     num_decode_rows: int = 0
     num_context_tokens: int = 0
+    num_prefill_pairs: int = 0
 
     @property
     def is_empty(self) -> bool:

@@ -48,7 +48,12 @@ from jaxserve.core.plan import (
     UpdateResult,
 )
 from jaxserve.core.sequence import SeqState, cdiv
-from jaxserve.core.step_cost import fit_bucket, itl_target_s, prefill_token_budget
+from jaxserve.core.step_cost import (
+    fit_bucket,
+    itl_target_s,
+    prefill_pairs,
+    prefill_token_budget,
+)
 
 
 class Scheduler:
@@ -177,6 +182,7 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         preempted: list[str] = []
         planned: set[str] = set()
+        decoding: set[str] = set()  # the planned sequences that decode
         shape = [0, 0, 0]  # decode rows, their context tokens, prefill chunks
         for seq in self.running:  # blocks the dispatched steps fill: as if update had run
             if seq.num_inflight_tokens:
@@ -188,6 +194,7 @@ class Scheduler:
             if self._decodes(seq, start):
                 shape[0] += 1
                 shape[1] += start + 1
+                decoding.add(seq.request_id)
             else:
                 prefill_left -= num_new
                 shape[2] += 1
@@ -265,6 +272,8 @@ class Scheduler:
         num_tokens = cfg.max_num_batched_tokens - budget
         if cfg.token_buckets:
             num_tokens = self._fit_bucket(scheduled, num_tokens)
+        pairs = sum(prefill_pairs(len(c.token_ids), c.start_pos) for c in scheduled
+                    if c.request_id not in decoding)
         if cfg.async_scheduling:  # the plan's tokens are in flight until its update
             by_id = {s.request_id: s for s in self.running}
             for chunk in scheduled:
@@ -280,6 +289,7 @@ class Scheduler:
             loads=loads,
             num_decode_rows=shape[0],
             num_context_tokens=shape[1],
+            num_prefill_pairs=pairs,
         )
 
     def _prefill_order(self, pending: list[SeqState]) -> list[SeqState]:
@@ -429,19 +439,22 @@ class Scheduler:
         """Prompt tokens this step may take within the ITL target beside the running
         sequences that decode (all of ``max_num_batched_tokens`` when none does)."""
         cfg, model = self.config, self.step_cost
-        rows = context = 0
+        rows = context = prefill_start = 0
         for seq in self.running:
             start = seq.num_computed_tokens + seq.num_inflight_tokens
-            if self._decodes(seq, start) and not self._last_sample_pending(seq):
-                rows += 1
-                context += start + 1
+            if self._decodes(seq, start):
+                if not self._last_sample_pending(seq):
+                    rows += 1
+                    context += start + 1
+            else:  # its chunk's attention reads what it has computed: count the furthest
+                prefill_start = max(prefill_start, start)
         if not rows:
             return cfg.max_num_batched_tokens
         assert model is not None
         target = itl_target_s(model, cfg.itl_target_s, cfg.itl_decode_ratio, rows, context,
                               cfg.token_buckets)
-        return prefill_token_budget(model, target, rows, context,
-                                    cfg.max_num_batched_tokens, cfg.token_buckets)
+        return prefill_token_budget(model, target, rows, context, cfg.max_num_batched_tokens,
+                                    cfg.token_buckets, prefill_start=prefill_start)
 
     def _chunk(self, seq: SeqState, start: int, budget: int) -> int:
         """How many tokens from ``start`` the sequence gets with ``budget`` left."""

@@ -9,11 +9,15 @@ step's time::
 
     seconds = fixed_s + per_token_s * num_tokens + per_row_s * num_decode_rows
               + per_context_token_s * num_context_tokens
+              + per_prefill_pair_s * num_prefill_pairs
 
 ``num_tokens`` is the step's padded size (the compiled token bucket: the device computes every
 padded token, so a prompt token costs through the bucket it fills), ``num_decode_rows`` the
 sequences decoding one token, ``num_context_tokens`` the K/V tokens those rows' attention reads
-(their context lengths; a prefill chunk's attention is counted in its tokens).
+(their context lengths), ``num_prefill_pairs`` the query-key pairs of the prompt chunks'
+attention (a chunk of ``c`` tokens from position ``s``: ``c * (s + (c + 1) / 2)``), which
+grow with a long prompt's progress: on the project's 2-core AVX2 CPU a 47-token chunk of a
+3000-token prompt took 30 ms at its start and 210 ms near its end.
 
 ``Scheduler.schedule`` calls ``prefill_token_budget`` while something decodes and a target is
 set (``itl_target_s``: a fixed target, or the auto rule of ``SchedulerConfig``). The engine
@@ -34,13 +38,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-NUM_TERMS = 4  # fixed, per token, per decode row, per context token
+NUM_TERMS = 5  # fixed, per token, per decode row, per context token, per prefill pair
 # the automatic ITL target (``--itl-slo-ms`` not given): prefill may stretch a step to this many
 # times the predicted decode step, and to at least the platform's ``auto_itl_floor_s``
 AUTO_ITL_DECODE_RATIO = 2.0
+# ... and to at least a step with this many prompt tokens beside the decodes (``itl_target_s``)
+AUTO_ITL_MIN_CHUNK_TOKENS = 128
 # a typical size of each term's variable (1, tokens, decode rows, context tokens): the ridge
 # penalty of a fit toward a prior is measured in these units, so it weighs the terms alike
-TERM_SCALES = (1.0, 128.0, 8.0, 2048.0)
+TERM_SCALES = (1.0, 128.0, 8.0, 2048.0, 128.0 * 2048.0)
 
 
 class Chunk(Protocol):
@@ -59,6 +65,13 @@ class StepSample:
     num_decode_rows: int
     num_context_tokens: int
     seconds: float
+    num_prefill_pairs: int = 0
+
+
+def prefill_pairs(num_tokens: int, start_pos: int) -> int:
+    """Query-key pairs of a prompt chunk's attention: ``num_tokens`` tokens from ``start_pos``
+    (causal: the ``i``-th reads ``start_pos + i + 1`` keys)."""
+    return num_tokens * start_pos + num_tokens * (num_tokens + 1) // 2
 
 
 @dataclass(frozen=True)
@@ -69,6 +82,7 @@ class StepCostModel:
     per_token_s: float
     per_row_s: float = 0.0
     per_context_token_s: float = 0.0
+    per_prefill_pair_s: float = 0.0
 
     @classmethod
     def prior(cls, step_overhead_tokens: int, prompt_token_s: float) -> StepCostModel:
@@ -85,16 +99,19 @@ class StepCostModel:
         return cls(fixed_s=step_overhead_tokens * prompt_token_s, per_token_s=prompt_token_s)
 
     def predict(self, num_tokens: int, num_decode_rows: int = 0,
-                num_context_tokens: int = 0) -> float:
+                num_context_tokens: int = 0, num_prefill_pairs: int = 0) -> float:
         """Predicted seconds of a step padded to ``num_tokens`` tokens."""
         return (self.fixed_s + self.per_token_s * num_tokens + self.per_row_s * num_decode_rows
-                + self.per_context_token_s * num_context_tokens)
+                + self.per_context_token_s * num_context_tokens
+                + self.per_prefill_pair_s * num_prefill_pairs)
 
     @classmethod
     def fit(cls, samples: Iterable[StepSample], prior: StepCostModel | None = None,
             prior_weight: float = 1e-3) -> StepCostModel:
-        """Least-squares fit of the four coefficients to measured steps (normal equations,
-        solved in plain Python: ``core`` imports neither jax nor numpy).
+        """Least-squares fit of the coefficients to measured steps (normal equations, solved in
+        plain Python: ``core`` imports neither jax nor numpy). Without a prior, samples whose
+        prompt chunks all start at 0 leave ``per_prefill_pair_s`` at 0 (their pairs vary with
+        their tokens alone); a prior keeps it at the prior's value instead.
 
         With ``prior``, a ridge fit: each coefficient is pulled toward the prior's with the
         weight of ``prior_weight`` times the samples' count of steps whose variable is its
@@ -108,13 +125,17 @@ class StepCostModel:
             decode rows at all).
         """
         rows = [((1.0, float(s.num_tokens), float(s.num_decode_rows),
-                  float(s.num_context_tokens)), float(s.seconds)) for s in samples]
-        ata = [[sum(x[i] * x[j] for x, _ in rows) for j in range(NUM_TERMS)]
-               for i in range(NUM_TERMS)]
-        atb = [sum(x[i] * y for x, y in rows) for i in range(NUM_TERMS)]
+                  float(s.num_context_tokens), float(s.num_prefill_pairs)), float(s.seconds))
+                for s in samples]
+        n = NUM_TERMS
+        if prior is None and not any(x[4] for x, _ in rows):
+            n = NUM_TERMS - 1  # no prompt chunk past position 0: no pair term
+        ata = [[sum(x[i] * x[j] for x, _ in rows) for j in range(n)] for i in range(n)]
+        atb = [sum(x[i] * y for x, y in rows) for i in range(n)]
         if prior is None:
             return cls(*_solve(ata, atb))
-        p = (prior.fixed_s, prior.per_token_s, prior.per_row_s, prior.per_context_token_s)
+        p = (prior.fixed_s, prior.per_token_s, prior.per_row_s, prior.per_context_token_s,
+             prior.per_prefill_pair_s)
         for i in range(NUM_TERMS):
             w = prior_weight * max(len(rows), 1) * TERM_SCALES[i] ** 2
             ata[i][i] += w
@@ -133,7 +154,7 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
         pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
         if abs(m[pivot][col]) < 1e-9:
             raise ValueError(f"StepCostModel.fit: the samples do not determine term {col} "
-                             "(fixed, per token, per decode row, per context token)")
+                             "(fixed, per token, per decode row, per context token, per prefill pair)")
         m[col], m[pivot] = m[pivot], m[col]
         for r in range(n):
             if r != col and m[r][col]:
@@ -192,43 +213,58 @@ def resolve_itl_target(itl_slo_ms: float | None, auto_floor_s: float | None
 def itl_target_s(model: StepCostModel, floor_s: float, decode_ratio: float,
                  num_decode_rows: int, num_context_tokens: int,
                  token_buckets: Sequence[int] = ()) -> float:
-    """The step-time target (s) of a step with these decode rows: ``floor_s``, or
-    ``decode_ratio`` times the predicted time of the decodes alone (padded to their bucket)
-    when that is longer, so prefill may stretch a step to ``decode_ratio`` times the decode
-    step at any batch size, and to at least ``floor_s``."""
+    """The step-time target (s) of a step with these decode rows.
+
+    ``decode_ratio`` 0: ``floor_s``. Else (the automatic rule) the largest of ``floor_s``,
+    ``decode_ratio`` times the predicted time of the decodes alone, and the predicted time of
+    the decodes plus an ``AUTO_ITL_MIN_CHUNK_TOKENS``-token prompt chunk from position 0 (each
+    padded to its bucket): prefill may stretch a step to twice the decode step at any batch
+    size, and on a slow machine still gets chunks large enough that a step's fixed cost stays
+    a small part of it.
+    """
     if decode_ratio <= 0:
         return floor_s
-    i = bisect.bisect_left(token_buckets, num_decode_rows)
-    padded = token_buckets[i] if i < len(token_buckets) else num_decode_rows
-    return max(floor_s,
-               decode_ratio * model.predict(padded, num_decode_rows, num_context_tokens))
+
+    def padded(n: int) -> int:
+        i = bisect.bisect_left(token_buckets, n)
+        return token_buckets[i] if i < len(token_buckets) else n
+
+    decode_s = model.predict(padded(num_decode_rows), num_decode_rows, num_context_tokens)
+    chunk = AUTO_ITL_MIN_CHUNK_TOKENS
+    chunk_s = model.predict(padded(num_decode_rows + chunk), num_decode_rows,
+                            num_context_tokens, prefill_pairs(chunk, 0))
+    return max(floor_s, decode_ratio * decode_s, chunk_s)
 
 
 def prefill_token_budget(model: StepCostModel, target_s: float, num_decode_rows: int,
                          num_context_tokens: int, max_num_tokens: int,
-                         token_buckets: Sequence[int] = (), min_prefill_tokens: int = 8) -> int:
+                         token_buckets: Sequence[int] = (), min_prefill_tokens: int = 8,
+                         prefill_start: int = 0) -> int:
     """Prompt tokens a step with ``num_decode_rows`` decodes may add within ``target_s``.
 
     The step's size is the largest compiled bucket (``token_buckets``, ascending; every size
     up to ``max_num_tokens`` when empty) whose predicted time is within the target, so the
-    padded step the device runs is predicted within it too. Prefill always gets at least
-    ``min_prefill_tokens`` (so waiting prompts progress however tight the target), rounded up
-    to fill the bucket such a step is padded to anyway; never more than ``max_num_tokens`` in
-    all. Returns the step's size minus the decode rows (>= 0).
+    padded step the device runs is predicted within it too; the prompt tokens are counted as
+    one chunk from position ``prefill_start`` (their attention's pairs). Prefill always gets
+    at least ``min_prefill_tokens`` (so waiting prompts progress however tight the target),
+    rounded up to fill the bucket such a step is padded to anyway; never more than
+    ``max_num_tokens`` in all. Returns the step's size minus the decode rows (>= 0).
     """
     def fits(n: int) -> bool:
-        return model.predict(n, num_decode_rows, num_context_tokens) <= target_s
+        pairs = prefill_pairs(max(n - num_decode_rows, 0), prefill_start)
+        return model.predict(n, num_decode_rows, num_context_tokens, pairs) <= target_s
 
     floor = min(num_decode_rows + min_prefill_tokens, max_num_tokens)
     if token_buckets:
         size = next((t for t in reversed(token_buckets) if t <= max_num_tokens and fits(t)), 0)
         floor = token_buckets[min(bisect.bisect_left(token_buckets, floor),
                                   len(token_buckets) - 1)]
-    elif model.per_token_s > 0:
-        room = (target_s - model.predict(0, num_decode_rows, num_context_tokens))
-        size = int(min(max(room / model.per_token_s, 0.0), max_num_tokens))
-    else:
-        size = max_num_tokens if fits(0) else 0
+    else:  # the largest size that fits (the prediction grows with the size)
+        lo, hi = 0, max_num_tokens
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        size = lo if fits(lo) else 0
     size = min(max(size, floor), max_num_tokens)
     return max(size - num_decode_rows, 0)
 

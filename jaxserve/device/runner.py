@@ -347,7 +347,7 @@ class ModelRunner:
           ValueError: ``num_tokens`` outside 1..the largest token bucket.
         """
         most = min(max(b.num_tokens for b in self.buckets),
-                   self.packer.max_blocks_per_seq * self.block_size)
+                   self.max_blocks * self.block_size)
         if not 1 <= num_tokens <= most:
             raise ValueError(f"probe: {num_tokens=} must be in 1..{most}")
         t0 = time.perf_counter()

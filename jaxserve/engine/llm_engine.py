@@ -307,6 +307,10 @@ class LLMEngine:
             self._release_idle_slots()
             new = self.dispatcher.dispatch(plan, self.requests, prev)
             new.t_start = times.t0
+            if self.step_cost is not None:
+                new.predicted_s = self.step_cost.model.predict(
+                    new.bucket.num_tokens, plan.num_decode_rows, plan.num_context_tokens,
+                    plan.num_prefill_pairs)
         times.t_pack = time.perf_counter()
         outputs, num_generated = [], 0
         for done in (prev, new if new is not None and self._needs_sync(new) else None):
@@ -335,9 +339,10 @@ class LLMEngine:
         if self.step_cost is None or done.t_ready is None:
             return
         start = done.t_start if last is None else max(done.t_start, last)
+        done.measured_s = done.t_ready - start
         model = self.step_cost.observe(StepSample(
             done.bucket.num_tokens, done.plan.num_decode_rows, done.plan.num_context_tokens,
-            done.t_ready - start))
+            done.t_ready - start, done.plan.num_prefill_pairs))
         if model is not None:
             self.scheduler.step_cost = model
 

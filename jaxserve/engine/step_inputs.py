@@ -41,6 +41,10 @@ class InflightStep:
     t_dispatch: float
     t_ready: float | None = None  # when its sampled ids were on the host
     t_start: float = 0.0  # when the engine step that planned it began (set by the engine)
+    # the ITL target's step-cost model: its prediction at dispatch, and the step's measured
+    # time (LLMEngine._observe_step); None without a target
+    predicted_s: float | None = None
+    measured_s: float | None = None
     row_of: dict[str, int] = field(init=False)  # sequence id -> batch row
 
     def __post_init__(self) -> None:

@@ -20,6 +20,10 @@ host to this step's dispatch: the device's idle time between the two when the ho
 the ids (all host work of the synchronous loop lands in it); 0 when this step was queued
 before the ids were read.
 
+With an ITL target (``--itl-slo-ms``), ``predicted_ms`` and ``measured_ms`` are the step-cost
+model's prediction for the step this call completed (the previous one with async scheduling)
+and its measured time (``LLMEngine._observe_step``); the summary gives their median ratio.
+
 What happens after ``step()`` returns (the server's event loop, SSE encoding) is not in it;
 the gap between one line's ``t`` and the next line's start (``t - step_ms``) is.
 """
@@ -86,7 +90,16 @@ class StepTrace:
             "mask_ms": 1e3 * (new.mask_s if new else 0.0), "device_ms": 1e3 * times.wait_s,
             "post_ms": 1e3 * (t_end - times.t_pack - times.wait_s),
             "step_ms": 1e3 * (t_end - times.t0),
-            **({} if gap is None else {"host_gap_ms": 1e3 * gap})})
+            **({} if gap is None else {"host_gap_ms": 1e3 * gap}),
+            **self._cost(new if new is not None and new.t_ready is not None else prev)})
+
+    @staticmethod
+    def _cost(done: InflightStep | None) -> dict[str, float]:
+        """The step-cost model's prediction and the measured time of the step this call
+        completed, when an ITL target runs."""
+        if done is None or done.predicted_s is None or done.measured_s is None:
+            return {}
+        return {"predicted_ms": 1e3 * done.predicted_s, "measured_ms": 1e3 * done.measured_s}
 
     def close(self) -> None:
         self._file.close()
@@ -141,7 +154,20 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
             "host_gap_s": sum(host_gaps) / 1e3,
             "median_host_gap_ms": statistics.median(host_gaps) if host_gaps else 0.0,
             "num_async_steps": sum(bool(r.get("async")) for r in recs),
+            "cost_model": _cost_summary(recs),
             "phase_s": {p: sum(r[p] for r in recs) / 1e3 for p in PHASES}, "buckets": buckets}
+
+
+def _cost_summary(recs: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Median and p90 of measured / predicted step time over the lines that have both, and
+    the share of steps measured over 1.5x their prediction (None: no such lines)."""
+    ratios = sorted(r["measured_ms"] / r["predicted_ms"] for r in recs
+                    if r.get("predicted_ms", 0) > 0 and "measured_ms" in r)
+    if not ratios:
+        return None
+    return {"num_steps": len(ratios), "median_ratio": statistics.median(ratios),
+            "p90_ratio": ratios[int(0.9 * (len(ratios) - 1))],
+            "share_over_1_5x": sum(x > 1.5 for x in ratios) / len(ratios)}
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -151,6 +177,10 @@ def format_summary(s: dict[str, Any]) -> str:
              "phases: " + ", ".join(f"{p[:-3]} {v:.1f} s" for p, v in s["phase_s"].items()),
              (f"host gap (ids on the host -> next dispatch): {s['host_gap_s']:.2f} s, median "
               f"{s['median_host_gap_ms']:.2f} ms; {s['num_async_steps']} async steps"),
+             *([] if not s.get("cost_model") else [
+                 "cost model (measured / predicted step): median {median_ratio:.2f}, p90 "
+                 "{p90_ratio:.2f}, {share_over_1_5x:.0%} of {num_steps} steps over 1.5x"
+                 .format(**s["cost_model"])]),
              (f"{'bucket':>10} {'steps':>6} {'seqs':>6} {'share':>6} {'step ms':>8} "
              f"{'sched':>6} {'pack':>6} {'device':>8} {'post':>6}")]
     for name, b in s["buckets"].items():

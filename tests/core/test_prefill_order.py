@@ -70,9 +70,9 @@ def test_preempted_sequences_come_back_before_shorter_prompts() -> None:
 
 
 def test_automatic_target_lets_prefill_stretch_a_long_decode_step() -> None:
-    """With 40 decodes (padded to the 48 bucket) the decode step alone is predicted at
-    20 + 48 ms: the automatic rule (at least 2x that) leaves room for prompt tokens a fixed
-    50 ms target would not."""
+    """With 40 decodes the automatic rule lets a step grow to the 256 bucket (the decodes
+    plus a 128-token chunk pad to it: 20 + 256 ms), where a fixed 50 ms target leaves
+    prompts only their minimum chunk."""
     cost = StepCostModel(fixed_s=0.02, per_token_s=1e-3)
 
     def budget(ratio: float) -> int:
@@ -89,5 +89,4 @@ def test_automatic_target_lets_prefill_stretch_a_long_decode_step() -> None:
         return sched._itl_prefill_budget()
 
     assert budget(0.0) == 8  # over the fixed target already: the minimum, filling the 48 bucket
-    # 2 x 68 ms = 136 ms: the 64 bucket fits (84 ms), 128 (148 ms) does not
-    assert budget(AUTO_ITL_DECODE_RATIO) == 64 - 40
+    assert budget(AUTO_ITL_DECODE_RATIO) == 256 - 40

@@ -11,10 +11,12 @@ from hypothesis import strategies as st
 
 from jaxserve.core.step_cost import (
     AUTO_ITL_DECODE_RATIO,
+    AUTO_ITL_MIN_CHUNK_TOKENS,
     OnlineStepCost,
     StepCostModel,
     StepSample,
     itl_target_s,
+    prefill_pairs,
     prefill_token_budget,
     resolve_itl_target,
 )
@@ -156,8 +158,32 @@ def test_online_fit_refits_every_k_steps_over_its_window() -> None:
 def test_itl_target_is_the_floor_or_a_multiple_of_the_decode_step() -> None:
     m = StepCostModel(fixed_s=0.02, per_token_s=1e-3)
     assert itl_target_s(m, 0.15, 0.0, 64, 1000, BUCKETS) == 0.15  # fixed: the floor alone
-    assert itl_target_s(m, 0.15, 2.0, 4, 100, BUCKETS) == 0.15  # 2 x 24 ms < 150 ms
-    # 64 decodes pad to the 64 bucket: 2 x (20 + 64) ms
-    assert itl_target_s(m, 0.15, 2.0, 64, 100, BUCKETS) == pytest.approx(0.168)
-    assert itl_target_s(m, 0.15, 2.0, 60, 100, BUCKETS) == pytest.approx(0.168)
+    # automatic: 4 decodes + a 128-token chunk fill the 256 bucket: 20 + 256 ms
+    assert AUTO_ITL_MIN_CHUNK_TOKENS == 128
+    assert itl_target_s(m, 0.15, 2.0, 4, 100, BUCKETS) == pytest.approx(0.276)
+    # 200 decodes pad to 256: twice (20 + 256) ms beats 200 + 128 in the 512 bucket (532 ms)
+    assert itl_target_s(m, 0.15, 2.0, 200, 100, BUCKETS) == pytest.approx(0.552)
+    fast = StepCostModel(fixed_s=0.01, per_token_s=1e-4)  # both under the floor
+    assert itl_target_s(fast, 0.15, 2.0, 4, 100, BUCKETS) == 0.15
     assert resolve_itl_target(None, 0.15) == (0.15, AUTO_ITL_DECODE_RATIO)
+
+
+def test_a_long_prompts_later_chunks_get_fewer_tokens_and_the_fit_learns_why() -> None:
+    """The pairs of a chunk's attention grow with its start: the budget shrinks as a long
+    prompt progresses, and a fit on such steps recovers the per-pair cost."""
+    truth = StepCostModel(fixed_s=0.02, per_token_s=1e-3, per_prefill_pair_s=2e-8)
+    budgets = [prefill_token_budget(truth, 0.15, 1, 100, 512, BUCKETS, prefill_start=start)
+               for start in (0, 1000, 3000)]
+    assert budgets == sorted(budgets, reverse=True) and budgets[0] > budgets[-1]
+    for start, b in zip((0, 1000, 3000), budgets, strict=True):
+        n = b + 1  # the bucket the step fills
+        assert truth.predict(n, 1, 100, prefill_pairs(b, start)) <= 0.15 or b <= 8
+    samples = [StepSample(n, 0, 0, truth.predict(n, 0, 0, prefill_pairs(n, s)),
+                          prefill_pairs(n, s))
+               for n in (16, 48, 128, 256) for s in (0, 500, 2000, 3500)]
+    got = StepCostModel.fit(samples, prior=StepCostModel.prior(32, 0.75e-3))
+    assert got.per_prefill_pair_s == pytest.approx(2e-8, rel=0.05)
+    assert StepCostModel.fit([StepSample(n, r, c, truth.predict(n, r, c)) for n, r, c in (
+        (8, 1, 50), (16, 2, 30), (64, 3, 400), (128, 9, 100), (32, 30, 9000))]
+                             ).per_prefill_pair_s == 0.0  # no chunk past 0: no pair term
+    assert prefill_pairs(4, 10) == 4 * 10 + 10  # keys 11, 12, 13, 14

@@ -220,6 +220,28 @@ def test_itl_target_keeps_goldens_and_compiles_nothing(
         assert online.model != prior
 
 
+def test_start_up_calibration_fits_the_step_cost_and_compiles_nothing(
+    llm: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``probe`` (run at start-up) times prompt steps of 1 and 128 tokens on the padding
+    block and plans with the fitted model from then on; probes beyond what a program holds
+    are refused."""
+    prior = StepCostModel.prior(32, 0.75e-3)
+    online = OnlineStepCost(prior)
+    monkeypatch.setattr(llm, "step_cost", online)
+    monkeypatch.setattr(llm.scheduler, "step_cost", prior)
+    compiles_before = llm.runner.num_compiles
+    assert llm.probe() > 0
+    model = llm.scheduler.step_cost
+    assert model is online.model is online.prior and model != prior
+    assert model.per_token_s > 0 and model.predict(128) > model.predict(1)
+    assert llm.runner.num_compiles == compiles_before
+    with pytest.raises(ValueError, match="num_tokens"):
+        llm.runner.probe(0)
+    with pytest.raises(ValueError, match="num_tokens"):
+        llm.runner.probe(10**6)
+
+
 # -- compilation -----------------------------------------------------------------------------
 
 
