@@ -439,7 +439,7 @@ class Scheduler:
         """Prompt tokens this step may take within the ITL target beside the running
         sequences that decode (all of ``max_num_batched_tokens`` when none does)."""
         cfg, model = self.config, self.step_cost
-        rows = context = prefill_start = 0
+        rows = context = prefill_start = prompts = 0
         for seq in self.running:
             start = seq.num_computed_tokens + seq.num_inflight_tokens
             if self._decodes(seq, start):
@@ -448,11 +448,17 @@ class Scheduler:
                     context += start + 1
             else:  # its chunk's attention reads what it has computed: count the furthest
                 prefill_start = max(prefill_start, start)
+                prompts += 1
         if not rows:
             return cfg.max_num_batched_tokens
         assert model is not None
-        target = itl_target_s(model, cfg.itl_target_s, cfg.itl_decode_ratio, rows, context,
-                              cfg.token_buckets)
+        # the automatic rule scales with the batch the queued prompts will join: streams see
+        # that batch's decode step once they are in, and a queue of prompts is not held to
+        # the step of the few that decode already (each assumed at the decodes' mean context)
+        batch = min(cfg.max_num_seqs, rows + prompts + len(self.waiting)) \
+            if cfg.itl_decode_ratio > 0 else rows
+        target = itl_target_s(model, cfg.itl_target_s, cfg.itl_decode_ratio, batch,
+                              context * batch // rows, cfg.token_buckets)
         return prefill_token_budget(model, target, rows, context, cfg.max_num_batched_tokens,
                                     cfg.token_buckets, prefill_start=prefill_start)
 

@@ -33,8 +33,9 @@ would not repay it.
 **Step cost.** ~30 ms a step against ~0.75 ms a prompt token (SmolLM2-135M, 2 cores;
 docs/decisions/0005-bucket-fit.md): ``step_overhead_tokens`` 32, ``prompt_token_s`` 0.75 ms
 (the step-cost model's prior for ``--itl-slo-ms``; the engine refits it from measured steps).
-Without ``--itl-slo-ms`` the target is the larger of 150 ms (``auto_itl_floor_s``) and twice
-the predicted decode step (docs/decisions/0036-itl-target-default.md).
+Without ``--itl-slo-ms`` the target is the largest of 150 ms (``auto_itl_floor_s``), twice the
+predicted decode step and the predicted step with a 128-token prompt chunk beside the decodes
+(``core.step_cost.itl_target_s``; docs/decisions/0036-itl-target-default.md).
 """
 
 from __future__ import annotations

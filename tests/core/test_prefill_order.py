@@ -90,3 +90,30 @@ def test_automatic_target_lets_prefill_stretch_a_long_decode_step() -> None:
 
     assert budget(0.0) == 8  # over the fixed target already: the minimum, filling the 48 bucket
     assert budget(AUTO_ITL_DECODE_RATIO) == 256 - 40
+
+
+def test_automatic_target_scales_with_the_batch_queued_prompts_will_join() -> None:
+    """Four streams decoding and 60 prompts queued: the target is that of the 64-row batch
+    the queue forms (the streams see its steps once the prompts are in), not of 4 rows."""
+    cost = StepCostModel(fixed_s=0.02, per_token_s=1e-3, per_row_s=3e-3)
+
+    def budget(num_queued: int) -> int:
+        sched = make_scheduler(max_num_seqs=64, max_num_batched_tokens=512, num_blocks=512,
+                               max_model_len=64)
+        sched.config = dataclasses.replace(
+            sched.config, itl_target_s=0.05, itl_decode_ratio=AUTO_ITL_DECODE_RATIO,
+            step_cost=cost, token_buckets=(1, 4, 8, 16, 32, 64, 128, 256, 512))
+        sched.step_cost = cost
+        for i in range(4):
+            sched.add(make_seq(f"d{i}", 1, max_tokens=8))
+        step(sched)
+        for i in range(num_queued):
+            sched.add(SeqState(f"p{i}", [5] * 60, 60, 1))
+        return sched._itl_prefill_budget()
+
+    # 5 rows: a 128-token chunk beside them fills the 256 bucket, 291 ms; 4 decodes + 252
+    # prompt tokens are predicted at 288 ms
+    assert budget(1) == 256 - 4
+    # 64 rows: twice their decode step (2 x 276 ms) lets the step reach the 512 bucket (544 ms)
+    assert budget(60) == 512 - 4
+    assert budget(200) == 512 - 4  # the batch is capped at max_num_seqs
