@@ -51,8 +51,10 @@ class EngineConfig:
         "help": "inter-token latency target in ms: while a request decodes, prompt chunks are cut "
                 "so the step's predicted time (a cost model fitted to measured steps) stays "
                 "within it (stall-free batching); prefill still gets at least 8 tokens a step; "
-                "0: off (default: the platform's rule, on a CPU the larger of 150 ms and twice "
-                "the predicted decode step; off where the platform has no step-cost model)"})
+                "0: off (default: the platform's rule, on a CPU the largest of 150 ms, twice "
+                "the predicted decode step of the batch the queued prompts will form, and that "
+                "step with a 128-token prompt chunk; off where the platform has no step-cost "
+                "model)"})
     prefill_order: str = field(default="shortest-first", metadata={
         "help": "which prompts get a step's prefill budget first: shortest-first (fewest prompt "
                 "tokens left; a prompt bypassed 8 steps then goes by arrival) or fcfs (arrival "
