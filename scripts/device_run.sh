@@ -29,10 +29,11 @@ fi
 PYV=$VENV/bin/python
 # A base interpreter that is itself a venv (the GPU image's python3 is one): the new venv's
 # --system-site-packages reaches that interpreter's installation, not the venv's packages, so
-# those are added behind the new venv's own by a .pth file.
+# a .pth file adds those (with their own .pth files) behind the new venv's own.
 if ! "$PYV" -c 'import jax, flax, numpy' 2>/dev/null; then
   site=$("$PYV" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  "$BASE" -c 'import site; print("\n".join(site.getsitepackages()))' >"$site/_device_run_base.pth"
+  "$BASE" -c 'import site; print("import site; " + "; ".join(
+    f"site.addsitedir({p!r})" for p in site.getsitepackages()))' >"$site/_device_run_base.pth"
 fi
 "$PYV" -c 'import jax, flax, numpy' || { echo "error: $BASE has no jax, flax and numpy" >&2; exit 1; }
 PIP=("$PYV" -m pip)
