@@ -1,6 +1,7 @@
 """The prepared run for a GPU machine (scripts/device_run.sh) in its dry run on the CPU, and the
-pieces it judges by: the reference comparison, the schema check, the compile counter, and
-scripts/build_wheelhouse.py's selection and budget (without a download).
+pieces it judges by: the reference comparison (device_correctness.py), the schema check and the
+compile counter (device_server.py), and build_wheelhouse.py's selection and budget (without a
+download).
 
 The dry run does what the GPU run does at tiny sizes: serves the ``tiny`` dummy model with a
 tokenizer directory (as the GPU run serves Llama-3.1-8B with the carried one), cold then warm;
@@ -101,7 +102,7 @@ def test_reference_comparison_allows_only_near_ties() -> None:
 
 
 def test_structured_reply_and_compile_counter_checks() -> None:
-    dr = _script("device_run")
+    dr = _script("device_server")
     assert dr.schema_error('{"answer": "yes", "confidence": "low"}') is None
     assert "enum" in dr.schema_error('{"answer": "maybe", "confidence": "low"}')
     assert "keys" in dr.schema_error('{"answer": "yes"}')

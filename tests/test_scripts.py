@@ -40,6 +40,7 @@ COVERED = {
     "scripts/device_run.sh": "tests/test_device_run.py (--dry-run)",
     "scripts/device_run.py": "tests/test_device_run.py (device_run.sh --dry-run runs it)",
     "scripts/device_correctness.py": "tests/test_device_run.py (the dry run runs it)",
+    "scripts/device_server.py": "tests/test_device_run.py (the dry run runs it)",
 }
 NOT_RUN = {
     "scripts/setup.sh": "installs from PyPI into .venv (network, minutes): every `make test` "
