@@ -349,7 +349,8 @@ def main() -> int:
         result["floors"] = (floors(prof.model, prof.dtype, bw, result["server"].get(
             "benchmarks", [])) if bw else {"status": "skipped (no bandwidth row)"})
         sections = [result[k]["status"] for k in ("server", "correctness", "kernels")]
-        result["status"] = "FAIL" if "FAIL" in sections else "ok"
+        result["status"] = ("FAIL" if "FAIL" in sections else "ok" if set(sections) == {"ok"}
+                            else "incomplete")  # a stage skipped for time
         result["total_s"] = round(clock.elapsed(), 1)
         try:
             result["png"] = plot(result, a.png) if a.png else "not asked for"
