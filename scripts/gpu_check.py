@@ -20,7 +20,7 @@ A deadline (``--budget-s``, default 270 s) skips the remaining rows rather than 
 
 ``--dry-run`` runs every step at tiny shapes on the CPU with the kernel in interpret mode (and the
 ``tiny`` model): it checks the script itself, not the GPU.
-Usage: bash scripts/gpu_check.sh [--dry-run] [--json PATH]
+Usage: bash scripts/gpu_check.sh [--dry-run] [--json PATH] [--budget-s S] [--only PREFIX ...]
 """
 
 from __future__ import annotations
@@ -53,10 +53,11 @@ H200_BF16_TFLOPS = 989.0  # dense bf16 tensor-core peak of an H100/H200 SXM
 
 
 class Report:
-    def __init__(self, budget_s: float) -> None:
+    def __init__(self, budget_s: float, only: tuple[str, ...] = ()) -> None:
         self.rows: list[dict] = []
         self.t0 = time.perf_counter()
         self.budget_s = budget_s
+        self.only = only  # name prefixes of the checks to run; () runs them all
         self.bandwidth_gbps = 1.0  # set by the bandwidth check; floors use it
 
     def add(self, name: str, status: str = "ok", **values) -> None:
@@ -70,6 +71,9 @@ class Report:
 
     def run(self, name: str, fn, *args, need_s: float = 10.0, **kw) -> None:
         """Run one check; a failure becomes a FAIL row (with the error), not a crash."""
+        if self.only and not name.startswith(self.only):
+            self.add(name, "skipped (--only)")
+            return
         if self.time_left() < need_s:
             self.add(name, "skipped (time budget)")
             return
@@ -360,9 +364,12 @@ def main() -> int:
                    help="tiny shapes on the CPU, kernel in interpret mode")
     p.add_argument("--budget-s", type=float, default=270.0)
     p.add_argument("--json", default=None, help="also write the rows as JSON here")
+    p.add_argument("--only", action="append", default=[], metavar="PREFIX",
+                   help="run only the checks whose names start with PREFIX (repeatable); the "
+                        "others are rows marked skipped")
     a = p.parse_args()
     dry = a.dry_run
-    rep = Report(a.budget_s)
+    rep = Report(a.budget_s, tuple(a.only))
     devices = jax.devices()
     rep.add("device", platform=devices[0].platform, kind=devices[0].device_kind.replace(" ", "_"),
             jax=jax.__version__)

@@ -37,6 +37,10 @@ COVERED = {
     "examples/tiny_gpt.py": "test_tiny_gpt_writes_and_serves",
     "scripts/gpu_check.py": "tests/test_gpu_check.py (--dry-run)",
     "scripts/gpu_check.sh": "tests/test_gpu_check.py (the .py it runs, --dry-run)",
+    "scripts/device_run.sh": "tests/test_device_run.py (--dry-run)",
+    "scripts/device_run.py": "tests/test_device_run.py (device_run.sh --dry-run runs it)",
+    "scripts/device_correctness.py": "tests/test_device_run.py (the dry run runs it)",
+    "scripts/device_server.py": "tests/test_device_run.py (the dry run runs it)",
 }
 NOT_RUN = {
     "scripts/setup.sh": "installs from PyPI into .venv (network, minutes): every `make test` "
@@ -45,6 +49,9 @@ NOT_RUN = {
                                "not dependencies",
     "scripts/make_gemma3_goldens.py": "as make_goldens.py",
     "scripts/make_hf_goldens.py": "as make_goldens.py",
+    "scripts/build_wheelhouse.sh": "downloads wheels from the package registry (network); "
+                                   "tests/test_device_run.py checks its selection and budget",
+    "scripts/build_wheelhouse.py": "as build_wheelhouse.sh",
 }
 
 

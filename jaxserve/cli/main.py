@@ -35,7 +35,7 @@ from jaxserve.bench import serve as bench_serve_cmd
 from jaxserve.bench import startup
 from jaxserve.bench import step_trace as step_trace_cmd
 from jaxserve.bench import sweep as sweep_cmd
-from jaxserve.config import KV_8BIT_DTYPES, LoadConfig
+from jaxserve.config import KV_8BIT_DTYPES
 from jaxserve.config_args import (
     HelpFormatter,
     add_engine_args,
@@ -43,6 +43,7 @@ from jaxserve.config_args import (
     add_model_args,
     add_server_args,
     engine_config_from_args,
+    load_config_from_args,
 )
 from jaxserve.extras import MissingExtraError
 from jaxserve.platform import configure_process
@@ -160,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(ns, "kv_cache_dtype", None) not in KV_8BIT_DTYPES:
                 ns.kv_calibration_file = None
             return eval_cmd.run(ns, engine_config_from_args(ns),
-                            LoadConfig(ns.model, ns.load_format, ns.served_model_name),
-                            kv_calibration_file=calibration)
+                                load_config_from_args(ns, ns.model),
+                                kv_calibration_file=calibration)
         elif ns.command == "convert":
             return convert_cmd.run(ns)
         elif ns.command == "bench" and ns.bench_command == "serve":

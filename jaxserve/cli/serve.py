@@ -18,7 +18,12 @@ import jax
 
 from jaxserve.cli.multihost import initialize
 from jaxserve.config import EngineConfig, LoadConfig
-from jaxserve.config_args import engine_config_from_args, limits_from_args, server_config_from_args
+from jaxserve.config_args import (
+    engine_config_from_args,
+    limits_from_args,
+    load_config_from_args,
+    server_config_from_args,
+)
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.data_parallel import DataParallelEngine, build_data_parallel
 from jaxserve.engine.llm_engine import LLMEngine
@@ -109,7 +114,7 @@ def serve(ns: argparse.Namespace) -> None:
     configure_logging(server_cfg.log_level, server_cfg.log_format)
     cfg = engine_config_from_args(ns)
     check_platform(cfg)  # before the port is served and the weights are read
-    load = LoadConfig(ns.model or ns.model_opt, ns.load_format, ns.served_model_name)
+    load = load_config_from_args(ns, ns.model or ns.model_opt)
     name = served_name(load)
     if multi and ns.process_id != 0:  # a follower: same programs, steps from process 0
         engine = _load(cfg, load, ns, name)[1]
@@ -177,8 +182,7 @@ def run_batch(ns: argparse.Namespace) -> None:
     except OSError as e:
         raise ValueError(f"cannot write output file {ns.output_file}: {e.strerror or e}") from None
     configure_logging("warning", "text")
-    aeng = start_engine(cfg, LoadConfig(ns.model, ns.load_format, ns.served_model_name),
-                         sys.stderr)
+    aeng = start_engine(cfg, load_config_from_args(ns, ns.model), sys.stderr)
     try:
         api = OpenAIServer(aeng, aeng.model_name, limits)
         run_batch_file(api, lines, ns.output_file, ns.max_in_flight or 2 * cfg.max_num_seqs)

