@@ -57,7 +57,7 @@ class EngineConfig:
                 "model)"})
     prefill_order: str = field(default="shortest-first", metadata={
         "help": "which prompts get a step's prefill budget first: shortest-first (fewest prompt "
-                "tokens left; a prompt bypassed 8 steps then goes by arrival) or fcfs (arrival "
+                "tokens left; a prompt bypassed 64 steps then goes by arrival) or fcfs (arrival "
                 "order, prompts already chunking first)"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "context window, prompt + output tokens (default: the model's)"})

@@ -44,7 +44,7 @@ class SchedulerConfig:
     itl_decode_ratio: float = 0.0
     step_cost: StepCostModel | None = None  # the model to start from (Scheduler.step_cost)
     prefill_order: str = "fcfs"  # PREFILL_ORDERS
-    max_prefill_skips: int = 8  # "shortest-first": steps a prompt may be bypassed, then FCFS
+    max_prefill_skips: int = 64  # "shortest-first": steps a prompt may be bypassed, then FCFS
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
