@@ -129,6 +129,9 @@ def small(engine: LLMEngine, monkeypatch_module) -> LLMEngine:
         EngineConfig(max_model_len=512, num_kv_blocks=SMALL_NUM_KV_BLOCKS,
                      max_num_batched_tokens=128, max_num_seqs=8,
                      kv_offloading_size=SMALL_HOST_GIB,
+                     # the swap and offload scenarios below are worked out for arrival order
+                     # and plans that do not depend on measured step times
+                     prefill_order="fcfs", itl_slo_ms=0,
                      compilation_cache_dir=engine.config.compilation_cache_dir),
         metrics=EngineMetrics(engine.model_name))
     eng.warmup(progress=False)

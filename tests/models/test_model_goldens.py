@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from cpu_kernels import bf16_matmul as cpu_bf16_matmul
+from jaxserve.platform.cpu import cpu_has_bf16_dot
 from models.architectures import DECODER_QUANT_TARGETS
 from models.interface import AttentionMetadata
 from models.quant import PackedWeight, use_packed_bf16
@@ -231,8 +232,11 @@ def test_chunked_prefill_matches_one_shot(
 # serves on a CPU with a bfloat16 dot (jaxserve.platform.cpu). Measured against
 # the float32 goldens: max |first-step logit diff| 0.12-0.20 per prompt (logit scale ~20-30);
 # the teacher-forced argmax equal to the golden at all 6 x 48 positions. The tolerance is 2x;
-# argmax flips are allowed only at golden top-2 margins below 0.2.
-BF16_FIRST_STEP_ATOL = 0.4
+# argmax flips are allowed only at golden top-2 margins below 0.2. A CPU without a bfloat16
+# dot (AVX2 only; --dtype auto serves float32 there) rounds differently: on a Zen 3
+# (2026-12-06) 0.13-0.43 (france_chat 0.435, also at the tree before that session's work),
+# argmaxes as above; its tolerance is 1.4x that.
+BF16_FIRST_STEP_ATOL = 0.4 if cpu_has_bf16_dot() else 0.6
 BF16_DECISIVE_MARGIN = 0.2
 
 
