@@ -71,6 +71,10 @@ class LengthFit:
 
 @dataclass(frozen=True)
 class Profile:
+    """A production-shaped workload: prompt and output length distributions (tokens) fitted
+    to a public trace's median and p90 (module docstring gives the sources), the default
+    gamma shape of its arrivals, and whether a shared system prompt precedes each turn."""
+
     prompt: LengthFit  # the user turn's tokens (the system prompt excluded)
     output: LengthFit
     burstiness: float  # default gamma shape of the inter-arrival gaps

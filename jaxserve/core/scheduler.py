@@ -74,7 +74,6 @@ class Scheduler:
         self.running: list[SeqState] = []
         self.num_preemptions_total = 0
         self._next_arrival_index = 0
-        self._admitted_chunk = 0  # _admit's chunk size
         # the step-cost model the ITL target plans with; the engine refits it from measured
         # steps (step_cost.OnlineStepCost)
         self.step_cost = config.step_cost
@@ -256,13 +255,14 @@ class Scheduler:
                     run_chunk(seq, limit, may_preempt=not admitted)
                     admitting = admitting and not preempted
             elif admitting:
-                if (limit <= 0 or len(self.running) >= cfg.max_num_seqs
-                        or not self._admit(seq, limit)):
+                num_new = 0 if limit <= 0 or len(self.running) >= cfg.max_num_seqs \
+                    else self._admit(seq, limit)
+                if not num_new:
                     admitting = False  # the first that does not fit closes admission
                     continue
                 self.waiting.remove(seq)
                 self.running.append(seq)
-                plan(seq, self._admitted_chunk)
+                plan(seq, num_new)
                 admitted = True
 
         if shape[2]:  # prompts got prefill this step: the others were bypassed
@@ -311,29 +311,28 @@ class Scheduler:
 
         return [s for _, s in sorted(enumerate([*pending, *self.waiting]), key=key)]
 
-    def _admit(self, seq: SeqState, limit: int) -> bool:
+    def _admit(self, seq: SeqState, limit: int) -> int:
         """Give a waiting sequence blocks for its first chunk of at most ``limit`` tokens
-        (``_admitted_chunk``); False, changing nothing, when it cannot start now."""
+        and return that chunk's size; 0, changing nothing, when it cannot start now."""
         cfg, kv = self.config, self.kv
         if seq.num_inflight_tokens or seq.num_output_placeholders:
-            return False  # preempted with a step in flight: its token comes with update
+            return 0  # preempted with a step in flight: its token comes with update
         if seq.host_block_ids:  # swapped out: load its blocks back
             num_new = self._chunk(seq, seq.num_computed_tokens, limit)
             total = cdiv(seq.num_computed_tokens + num_new, cfg.block_size)
             if total > kv.device.num_free_blocks:
-                return False
+                return 0
             kv.swap_in(seq, total)
         else:
             hits = kv.find_prefix(seq)
             num_new = self._chunk(seq, len(hits) * cfg.block_size, limit)
             total = cdiv(len(hits) * cfg.block_size + num_new, cfg.block_size)
             if kv.num_free_needed(hits, total) > kv.device.num_free_blocks:
-                return False
+                return 0
             kv.admit(seq, hits, total)
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
-        self._admitted_chunk = num_new
-        return True
+        return num_new
 
     def update(self, plan: SchedulerOutput, sampled: Sequence[int | None]) -> UpdateResult:
         """Advance each chunk, append sampled tokens, finish ("stop", "length") and free.
