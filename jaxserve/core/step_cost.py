@@ -108,16 +108,23 @@ class StepCostModel:
     @classmethod
     def fit(cls, samples: Iterable[StepSample], prior: StepCostModel | None = None,
             prior_weight: float = 1e-3) -> StepCostModel:
-        """Least-squares fit of the coefficients to measured steps (normal equations, solved in
-        plain Python: ``core`` imports neither jax nor numpy). Without a prior, samples whose
-        prompt chunks all start at 0 leave ``per_prefill_pair_s`` at 0 (their pairs vary with
-        their tokens alone); a prior keeps it at the prior's value instead.
+        """Least-squares fit of the coefficients to measured steps, in relative error (each
+        step weighs ``1 / seconds``: a 30 ms decode step mispredicted by 20 ms matters as much
+        to an ITL target as a 1.5 s prefill step mispredicted by 1 s), with non-negative
+        coefficients (a step does not get cheaper with more work: a term whose free fit is
+        negative is held at 0 and the rest refitted, the active-set method of Lawson and
+        Hanson, "Solving Least Squares Problems", 1974, ch. 23, one term at a time), and once
+        more without the steps the first fit misses by more than ``OUTLIER_REL_ERR`` and three
+        times the median miss (a step stalled by something outside the engine: a page fault,
+        another process). Normal equations, solved in plain Python: ``core`` imports neither
+        jax nor numpy. Without a prior, samples whose prompt chunks all start at 0 leave
+        ``per_prefill_pair_s`` at 0 (their pairs vary with their tokens alone); a prior keeps
+        it at the prior's value instead.
 
         With ``prior``, a ridge fit: each coefficient is pulled toward the prior's with the
-        weight of ``prior_weight`` times the samples' count of steps whose variable is its
-        ``TERM_SCALES`` size, so well-measured terms follow the data and unmeasured ones stay
-        at the prior. Coefficients are then clipped at 0 (a step does not get cheaper with
-        more work); a fit whose per-token cost is not > 0 returns the prior.
+        weight of ``prior_weight`` times the count of steps whose variable is its
+        ``TERM_SCALES`` size and whose time is the median step's, so well-measured terms follow the data and unmeasured ones stay at the prior. A fit
+        whose per-token cost is not > 0 returns the prior.
 
         Raises:
           ValueError: without a prior, samples that do not determine every coefficient (fewer
@@ -130,18 +137,61 @@ class StepCostModel:
         n = NUM_TERMS
         if prior is None and not any(x[4] for x, _ in rows):
             n = NUM_TERMS - 1  # no prompt chunk past position 0: no pair term
-        ata = [[sum(x[i] * x[j] for x, _ in rows) for j in range(n)] for i in range(n)]
-        atb = [sum(x[i] * y for x, y in rows) for i in range(n)]
+        coef = _fit_rows(rows, n, prior, prior_weight)
+        if coef is not None and len(rows) >= 2 * NUM_TERMS:
+            misses = [abs(_dot(coef, x) / y - 1) for x, y in rows if y > 0]
+            bound = max(OUTLIER_REL_ERR, 3 * sorted(misses)[len(misses) // 2])
+            kept = [(x, y) for x, y in rows if y > 0 and abs(_dot(coef, x) / y - 1) <= bound]
+            if len(kept) < len(rows):
+                coef = _fit_rows(kept, n, prior, prior_weight)
         if prior is None:
-            return cls(*_solve(ata, atb))
-        p = (prior.fixed_s, prior.per_token_s, prior.per_row_s, prior.per_context_token_s,
-             prior.per_prefill_pair_s)
-        for i in range(NUM_TERMS):
-            w = prior_weight * max(len(rows), 1) * TERM_SCALES[i] ** 2
-            ata[i][i] += w
-            atb[i] += w * p[i]
-        fitted = cls(*(max(c, 0.0) for c in _solve(ata, atb)))
+            return cls(*coef)
+        fitted = cls(*coef) if coef is not None else prior
         return fitted if fitted.per_token_s > 0 else prior
+
+
+# a step the first fit misses by more than this (relative), and by 3x the median miss, is left
+# out of the second fit (``StepCostModel.fit``)
+OUTLIER_REL_ERR = 0.25
+
+
+def _dot(coef: Sequence[float], x: Sequence[float]) -> float:
+    return sum(c * v for c, v in zip(coef, x))
+
+
+def _fit_rows(rows: list[tuple[tuple[float, ...], float]], n: int,
+              prior: StepCostModel | None, prior_weight: float) -> list[float] | None:
+    """The first ``n`` coefficients (the rest 0) of the weighted, non-negative fit of
+    ``StepCostModel.fit``; without a prior, unconstrained (``_solve``'s ValueError when the
+    rows do not determine them). None when a prior's fit holds the per-token cost at 0."""
+    weighted = [(x, y, 1.0 / y if y > 0 else 0.0) for x, y in rows]
+    ata = [[sum(x[i] * x[j] * w * w for x, _, w in weighted) for j in range(n)]
+           for i in range(n)]
+    atb = [sum(x[i] * y * w * w for x, y, w in weighted) for i in range(n)]
+    if prior is None:
+        return _solve(ata, atb) + [0.0] * (NUM_TERMS - n)
+    p = (prior.fixed_s, prior.per_token_s, prior.per_row_s, prior.per_context_token_s,
+         prior.per_prefill_pair_s)
+    # the pull, in the relative units of the data: a term's deviation at its typical size over
+    # the median step, times the number of steps
+    seconds = sorted(y for _, y in rows if y > 0)
+    typical = seconds[len(seconds) // 2] if seconds else 1.0
+    for i in range(n):
+        r = prior_weight * max(len(seconds), 1) * (TERM_SCALES[i] / typical) ** 2
+        ata[i][i] += r
+        atb[i] += r * p[i]
+    active = list(range(n))
+    while True:  # hold the most negative term at 0 and refit the others, until none is < 0
+        sub = _solve([[ata[i][j] for j in active] for i in active], [atb[i] for i in active])
+        if min(sub) >= 0:
+            break
+        if active[sub.index(min(sub))] == 1:
+            return None  # tokens would cost nothing
+        active.pop(sub.index(min(sub)))
+    coef = [0.0] * NUM_TERMS
+    for i, c in zip(active, sub, strict=True):
+        coef[i] = c
+    return coef
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
