@@ -15,6 +15,13 @@ The timer waits for each step's ids inside ``execute``, so steps run one after t
 with async scheduling on: ``host`` is the part that async scheduling overlaps with the device
 (measure the overlap itself with ``--step-trace``).
 Prefill steps are reported per bucket (the padded shape ``tokens x seqs`` the program ran at).
+With an ITL target (the default on a CPU; ``--itl-slo-ms``), ``pred ms`` is what the engine's
+step-cost model (``jaxserve.core.step_cost``, as refitted up to that step) predicted for each
+step, beside the measured step time: the model the scheduler sizes prefill chunks with. It is
+calibrated at start-up (``LLMEngine.probe``) and refitted from the engine's own step timings;
+with async scheduling those of this benchmark are skewed by its wait inside ``execute`` (a
+step's ids are taken at the next step), so ``--no-async-scheduling`` shows the model a server
+would learn more faithfully.
 Modes: ``greedy`` (temperature 0), ``sampled`` (temperature 1, top_p 0.9), ``top_p`` (temperature
 0.7, top_p 0.95), ``top_k`` (temperature 1, top_k 200), ``min_p`` (temperature 1, min_p 0.05),
 ``logprobs``
@@ -39,6 +46,7 @@ import numpy as np
 from jaxserve.bench.common import add_model_flags, write_json
 from jaxserve.config import LoadConfig
 from jaxserve.config_args import add_engine_args, engine_config_from_args
+from jaxserve.core.step_cost import AUTO_ITL_MIN_CHUNK_TOKENS, StepCostModel
 from jaxserve.device.buckets import MIN_TOKEN_BUCKET, pick_bucket
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -113,6 +121,32 @@ class _MaskTimer:
         self.calls.append(time.perf_counter() - t0)
 
 
+class _PlanSpy:
+    """Stands in for a scheduler's ``schedule``: keeps the model an ITL target plans with (None
+    without a target) and the plan of the last call, for the step's predicted seconds."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self._engine = engine
+        self._schedule = engine.scheduler.schedule
+        self.model: StepCostModel | None = None
+        self.plan: Any = None
+        engine.scheduler.schedule = self
+
+    def __call__(self) -> Any:
+        cost = self._engine.step_cost
+        self.model = cost.model if cost is not None else None
+        self.plan = self._schedule()
+        return self.plan
+
+    def predicted_s(self, bucket: Any) -> float | None:
+        """The planned step's predicted seconds at ``bucket`` (None without an ITL target)."""
+        if self.model is None:
+            return None
+        p = self.plan
+        return self.model.predict(bucket.num_tokens, p.num_decode_rows, p.num_context_tokens,
+                                  p.num_prefill_pairs)
+
+
 class _ExecuteTimer:
     """Stands in for a runner's ``execute``: keeps the bucket and seconds of each call."""
 
@@ -130,12 +164,14 @@ class _ExecuteTimer:
         return out
 
 
-Step = tuple[Any, float, float, float, float]  # bucket, step s, device s, mask s, CPU s
+# bucket, step s, device s, mask s, CPU s, predicted s (None without an ITL target)
+Step = tuple[Any, float, float, float, float, float | None]
 
 
-def _timed_step(engine: LLMEngine, timer: _ExecuteTimer, masks: _MaskTimer) -> Step:
+def _timed_step(engine: LLMEngine, timer: _ExecuteTimer, masks: _MaskTimer, plans: _PlanSpy
+                ) -> Step:
     """One engine step: (its bucket, its seconds, the device part of them, the mask part, the
-    process CPU seconds over it)."""
+    process CPU seconds over it, the step-cost model's prediction of its seconds)."""
     n, m = len(timer.calls), len(masks.calls)
     c0, t0 = time.process_time(), time.perf_counter()
     engine.step()
@@ -143,12 +179,12 @@ def _timed_step(engine: LLMEngine, timer: _ExecuteTimer, masks: _MaskTimer) -> S
     if len(timer.calls) != n + 1:
         raise RuntimeError("an engine step ran no device program; nothing was scheduled")
     bucket, device_s = timer.calls[-1]
-    return bucket, step_s, device_s, sum(masks.calls[m:]), cpu_s
+    return bucket, step_s, device_s, sum(masks.calls[m:]), cpu_s, plans.predicted_s(bucket)
 
 
 def _summary(steps: list[Step], num_seqs: int | None = None) -> dict[str, Any]:
-    step_ms = [1e3 * s for _, s, _, _, _ in steps]
-    device_ms = [1e3 * d for _, _, d, _, _ in steps]
+    step_ms = [1e3 * s for _, s, *_ in steps]
+    device_ms = [1e3 * d for _, _, d, *_ in steps]
     host_ms = [a - b for a, b in zip(step_ms, device_ms)]
     bucket = steps[0][0]
     out = {"bucket_tokens": bucket.num_tokens, "bucket_seqs": bucket.num_seqs,
@@ -156,15 +192,20 @@ def _summary(steps: list[Step], num_seqs: int | None = None) -> dict[str, Any]:
            "min_step_ms": min(step_ms), "max_step_ms": max(step_ms),
            "median_device_ms": statistics.median(device_ms),
            "median_host_ms": statistics.median(host_ms),
-           "median_mask_ms": statistics.median(1e3 * k for _, _, _, k, _ in steps),
-           "median_cpu_ms": statistics.median(1e3 * c for *_, c in steps)}
+           "median_mask_ms": statistics.median(1e3 * k for _, _, _, k, *_ in steps),
+           "median_cpu_ms": statistics.median(1e3 * c for *_, c, _ in steps)}
+    predicted = [(1e3 * p, ms) for (*_, p), ms in zip(steps, step_ms) if p is not None]
+    if predicted:  # the step-cost model's prediction beside the measured steps
+        out["median_predicted_ms"] = statistics.median(p for p, _ in predicted)
+        out["median_measured_over_predicted"] = statistics.median(m / p for p, m in predicted)
     if num_seqs is not None:  # a decode step: one token per sequence
         out["tokens_per_second"] = num_seqs / (out["median_step_ms"] / 1e3)
     return out
 
 
-def measure(engine: LLMEngine, timer: _ExecuteTimer, masks: _MaskTimer, mode: str, batch: int,
-            context: int, num_steps: int, rng: np.random.Generator) -> dict[str, Any]:
+def measure(engine: LLMEngine, timer: _ExecuteTimer, masks: _MaskTimer, plans: _PlanSpy,
+            mode: str, batch: int, context: int, num_steps: int, rng: np.random.Generator
+            ) -> dict[str, Any]:
     """Prefill ``batch`` sequences of ``context`` tokens, then time ``num_steps`` decode steps.
 
     Returns the decode summary and one summary per prefill bucket (``prefill``).
@@ -192,14 +233,15 @@ def measure(engine: LLMEngine, timer: _ExecuteTimer, masks: _MaskTimer, mode: st
     while sched.waiting or any(  # until every prompt token has run (or is running: async)
             s.num_computed_tokens + s.num_inflight_tokens < s.num_prompt_tokens
             for s in sched.running):
-        step = _timed_step(engine, timer, masks)
+        step = _timed_step(engine, timer, masks, plans)
         prefill.setdefault(step[0], []).append(step)
     for _ in range(NUM_UNTIMED_STEPS - 1):
-        _timed_step(engine, timer, masks)
-    decode = [_timed_step(engine, timer, masks) for _ in range(num_steps)]
+        _timed_step(engine, timer, masks, plans)
+    decode = [_timed_step(engine, timer, masks, plans) for _ in range(num_steps)]
     if any(b != decode_bucket for b, *_ in decode):
         raise RuntimeError(f"a timed decode step ran at another shape than {decode_bucket} "
-                           f"({[b for b, *_ in decode]}); were other requests in the engine?")
+                           f"({[b for b, *_ in decode]}); were other requests in the engine, or did rows "
+                           f"reach --max-model-len while others prefilled?")
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
@@ -230,6 +272,8 @@ def run(ns: argparse.Namespace) -> int:
     cfg = engine_config_from_args(ns)
     if fit_model_len:  # also the tokens the first rows decode while the last ones prefill
         budget = max(1, cfg.max_num_batched_tokens - max(ns.batch_sizes))
+        if cfg.itl_slo_ms is None or cfg.itl_slo_ms > 0:  # an ITL target: smaller chunks
+            budget = min(budget, AUTO_ITL_MIN_CHUNK_TOKENS)
         prefill_steps = 2 * -(-max(ns.batch_sizes) * ns.context // budget)
         cfg = dataclasses.replace(cfg, max_model_len=cfg.max_model_len + prefill_steps)
     if max(ns.batch_sizes) > cfg.max_num_seqs:
@@ -237,9 +281,10 @@ def run(ns: argparse.Namespace) -> int:
                          f"{cfg.max_num_seqs}")
     engine = LLMEngine(cfg, LoadConfig(ns.model, ns.load_format))
     warm = engine.warmup(progress=False)
-    timer, masks = _ExecuteTimer(engine.runner), _MaskTimer(engine)
+    engine.probe()  # as a server's start-up does: calibrates the step-cost model
+    timer, masks, plans = _ExecuteTimer(engine.runner), _MaskTimer(engine), _PlanSpy(engine)
     rng = np.random.default_rng(cfg.seed)
-    rows = [measure(engine, timer, masks, mode, b, ns.context, ns.num_steps, rng)
+    rows = [measure(engine, timer, masks, plans, mode, b, ns.context, ns.num_steps, rng)
             for mode in ns.modes for b in ns.batch_sizes]
     result = {"model": engine.model_name, "dtype": str(engine.dtype), "context": ns.context, "num_steps": ns.num_steps,
               "seed": cfg.seed, "engine_config": {k: getattr(cfg, k)
@@ -261,13 +306,15 @@ def format_table(result: dict[str, Any]) -> str:
              f"{cfg['block_size']}); {int(result['num_programs'])} programs compiled in "
              f"{result['compile_s']:.1f} s"),
              (f"{'mode':<10}{'batch':>6}{'phase':>9}{'bucket':>10}{'steps':>6}{'step ms':>10}"
-             f"{'device ms':>11}{'host ms':>9}{'mask ms':>9}{'cpu ms':>9}{'tok/s':>10}")]
+             f"{'pred ms':>9}{'device ms':>11}{'host ms':>9}{'mask ms':>9}{'cpu ms':>9}"
+              f"{'tok/s':>10}")]
     for r in result["rows"]:
         for phase, s in [("decode", r["decode"])] + [("prefill", p) for p in r["prefill"]]:
             tok_s = f"{s['tokens_per_second']:>10.1f}" if phase == "decode" else f"{'':>10}"
             lines.append(f"{r['mode']:<10}{r['batch']:>6}{phase:>9}"
                          f"{str(s['bucket_tokens']) + 'x' + str(s['bucket_seqs']):>10}"
                          f"{s['num_steps']:>6}{s['median_step_ms']:>10.2f}"
+                         f"{s.get('median_predicted_ms', float('nan')):>9.2f}"
                          f"{s['median_device_ms']:>11.2f}{s['median_host_ms']:>9.2f}"
                          f"{s['median_mask_ms']:>9.2f}{s['median_cpu_ms']:>9.2f}{tok_s}")
     return "\n".join(lines)

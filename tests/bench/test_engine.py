@@ -11,14 +11,16 @@ import pytest
 
 from jaxserve.bench.startup import parse_server_output
 from jaxserve.bench.static_batch import StaticRequest
+from jaxserve.bench.step import _summary
 from jaxserve.bench.throughput import model_flops
 from jaxserve.cli.main import main
+from jaxserve.device.buckets import Bucket
 from models.config import builtin_config
 
 TINY = ["--model", "tiny", "--load-format", "dummy"]
 
 
-def test_bench_step_command(tmp_path: Path) -> None:
+def test_bench_step_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "step.json"
     assert main(["bench", "step", *TINY, "--batch-sizes", "4,8", "--context", "12",
                  "--num-steps", "3", "--modes", "greedy,n4,json1,json",
@@ -42,6 +44,20 @@ def test_bench_step_command(tmp_path: Path) -> None:
         # batch x 12 prompt tokens over steps of at most 32 tokens
         assert sum(p["num_steps"] for p in r["prefill"]) >= r["batch"] * 12 // 32
         assert all(p["bucket_tokens"] > d["bucket_tokens"] for p in r["prefill"])
+        # the CPU's default ITL target plans with a step-cost model: its prediction of every
+        # step sits beside the measured time
+        for s in [d, *r["prefill"]]:
+            assert s["median_predicted_ms"] > 0 and s["median_measured_over_predicted"] > 0
+    assert "pred ms" in capsys.readouterr().out
+
+
+def test_bench_step_summary_without_a_target_has_no_prediction() -> None:
+    bucket = Bucket(num_tokens=8, num_seqs=8)
+    steps = [(bucket, 0.02, 0.015, 0.0, 0.03, None), (bucket, 0.03, 0.02, 0.0, 0.04, None)]
+    assert "median_predicted_ms" not in _summary(steps, 8)
+    with_target = _summary([(bucket, 0.02, 0.015, 0.0, 0.03, 0.01)], 8)
+    assert with_target["median_predicted_ms"] == pytest.approx(10.0)
+    assert with_target["median_measured_over_predicted"] == pytest.approx(2.0)
 
 
 def test_bench_step_refuses_bad_flags() -> None:
