@@ -42,10 +42,12 @@ class Lifecycle:
 
     Args:
       ready: start in stage "ready" (the engine was started before the server).
+      started: when start-up began (``time.monotonic()`` seconds; default: now): the one
+        clock of every "ready" figure the server logs and exports (``ready_s``).
     """
 
-    def __init__(self, ready: bool = False) -> None:
-        self.started = time.monotonic()
+    def __init__(self, ready: bool = False, started: float | None = None) -> None:
+        self.started = time.monotonic() if started is None else started
         # (stage, programs compiled, programs in all, when compiling began, drain timeout s)
         self._state: tuple[str, int, int, float, float] = (
             "ready" if ready else "loading", 0, 0, self.started, 0.0)
@@ -68,10 +70,18 @@ class Lifecycle:
         if stage == "compiling":
             self._state = (stage, done, total, since, 0.0)
 
-    def set_ready(self) -> None:
-        """Start-up finished (unless a drain has begun)."""
-        if self._state[0] in ("loading", "compiling"):
+    def startup_done(self) -> float:
+        """The start-up work finished: fixes ``ready_s`` (seconds from ``started``), the number
+        the start-up lines print and ``set_ready`` keeps, and returns it."""
+        if self.ready_s is None:
             self.ready_s = time.monotonic() - self.started
+        return self.ready_s
+
+    def set_ready(self) -> None:
+        """Start-up finished (unless a drain has begun); ``ready_s`` is ``startup_done``'s if
+        it was called, else now."""
+        if self._state[0] in ("loading", "compiling"):
+            self.startup_done()
             self._state = ("ready", 0, 0, self.started, 0.0)
 
     def start_drain(self, timeout_s: float) -> None:

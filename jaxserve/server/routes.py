@@ -97,6 +97,7 @@ def build_app(
     served_model_name: str,
     config: ServerConfig | None = None,
     limits: RequestLimits | None = None,
+    started: float | None = None,
 ) -> Starlette:
     """The OpenAI-compatible Starlette app serving ``engine`` as ``served_model_name``.
 
@@ -112,7 +113,9 @@ def build_app(
 
     With ``engine`` None the app starts in stage "loading" (model endpoints 503) until
     ``app.state.attach_engine(engine)`` and ``lifecycle.set_ready()`` (``gate.run_server``
-    does both); with an engine it is ready at once.
+    does both); with an engine it is ready at once. ``started``: when start-up began
+    (``time.monotonic()``; default: now), the origin of ``/ready``'s ``elapsed_s`` and of the
+    time to ready (``Lifecycle``).
     """
     config = config or ServerConfig()
     install_request_id()
@@ -120,7 +123,7 @@ def build_app(
     api = OpenAIServer(placeholder if engine is None else engine, served_model_name, limits,
                        responses.ResponseStore(config.max_stored_responses))
     doc = msgspec.json.encode(openapi_document(api_key=config.api_key is not None))
-    gate = Gate(api.engine, config, Lifecycle(ready=engine is not None))
+    gate = Gate(api.engine, config, Lifecycle(ready=engine is not None, started=started))
     probes = Probes(gate, served_model_name, config.metrics_compat)
 
     def attach_engine(eng: EngineClient) -> None:

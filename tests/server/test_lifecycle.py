@@ -14,6 +14,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -272,7 +273,26 @@ def test_jaxserve_serve_answers_from_start_and_drains_on_sigterm(tmp_path: Path)
         records = [json.loads(line) for line in log_path.read_text().splitlines()
                    if line.startswith("{")]
         assert any(r["message"].startswith("draining: 1 request") for r in records)
+        # one clock, one number: the start-up line and the gate's log say the same time to ready
+        ready_in = re.search(r"; ready in ([\d.]+) s", log_path.read_text())
+        assert ready_in is not None
+        assert f"ready: {ready_in[1]} s after start-up began" in [r["message"] for r in records]
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_the_time_to_ready_is_fixed_when_the_start_up_work_ends() -> None:
+    """``startup_done`` fixes the figure the start-up lines print; ``set_ready`` keeps it, and
+    counts from the ``started`` it was given (the process's start-up, not the app's)."""
+    life = Lifecycle(started=time.monotonic() - 5.0)
+    assert life.ready_s is None and life.status().elapsed_s >= 5.0
+    done = life.startup_done()
+    assert done >= 5.0 and life.startup_done() == done
+    time.sleep(0.01)
+    life.set_ready()
+    assert life.ready and life.ready_s == done
+    late = Lifecycle()
+    late.set_ready()  # without startup_done: now
+    assert late.ready_s is not None and 0 <= late.ready_s < 5.0
