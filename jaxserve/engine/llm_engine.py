@@ -57,11 +57,11 @@ class LLMEngine:
       load: where weights come from.
       metrics: an ``EngineMetrics`` (or None) updated every step.
       devices: the ``tensor_parallel_size`` devices this engine runs on (a data-parallel
-        replica's group); None: the first ones.
-      data_parallel_rank: the replica's index among data-parallel replicas (stamped on KV-cache
-        events and added to their ports). With a mesh (``tensor_parallel_size > 1`` or
+        replica's group); None: the first ones. With a mesh (``tensor_parallel_size > 1`` or
         ``devices`` given) each device reads its own slice of the weights where the format
         allows, and ``load_report`` holds the per-device ``LoadReport``; otherwise it is None.
+      data_parallel_rank: the replica's index among data-parallel replicas (stamped on KV-cache
+        events and added to their ports).
     The attributes built at start-up are ``startup.EngineParts``' fields (``platform``,
     ``dtype``, ``attention_backend``, ``model``, ``tokenizer``, ``kv_layout``, ``runner``, ...).
     The KV cache may hold fewer tokens than ``max_model_len``; a request that can never fit in
