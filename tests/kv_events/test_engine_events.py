@@ -149,3 +149,31 @@ def test_events_off_builds_no_publisher_and_records_nothing() -> None:
     assert not cfg.kv_events_enabled
     cfg = EngineConfig(kv_events_config='{"enable_kv_cache_events": true, "publisher": "null"}')
     assert cfg.kv_events_enabled and not cfg.kv_events.publishing
+
+
+def test_a_data_parallel_replica_stamps_its_rank_on_its_own_endpoint() -> None:
+    """Replica 1 publishes on the endpoint offset by its rank (inproc: ``_dp1``) and stamps
+    ``data_parallel_rank=1`` on every batch, as vLLM's replicas."""
+    cfg = EngineConfig(
+        max_model_len=128,
+        num_kv_blocks=24,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        itl_slo_ms=0,
+        compilation_cache_dir=str(REPO_ROOT / ".jax_cache"),
+        kv_events_config='{"enable_kv_cache_events": true, "endpoint": "inproc://kv-dp"}',
+    )
+    eng = LLMEngine(cfg, LoadConfig(model="tiny", load_format="dummy"), data_parallel_rank=1)
+    try:
+        assert eng.kv_events.endpoint == "inproc://kv-dp_dp1"
+        sub = subscriber(zmq.Context.instance(), eng.kv_events.endpoint)  # inproc: one context
+        wait_subscribed(eng.kv_events, sub)
+        eng.warmup(progress=False)
+        drive(eng, "a", list(range(1, 40)))
+        _, _, payload = sub.recv_multipart()
+        batch = DECODE(payload)
+        assert batch.data_parallel_rank == 1
+        assert isinstance(batch.events[0], BlockStored)
+        sub.close(linger=0)
+    finally:
+        eng.close()
