@@ -80,7 +80,6 @@ class ZmqEventPublisher:
     ) -> None:
         import zmq  # only a publisher needs pyzmq
 
-        self._zmq = zmq
         self.config, self.block_size, self.data_parallel_rank = (
             config,
             block_size,
@@ -123,18 +122,6 @@ class ZmqEventPublisher:
             self.endpoint,
             f", replay on {self.replay_endpoint}" if self.replay_endpoint else "",
         )
-
-    @property
-    def bound_endpoint(self) -> str:
-        """The PUB socket's endpoint as bound (a ``tcp://*:0`` endpoint gets its port here)."""
-        return self._pub.getsockopt_string(self._zmq.LAST_ENDPOINT)
-
-    @property
-    def bound_replay_endpoint(self) -> str | None:
-        """The ROUTER socket's endpoint as bound, or None without replay."""
-        if self._replay is None:
-            return None
-        return self._replay.getsockopt_string(self._zmq.LAST_ENDPOINT)
 
     def publish(self, records: list[CacheEvent]) -> bool:
         """Queue one step's records as one batch, never waiting; False if the queue was full
