@@ -175,9 +175,7 @@ def test_sequence_numbers_rise_and_replay_fills_a_gap(tmp_path, ctx) -> None:
                 assert payload == b"" and int.from_bytes(seq, "big", signed=True) == -1
                 break
             replayed.append((int.from_bytes(seq, "big"), payload))
-        assert replayed == [
-            (s, p) for (_, _, p), s in zip(got, seqs, strict=True) if s >= seqs[3]
-        ]
+        assert replayed == [(s, p) for (_, _, p), s in zip(got, seqs, strict=True) if s >= seqs[3]]
         # only buffer_steps batches are kept: asking from the first gets the last four
         dealer.send_multipart((b"", (0).to_bytes(8, "big")))
         frames = [dealer.recv_multipart() for _ in range(5)]
