@@ -7,6 +7,8 @@ it is implemented.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import typing
 from dataclasses import dataclass, field
 
@@ -22,6 +24,84 @@ QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8")
 CPU_KERNELS = ("auto", "on", "off")
 # the order in which prompts get a step's prefill budget (core.scheduler.Scheduler.schedule)
 PREFILL_ORDERS = ("fcfs", "shortest-first")
+# copies of core.block_hash.HASH_ALGOS / UNSUPPORTED_HASH_ALGOS (tests/core/test_block_hash.py)
+PREFIX_CACHING_HASH_ALGOS = ("sha256", "sha256_cbor")
+UNSUPPORTED_HASH_ALGOS = ("xxhash", "xxhash_cbor")
+KV_EVENT_PUBLISHERS = ("null", "zmq")
+ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """KV-cache event publishing: vLLM's ``KVEventsConfig`` (``vllm/config/kv_events.py``),
+    the same fields, defaults and JSON (``--kv-events-config``). Events are
+    ``jaxserve.kv_events``'s; the endpoints of data-parallel replica ``i`` get ``i`` added to
+    their tcp port (``inproc`` ones a ``_dp{i}`` suffix), as vLLM's.
+
+    Raises:
+      ValueError: naming the field, for a wrong type or value.
+    """
+
+    enable_kv_cache_events: bool = False  # record and publish events
+    publisher: str | None = None  # "zmq" or "null"; None: "zmq" when enabled, else "null"
+    endpoint: str = "tcp://*:5557"  # the PUB socket; bound if it has '*', '::', ipc or inproc
+    replay_endpoint: str | None = None  # the ROUTER socket replaying buffered batches
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark (batches per slow subscriber)
+    max_queue_size: int = 100_000  # batches queued for the publisher thread; more are dropped
+    topic: str = ""  # the first frame of every message
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(KVEventsConfig)
+        for f in dataclasses.fields(self):
+            value, kinds = getattr(self, f.name), typing.get_args(hints[f.name]) or (
+                hints[f.name],)
+            if value is None and type(None) in kinds:
+                continue
+            if not any(type(value) is k for k in kinds):  # bool is not an int here
+                raise ValueError(f"kv_events_config field {f.name!r} must be "
+                                 f"{' or '.join(k.__name__ for k in kinds)}, got {value!r}")
+        if self.publisher is None:
+            object.__setattr__(self, "publisher",
+                               "zmq" if self.enable_kv_cache_events else "null")
+        if self.publisher not in KV_EVENT_PUBLISHERS:
+            raise ValueError(f"kv_events_config field 'publisher' must be one of "
+                             f"{KV_EVENT_PUBLISHERS}, got {self.publisher!r}")
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not value.startswith(ENDPOINT_SCHEMES):
+                raise ValueError(f"kv_events_config field {name!r} must start with one of "
+                                 f"{ENDPOINT_SCHEMES}, got {value!r}")
+        for name, least in (("buffer_steps", 1), ("hwm", 0), ("max_queue_size", 1)):
+            if getattr(self, name) < least:
+                raise ValueError(f"kv_events_config field {name!r} must be >= {least}, got "
+                                 f"{getattr(self, name)}")
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        """Parse ``--kv-events-config``'s JSON object.
+
+        Raises:
+          ValueError: not JSON, not an object, an unknown field (named), or a bad value.
+        """
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"kv_events_config is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError("kv_events_config must be a JSON object of vLLM's KVEventsConfig "
+                             "fields")
+        names = [f.name for f in dataclasses.fields(cls)]
+        for k in data:
+            if k not in names:
+                raise ValueError(f"kv_events_config has an unknown field {k!r} (fields: "
+                                 f"{', '.join(names)})")
+        return cls(**data)
+
+    @property
+    def publishing(self) -> bool:
+        """Whether events are recorded and sent over ZMQ."""
+        return self.enable_kv_cache_events and self.publisher == "zmq"
 
 
 @dataclass(frozen=True)
@@ -64,6 +144,19 @@ class EngineConfig:
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "reuse the KV cache of full blocks shared with earlier requests (chained block "
                 "hashes)"})
+    # the algorithms: jaxserve/core/block_hash.py
+    prefix_caching_hash_algo: str = field(default="sha256", metadata={
+        "help": "block hash of the prefix cache: sha256 (jaxserve's layout) or sha256_cbor "
+                "(vLLM's, over canonical CBOR, seeded by $PYTHONHASHSEED or 'vllm-none-hash'; "
+                "what a cache-aware router recomputes from --kv-events-config events); vLLM's "
+                "xxhash and xxhash_cbor are not supported",
+        "choices": PREFIX_CACHING_HASH_ALGOS})
+    # the events and their wire format: jaxserve/kv_events/
+    kv_events_config: str | None = field(default=None, metadata={
+        "help": "KV-cache events for cache-aware routers, as vLLM's flag: a JSON object of "
+                "vLLM's KVEventsConfig fields (enable_kv_cache_events, publisher zmq|null, "
+                "endpoint [tcp://*:5557], replay_endpoint, buffer_steps, hwm, max_queue_size, "
+                "topic), e.g. '{\"enable_kv_cache_events\": true}' (default: no events)"})
     kv_offloading_size: float | None = field(default=None, metadata={
         "help": "GiB of pinned host memory for a second KV tier: evicted cached blocks go there "
                 "and are found again; preempted requests swap there (default: no host tier)"})
@@ -155,6 +248,17 @@ class EngineConfig:
                              "rule)")
         if self.prefill_order not in PREFILL_ORDERS:
             raise ValueError(f"{self.prefill_order=} must be one of {PREFILL_ORDERS}")
+        if self.prefix_caching_hash_algo in UNSUPPORTED_HASH_ALGOS:
+            raise ValueError(f"{self.prefix_caching_hash_algo=} (vLLM's) is not supported by "
+                             f"jaxserve; use one of {PREFIX_CACHING_HASH_ALGOS}")
+        if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
+            raise ValueError(f"{self.prefix_caching_hash_algo=} must be one of "
+                             f"{PREFIX_CACHING_HASH_ALGOS}")
+        if self.kv_events_config is not None:
+            try:
+                self.kv_events  # noqa: B018 (parses and checks it)
+            except ValueError as e:
+                raise ValueError(f"{self.kv_events_config=} is invalid: {e}") from None
         if self.kv_offloading_size is not None and not self.kv_offloading_size > 0:
             raise ValueError(f"{self.kv_offloading_size=} must be > 0 GiB (None: no host tier)")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -215,6 +319,19 @@ class EngineConfig:
     def replace(self, **changes: object) -> EngineConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    @functools.cached_property
+    def kv_events(self) -> KVEventsConfig | None:
+        """``kv_events_config`` parsed (None when unset)."""
+        if self.kv_events_config is None:
+            return None
+        return KVEventsConfig.from_json(self.kv_events_config)
+
+    @property
+    def kv_events_enabled(self) -> bool:
+        """Whether the engine records KV-cache events (``enable_kv_cache_events``; a "null"
+        publisher records them and drops them, as vLLM's)."""
+        return self.kv_events is not None and self.kv_events.enable_kv_cache_events
 
 
 @dataclass(frozen=True)

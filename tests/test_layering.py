@@ -28,11 +28,13 @@ ALLOWED: dict[str, set[str]] = {
     "models": {"cpu_kernels", "pallas_kernels"},
     "vocabulary": {"models", "cpu_kernels", "pallas_kernels"},
     "core": {"vocabulary"},
+    # KV-cache events: vLLM's wire structs over the KV manager's records, and the publisher
+    "kv_events": {"vocabulary", "core"},
     "platform": {"vocabulary", "models", "cpu_kernels", "pallas_kernels"},
     "device": {"vocabulary", "models", "cpu_kernels", "pallas_kernels"},
     "loading": {"vocabulary", "models", "cpu_kernels", "pallas_kernels"},
     "engine": {"vocabulary", "core", "device", "loading", "platform", "models", "cpu_kernels",
-               "pallas_kernels"},
+               "pallas_kernels", "kv_events"},
     "server": {"vocabulary", "engine"},
     "llm": {"vocabulary", "engine", "platform"},
     "cli": {"vocabulary", "core", "device", "loading", "platform", "engine", "server", "llm",
@@ -46,7 +48,7 @@ ALLOWED: dict[str, set[str]] = {
     "init": set(),  # jaxserve/__init__.py names its exports as strings, imports none
 }
 ENTRY_MODULES = {"jaxserve.llm": "llm", "jaxserve": "init"}
-NO_JAX_LAYERS = ("core", "autoscaling")
+NO_JAX_LAYERS = ("core", "autoscaling", "kv_events")
 JAX_MODULES = ("jax", "jaxlib", "flax", "orbax")
 
 

@@ -11,13 +11,25 @@ which runs them before the forward pass, offloads first, then loads::
 Offloads read device blocks before the step can overwrite them (an evicted block may be
 reallocated in the same plan); loads may read a host block this step's offload wrote. Host
 blocks a load reads are pinned until ``take_transfers``, so no offload of the plan reuses them.
+
+With ``record_events`` the manager also records what changed in the prefix cache
+(``cache_events``: blocks stored, blocks evicted, a reset), per tier, for ``take_events``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jaxserve.core.block_pool import BlockHash, BlockPool, hash_block_tokens
+from jaxserve.core.block_hash import BlockHasher, ExtraKeys
+from jaxserve.core.block_pool import BlockHash, BlockPool
+from jaxserve.core.cache_events import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    BlocksRemoved,
+    BlocksStored,
+    CacheCleared,
+    CacheEvent,
+)
 from jaxserve.core.sequence import SeqState
 
 DEVICE, HOST = "device", "host"
@@ -47,14 +59,20 @@ class KVManager:
       block_size: tokens per block.
       enable_caching: prefix caching on (both tiers).
       num_host_blocks: host-tier blocks including its reserved block 0; 0: no host tier.
+      hash_algo: the block hash (``block_hash.HASH_ALGOS``).
+      record_events: record prefix-cache changes in ``events`` for ``take_events``.
     """
 
     num_blocks: int
     block_size: int
     enable_caching: bool = True
     num_host_blocks: int = 0
+    hash_algo: str = "sha256"
+    record_events: bool = False
     device: BlockPool = field(init=False)
     host: BlockPool | None = field(init=False)
+    hasher: BlockHasher = field(init=False)
+    events: list[CacheEvent] | None = field(init=False)  # None: not recording
     stats: KVStats = field(default_factory=KVStats)
     _offloads: list[tuple[int, int]] = field(default_factory=list)
     _loads: list[tuple[int, int]] = field(default_factory=list)
@@ -66,15 +84,16 @@ class KVManager:
         self.device = BlockPool(self.num_blocks, self.enable_caching)
         self.host = BlockPool(self.num_host_blocks, self.enable_caching) \
             if self.num_host_blocks else None
+        self.hasher = BlockHasher(self.hash_algo)
+        self.events = [] if self.record_events else None
 
     # -- hashing and lookup --------------------------------------------------------------------
     def block_hashes(self, seq: SeqState, num_full: int) -> list[BlockHash]:
         """The hashes of ``seq``'s first ``num_full`` full blocks (computed once, kept on seq)."""
         bs, hashes = self.block_size, seq.block_hashes
         for i in range(len(hashes), num_full):
-            extra = seq.cache_salt.encode() if i == 0 and seq.cache_salt else b""
-            hashes.append(hash_block_tokens(hashes[i - 1] if i else None,
-                                            seq.token_ids[i * bs:(i + 1) * bs], extra))
+            hashes.append(self.hasher(hashes[i - 1] if i else None,
+                                      seq.token_ids[i * bs:(i + 1) * bs], _extra_keys(seq, i)))
         return hashes[:num_full]
 
     def find_prefix(self, seq: SeqState) -> list[tuple[str, int]]:
@@ -114,15 +133,19 @@ class KVManager:
             self.host.incref(host_hits)  # pinned until take_transfers
             self._pinned.extend(host_hits)
         new = self.allocate(num_blocks_total - len(hits) + len(host_hits))
-        table = []
+        table, stored = [], []
         for i, (tier, b) in enumerate(hits):
             if tier == DEVICE:
                 table.append(b)
                 continue
             d = new.pop(0)
             self._loads.append((b, d))
-            self.device.cache_block(d, seq.block_hashes[i])  # its K/V arrives before the step
+            # its K/V arrives before the step
+            if self.device.cache_block(d, seq.block_hashes[i]):
+                stored.append(i)
             table.append(d)
+        if stored and self.events is not None:
+            self._record_stored(seq, stored)
         seq.block_ids = table + new
         seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_registered_blocks = len(hits)
@@ -139,6 +162,8 @@ class KVManager:
         evicted: list[tuple[int, BlockHash]] = []
         block_ids = self.device.allocate(n, evicted)
         self.stats.num_evicted_blocks += len(evicted)
+        if evicted and self.events is not None:
+            self.events.append(BlocksRemoved(tuple(h for _, h in evicted), MEDIUM_GPU))
         host = self.host
         for b, h in evicted:
             if host is None or host.lookup(h) is not None or host.num_free_blocks == 0:
@@ -148,12 +173,16 @@ class KVManager:
             host.free([hb])  # cached-free on the host from now on
             self._offloads.append((b, hb))
             self.stats.num_offloaded_blocks += 1
+            if self.events is not None:
+                self._record_offloaded(h)
         return block_ids
 
     def _host_allocate(self, n: int) -> list[int]:
         evicted: list[tuple[int, BlockHash]] = []
         got = self.host.allocate(n, evicted)
         self.stats.num_host_evicted_blocks += len(evicted)
+        if evicted and self.events is not None:
+            self.events.append(BlocksRemoved(tuple(h for _, h in evicted), MEDIUM_CPU))
         if evicted:  # a host block written earlier in this plan and reused now: one copy only
             gone = {b for b, _ in evicted}
             self._offloads = [(d, h) for d, h in self._offloads if h not in gone]
@@ -177,9 +206,55 @@ class KVManager:
         if not self.enable_caching or num_full <= seq.num_registered_blocks:
             return
         hashes = self.block_hashes(seq, num_full)
-        for i in range(seq.num_registered_blocks, num_full):
-            self.device.cache_block(seq.block_ids[i], hashes[i])
+        stored = [i for i in range(seq.num_registered_blocks, num_full)
+                  if self.device.cache_block(seq.block_ids[i], hashes[i])]
         seq.num_registered_blocks = num_full
+        if stored and self.events is not None:
+            self._record_stored(seq, stored)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached-free block in both tiers (blocks of running requests keep their
+        hashes); returns how many were dropped."""
+        dropped = self.device.reset_prefix_cache() + (
+            self.host.reset_prefix_cache() if self.host is not None else 0)
+        if self.events is not None:
+            self.events.append(CacheCleared())
+        return dropped
+
+    # -- events --------------------------------------------------------------------------------
+    def _record_stored(self, seq: SeqState, indices: list[int]) -> None:
+        """One ``BlocksStored`` per run of consecutive block indices of ``seq`` (ascending)."""
+        bs, hashes = self.block_size, seq.block_hashes
+        runs: list[list[int]] = []
+        for i in indices:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            lo, hi = run[0], run[-1] + 1
+            extra = tuple(_extra_keys(seq, i) for i in run)
+            self.events.append(BlocksStored(
+                tuple(hashes[lo:hi]), hashes[lo - 1] if lo else None,
+                tuple(seq.token_ids[lo * bs:hi * bs]), MEDIUM_GPU,
+                extra if any(e is not None for e in extra) else None))
+
+    def _record_offloaded(self, h: BlockHash) -> None:
+        """A block now cached on the host: its hash only (the manager does not keep its tokens),
+        merged into the last event when that stored host blocks too."""
+        last = self.events[-1] if self.events else None
+        if isinstance(last, BlocksStored) and last.medium == MEDIUM_CPU:
+            self.events[-1] = BlocksStored((*last.block_hashes, h), None, (), MEDIUM_CPU)
+        else:
+            self.events.append(BlocksStored((h,), None, (), MEDIUM_CPU))
+
+    def take_events(self) -> list[CacheEvent]:
+        """The prefix-cache changes recorded since the last call, oldest first (empty when not
+        recording)."""
+        if not self.events:
+            return []
+        out, self.events = self.events, []
+        return out
 
     # -- swapping ------------------------------------------------------------------------------
     def swap_out(self, seq: SeqState) -> bool:
@@ -213,3 +288,9 @@ class KVManager:
             self.host.free(self._pinned)
         self._offloads, self._loads, self._pinned = [], [], []
         return out
+
+
+def _extra_keys(seq: SeqState, i: int) -> ExtraKeys:
+    """What besides its tokens block ``i`` of ``seq`` is hashed with: the cache salt, on the
+    first block only (as vLLM's ``generate_block_hash_extra_keys``)."""
+    return (seq.cache_salt,) if i == 0 and seq.cache_salt else None

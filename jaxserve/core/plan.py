@@ -45,6 +45,8 @@ class SchedulerConfig:
     step_cost: StepCostModel | None = None  # the model to start from (Scheduler.step_cost)
     prefill_order: str = "fcfs"  # PREFILL_ORDERS
     max_prefill_skips: int = 64  # "shortest-first": steps a prompt may be bypassed, then FCFS
+    prefix_caching_hash_algo: str = "sha256"  # block_hash.HASH_ALGOS
+    record_kv_events: bool = False  # the KV manager records prefix-cache changes (cache_events)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len"):
@@ -88,6 +90,8 @@ class SchedulerConfig:
             long_prefill_token_threshold=cfg.long_prefill_token_threshold,
             enable_prefix_caching=cfg.enable_prefix_caching,
             num_host_blocks=num_host_blocks,
+            prefix_caching_hash_algo=cfg.prefix_caching_hash_algo,
+            record_kv_events=cfg.kv_events_enabled,
             async_scheduling=cfg.async_scheduling,
             itl_target_s=itl_target_s,
             itl_decode_ratio=itl_decode_ratio,

@@ -69,7 +69,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.kv = KVManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
-                            config.num_host_blocks)
+                            config.num_host_blocks, config.prefix_caching_hash_algo,
+                            config.record_kv_events)
         self.waiting: deque[SeqState] = deque()
         self.running: list[SeqState] = []
         self.num_preemptions_total = 0

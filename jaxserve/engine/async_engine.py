@@ -78,11 +78,14 @@ class AsyncEngine:
         return thread is None or thread.is_alive() or self._stop.is_set()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop the engine thread (in-flight requests are left unfinished)."""
+        """Stop the engine thread (in-flight requests are left unfinished), then the engine's
+        KV-cache events publisher, if any."""
         self._stop.set()
         self._cmds.put(("wake", None))
         if self._thread is not None:
             self._thread.join(timeout_s)
+        if self._thread is None or not self._thread.is_alive():
+            self.engine.close()
 
     def num_unfinished(self) -> int:
         """Requests not yet finished (queued, waiting or running)."""

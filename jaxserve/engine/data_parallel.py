@@ -7,7 +7,8 @@ own group of ``tensor_parallel_size`` devices; replica ``i`` takes devices
 requests, then lowest KV-cache usage (both read without locks from the replicas' last step, so
 the choice is approximate under races, never wrong in outcome). A request stays on its replica
 for its whole life. ``/metrics`` shows every replica's series with an ``engine="i"`` label, as
-vLLM's data-parallel front end does.
+vLLM's data-parallel front end does. With KV-cache events on, replica ``i`` publishes them with
+``data_parallel_rank=i`` on the configured port plus ``i``, as vLLM's replicas do.
 """
 
 from __future__ import annotations
@@ -189,6 +190,6 @@ def build_data_parallel(config: EngineConfig, load: LoadConfig, data_parallel_si
     for i in range(dp):
         metrics = EngineMetrics(served_name(load)) if with_metrics else None
         eng = LLMEngine(config, load, metrics=metrics,
-                        devices=devs[i * tp:(i + 1) * tp])
+                        devices=devs[i * tp:(i + 1) * tp], data_parallel_rank=i)
         replicas.append(AsyncEngine(eng))
     return DataParallelEngine(replicas)

@@ -12,6 +12,8 @@ With async scheduling (``EngineConfig.async_scheduling``, the default) a call pl
 and dispatches step N+1 first and then reads step N, which ran on the device meanwhile; step
 N+1's tokens that step N samples are gathered on the device (docs/architecture.md#async-scheduling).
 A step with a structured-output row is completed in its own call.
+With ``kv_events_config`` enabled, the KV manager's prefix-cache changes are handed to the
+events publisher (``jaxserve.kv_events``) after each step, without waiting on it.
 The async server (``AsyncEngine``) and the offline ``LLM`` both drive this object
 (docs/architecture.md#one-requests-path).
 """
@@ -58,6 +60,8 @@ class LLMEngine:
         replica's group); None: the first ones. With a mesh (``tensor_parallel_size > 1`` or
         ``devices`` given) each device reads its own slice of the weights where the format
         allows, and ``load_report`` holds the per-device ``LoadReport``; otherwise it is None.
+      data_parallel_rank: the replica's index among data-parallel replicas (stamped on KV-cache
+        events and added to their ports).
     The attributes built at start-up are ``startup.EngineParts``' fields (``platform``,
     ``dtype``, ``attention_backend``, ``model``, ``tokenizer``, ``kv_layout``, ``runner``, ...).
     The KV cache may hold fewer tokens than ``max_model_len``; a request that can never fit in
@@ -69,7 +73,8 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig | None = None, load: LoadConfig | None = None,
-                 metrics=None, devices: Sequence[jax.Device] | None = None) -> None:
+                 metrics=None, devices: Sequence[jax.Device] | None = None,
+                 data_parallel_rank: int = 0) -> None:
         self.config = config = config or EngineConfig()
         self.load_config = load = load or LoadConfig()
         self.metrics = metrics
@@ -105,6 +110,9 @@ class LLMEngine:
         self._t_last_ready: float | None = None  # the last completed step's ids on the host
         self._rng = np.random.default_rng(config.seed)
         self._ids = IdCounter()
+        self.kv_events = None  # the KV-cache events publisher (None: events off)
+        if config.kv_events_enabled:
+            self.kv_events = _start_kv_events(config, data_parallel_rank)
         self.load_s = time.perf_counter() - t0
         self.startup_s: dict[str, float] = parts.startup_s
 
@@ -245,12 +253,32 @@ class LLMEngine:
             self.metrics.record_kv_stats(self.scheduler.kv_stats,
                                          None if host is None else 1 - host.num_free_blocks /
                                          host.num_usable_blocks)
+            if self.kv_events is not None:
+                self.metrics.record_kv_events(self.kv_events.num_events_published,
+                                              self.kv_events.num_events_dropped)
+
+    def _publish_kv_events(self) -> None:
+        """Hand the prefix-cache changes since the last call to the publisher (never waits)."""
+        if self.kv_events is not None:
+            records = self.scheduler.kv.take_events()
+            if records:
+                self.kv_events.publish(records)
+
+    def close(self) -> None:
+        """Stop the KV-cache events publisher (sending what it has queued); the engine keeps
+        working without it."""
+        if self.kv_events is not None:
+            self._publish_kv_events()
+            self.kv_events.shutdown()
+            self.kv_events = None
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached-free block in both tiers (blocks of running requests are kept),
-        e.g. between benchmark runs. Returns how many blocks were dropped."""
-        kv = self.scheduler.kv
-        return kv.device.reset_prefix_cache() + (kv.host.reset_prefix_cache() if kv.host else 0)
+        e.g. between benchmark runs; publishes ``AllBlocksCleared`` when events are on.
+        Returns how many blocks were dropped."""
+        dropped = self.scheduler.kv.reset_prefix_cache()
+        self._publish_kv_events()
+        return dropped
 
     def set_async_scheduling(self, on: bool) -> None:
         """Switch between the async and the synchronous loop (``EngineConfig.async_scheduling``)
@@ -299,6 +327,7 @@ class LLMEngine:
         self.runner.copy_blocks(plan.offloads, plan.loads)
         prev, self._inflight = self._inflight, None
         if plan.is_empty and prev is None:
+            self._publish_kv_events()
             self._record_step(plan=plan)
             return []
         times.t_sched = time.perf_counter()
@@ -325,6 +354,7 @@ class LLMEngine:
                 outputs += outs
         if new is not None and new.t_ready is None:
             self._inflight = new
+        self._publish_kv_events()
         self._record_step(new.num_prompt_tokens if new else 0, num_generated,
                           self.scheduler.num_preemptions_total - preempted_before, plan)
         if self.step_trace is not None:
@@ -355,3 +385,12 @@ class LLMEngine:
     def next_request_id(self) -> str:
         """A fresh id for callers that have none."""
         return self._ids.next()
+
+
+def _start_kv_events(config: EngineConfig, data_parallel_rank: int):
+    """The KV-cache events publisher of ``config.kv_events``, started. Imported here, not at the
+    top: msgspec and pyzmq are needed only with events on (the engine core imports with jax,
+    flax and numpy alone)."""
+    from jaxserve.kv_events.publisher import start_publisher
+
+    return start_publisher(config.kv_events, config.block_size, data_parallel_rank)

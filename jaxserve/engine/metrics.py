@@ -36,6 +36,9 @@ to histograms; importing this module turns off the ``_created`` series process-w
              jaxserve:kv_swapped_out_blocks_total, jaxserve:kv_swapped_in_blocks_total;
              gauge jaxserve:kv_offload_usage_perc (0-1: host blocks held by swapped-out
              requests plus cached-free ones; absent without a host tier)
+  KV-cache events (with --kv-events-config; jaxserve.kv_events): jaxserve:kv_events_published_total
+             (events sent by the publisher), jaxserve:kv_events_dropped_total (events dropped
+             because the publisher's queue was full)
   histograms jaxserve:time_to_first_token_seconds, jaxserve:inter_token_latency_seconds,
              jaxserve:e2e_request_latency_seconds, jaxserve:request_queue_time_seconds;
              lengths of finished requests: jaxserve:request_prompt_tokens,
@@ -215,6 +218,11 @@ class EngineMetrics:
         self.kv_counters = {field: counter(name, text)
                             for field, (name, text) in KV_COUNTERS.items()}
         self._kv_seen: dict[str, int] = dict.fromkeys(KV_COUNTERS, 0)
+        self.kv_events_published = counter("kv_events_published",
+                                           "KV-cache events sent to subscribers.")
+        self.kv_events_dropped = counter(
+            "kv_events_dropped", "KV-cache events dropped because the publisher's queue was full.")
+        self._kv_events_seen = (0, 0)
         self.kv_offload_usage_perc = gauge(
             "kv_offload_usage_perc",
             "Fraction (0-1) of host-tier KV blocks in use (swapped out or cached).")
@@ -319,6 +327,15 @@ class EngineMetrics:
                 self._kv_seen[field] = value
         if host_usage is not None:
             self.kv_offload_usage_perc.set(host_usage)
+
+    def record_kv_events(self, num_published: int, num_dropped: int) -> None:
+        """Bring the KV-cache event counters up to the publisher's cumulative counts."""
+        old_published, old_dropped = self._kv_events_seen
+        if num_published > old_published:
+            self.kv_events_published.inc(num_published - old_published)
+        if num_dropped > old_dropped:
+            self.kv_events_dropped.inc(num_dropped - old_dropped)
+        self._kv_events_seen = (max(num_published, old_published), max(num_dropped, old_dropped))
 
     def record_first_token(self, ttft_s: float, queue_s: float) -> None:
         """Record a request's first output token: time to first token and time spent queued."""

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from jaxserve.cli.main import build_parser
+from jaxserve.config import EngineConfig
 from jaxserve.config_args import engine_config_from_args, server_config_from_args
 from tests.deploy.queries import ADAPTER, HPA, KEDA, KUBERNETES, instructions, load_yaml
 
@@ -244,3 +245,19 @@ def test_hpa_metrics_are_the_ones_prometheus_adapter_serves() -> None:
         assert m["type"] == "Pods" and m["pods"]["target"]["type"] == "AverageValue"
         assert m["pods"]["metric"]["name"] in served
 
+
+
+def test_kv_events_flags_parse_and_their_port_is_declared() -> None:
+    """The deployment's --kv-events-config is a valid engine setting whose endpoint port is a
+    declared container port, with hashes a router can recompute."""
+    dep = _by_kind(_base(), "Deployment")
+    container = _container(dep)
+    flags = dict(a.removeprefix("--").split("=", 1) for a in container["args"] if "=" in a)
+    cfg = EngineConfig(kv_events_config=flags["kv-events-config"],
+                       prefix_caching_hash_algo=flags["prefix-caching-hash-algo"])
+    assert cfg.kv_events.publishing and cfg.prefix_caching_hash_algo == "sha256_cbor"
+    port = int(cfg.kv_events.endpoint.rsplit(":", 1)[1])
+    assert {"name": "kv-events", "containerPort": port, "protocol": "TCP"} in container["ports"]
+    pod_ip = {e["name"]: e for e in container["env"]}["POD_IP"]
+    assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert cfg.kv_events.topic.startswith("kv@$(POD_IP)@")
