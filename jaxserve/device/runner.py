@@ -150,7 +150,8 @@ class ModelRunner:
                  num_penalty_slots: int | None = None,
                  mesh: jax.sharding.Mesh | None = None,
                  executable_cache: ExecutableCache | None = None,
-                 program_description: str = "", host_tier: HostKVTier | None = None) -> None:
+                 program_description: str = "", host_tier: HostKVTier | None = None,
+                 sampler_rows: tuple[int, ...] = ()) -> None:
         self.model = model
         self.host_tier = host_tier
         self.executable_cache = executable_cache
@@ -163,7 +164,7 @@ class ModelRunner:
                                     mid_buckets_up_to)
         self.num_penalty_slots = num_penalty_slots or max_num_seqs
         self.packer = StepPacker(self.buckets, max_blocks_per_seq, self.block_size,
-                                 self.num_penalty_slots)
+                                 self.num_penalty_slots, sampler_rows)
         self.layouts = self.packer.layouts
         self.vocab_limit = vocab_limit
         self.mesh = mesh
@@ -177,8 +178,8 @@ class ModelRunner:
         self._all_allowed: dict[Bucket, jax.Array] = {}  # i32[S, num_mask_words], all bits set
         self._mask_buffers: dict[Bucket, np.ndarray] = {}
         self.compiled: dict[Bucket, jax.stages.Compiled] = {}  # model programs
-        self.samplers: dict[int, jax.stages.Compiled] = {}  # by row count
-        self.max_bucket_seqs = max(b.num_seqs for b in self.buckets)
+        self.samplers: dict[int, jax.stages.Compiled] = {}  # by row count (Layout.sampler_rows)
+        self.max_bucket_seqs = max(self.layouts[b].sampler_rows for b in self.buckets)
         # i32[max_bucket_seqs]: the last program's sampled ids, the next one's prev_ids
         self._last_ids: jax.Array = self._to_device(np.zeros(self.max_bucket_seqs, np.int32))
         self._set_bias: jax.stages.Compiled | None = None
@@ -217,6 +218,8 @@ class ModelRunner:
                 f("tok_is_output"))
             hidden, kv_cache = model.forward(params, token_ids, f("positions"), kv_cache, md)
             logits = self._gathered(_lm_head(model, params, hidden[f("logits_indices")]))
+            if layout.sampler_rows > b.num_seqs:  # the shared sampler's rows (zero logits)
+                logits = jnp.pad(logits, ((0, layout.sampler_rows - b.num_seqs), (0, 0)))
             plp = jax.lax.cond(
                 (flags & self.FLAG_PROMPT_LOGPROBS) != 0,
                 lambda h, tg: logprobs_of(self._gathered(_lm_head(model, params, h)), tg,
@@ -227,11 +230,12 @@ class ModelRunner:
         return step
 
     def _sampler_fn(self, layout: Layout):
-        """The sampler program of ``layout``'s row count ``S``, shared by every bucket with as
-        many: ``(logits f32[S, vocab], pen, sampler_inputs, allowed) -> (ids
+        """The sampler program of ``layout``'s sampler row count ``S`` (``Layout.sampler_rows``),
+        shared by every bucket with as many: ``(logits f32[S, vocab], pen, sampler_inputs, allowed) -> (ids
         i32[max_bucket_seqs], logprobs)``. Apart from the model programs so that it compiles
-        once per row count (about 2 CPU-s of each step program's 4-5 on the 2-core CPU)."""
-        sl, num_seqs = layout.sampler_slices, layout.bucket.num_seqs
+        once per sampler row count (2.5-4.6 s each on the 2-core CPU, against 1.2 s for a model
+        program: the platform shares one among buckets, ``BucketSet.sampler_rows``)."""
+        sl, num_seqs = layout.sampler_slices, layout.sampler_rows
         limit, k, max_rows = self.vocab_limit, MAX_LOGPROBS, self.max_bucket_seqs
 
         def sample_rows(logits: jax.Array, pen: PenaltyState, inputs: jax.Array,
@@ -309,8 +313,8 @@ class ModelRunner:
         for b in self.buckets:
             if b not in self.compiled:
                 todo.append(lambda b=b: self._compile_model(b))
-            if b.num_seqs not in rows:
-                rows.add(b.num_seqs)
+            if self.layouts[b].sampler_rows not in rows:
+                rows.add(self.layouts[b].sampler_rows)
                 todo.append(lambda b=b: self._compile_sampler(b))
         bar = None
         if progress:
@@ -365,7 +369,7 @@ class ModelRunner:
           bucket: one of ``self.buckets``; its model program is compiled again if it already is.
         """
         self._compile_model(bucket)
-        if bucket.num_seqs not in self.samplers:
+        if self.layouts[bucket].sampler_rows not in self.samplers:
             self._compile_sampler(bucket)
 
     def _cached(self, what: tuple, args: tuple, compile_fn) -> jax.stages.Compiled:
@@ -386,13 +390,14 @@ class ModelRunner:
             *args).compile()
         self.compiled[bucket] = self._cached(("model", bucket, lay.slices, lay.max_blocks),
                                              args, compile_fn)
-        shape = (bucket.num_seqs, self.num_mask_words)
+        shape = (lay.sampler_rows, self.num_mask_words)
         self._all_allowed[bucket] = self._to_device(np.full(shape, -1, np.int32))
 
     def _compile_sampler(self, bucket: Bucket) -> None:
         """The sampler program of ``bucket``'s row count, its inputs' shapes taken from the
         bucket's compiled model program."""
-        lay, s = self.layouts[bucket], bucket.num_seqs
+        lay = self.layouts[bucket]
+        s = lay.sampler_rows
         logits = self.compiled[bucket].out_info[2]
         args = (jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=self._replicated),
                 self.penalty_state,
@@ -416,7 +421,7 @@ class ModelRunner:
         buf = self._mask_buffers.get(bucket)
         if buf is None:
             buf = self._mask_buffers[bucket] = np.empty(
-                (bucket.num_seqs, self.num_mask_words), np.int32)
+                (self.layouts[bucket].sampler_rows, self.num_mask_words), np.int32)
         buf.fill(-1)
         return buf
 
@@ -456,7 +461,8 @@ class ModelRunner:
           RuntimeError: if the bucket was not compiled by warmup (serving never compiles).
           ValueError: a mask when one model spans several processes.
         """
-        prog, sampler = self.compiled.get(bucket), self.samplers.get(bucket.num_seqs)
+        prog = self.compiled.get(bucket)
+        sampler = self.samplers.get(self.layouts[bucket].sampler_rows)
         if prog is None or sampler is None:
             raise RuntimeError(f"bucket {bucket} was not compiled; call warmup() first")
         flags = self.layouts[bucket].slices["flags"]
@@ -488,7 +494,8 @@ class ModelRunner:
         arr = self._to_device(np.asarray(packed))
         self.kv_cache, self.penalty_state, logits, plp, inputs = self.compiled[bucket](
             self.params, self.kv_cache, self.penalty_state, arr, self._last_ids)
-        ids, lp = self.samplers[bucket.num_seqs](logits, self.penalty_state, inputs,
+        ids, lp = self.samplers[self.layouts[bucket].sampler_rows](
+            logits, self.penalty_state, inputs,
                                                  self._all_allowed[bucket])
         self._last_ids = ids
         local = lambda tree: jax.tree_util.tree_map(lambda x: x.addressable_data(0), tree)

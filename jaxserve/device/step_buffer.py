@@ -83,6 +83,12 @@ def _sampler_fields(s: int) -> list[tuple[str, int]]:
             ("suppress_ids", s * MAX_MIN_TOKENS_STOP_IDS), ("flags", 1)]
 
 
+def sampler_rows_for(num_seqs: int, sampler_rows: tuple[int, ...]) -> int:
+    """The rows of the sampler program a bucket of ``num_seqs`` rows shares: the smallest of
+    ``sampler_rows`` at least ``num_seqs``; ``num_seqs`` itself when there is none."""
+    return min((r for r in sampler_rows if r >= num_seqs), default=num_seqs)
+
+
 def _offsets(sizes: list[tuple[str, int]], start: int = 0) -> tuple[dict[str, slice], int]:
     out, off = {}, start
     for name, n in sizes:
@@ -94,18 +100,24 @@ def _offsets(sizes: list[tuple[str, int]], start: int = 0) -> tuple[dict[str, sl
 class Layout:
     """Offsets of each field in the packed ``i32`` step buffer of one bucket: the model
     program's fields, then the sampler's (``sampler_start`` on; ``sampler_slices`` relative
-    to it, the same for every bucket with as many rows)."""
+    to it, the same for every bucket with as many sampler rows). ``sampler_rows`` (>= the
+    bucket's rows, default equal) is the row count of the sampler program the bucket shares:
+    its logits are padded to it, and its sampler fields have that many rows."""
 
-    def __init__(self, bucket: Bucket, max_blocks: int) -> None:
+    def __init__(self, bucket: Bucket, max_blocks: int, sampler_rows: int | None = None
+                 ) -> None:
         t, s = bucket.num_tokens, bucket.num_seqs
+        self.sampler_rows = r = s if sampler_rows is None else sampler_rows
+        if r < s:
+            raise ValueError(f"Layout: sampler_rows={r} is less than the bucket's {s} rows")
         model = [("token_ids", t), ("positions", t), ("slot_mapping", t),
                  ("block_tables", s * max_blocks), ("seq_lens", s), ("query_start_loc", s + 1),
                  ("num_seqs", 1), ("logits_indices", s), ("reset_slot", s),
                  ("tok_slot", t), ("tok_is_output", t), ("tok_target", t), ("src_row", t)]
         self.slices, self.sampler_start = _offsets(model)
-        tail, self.size = _offsets(_sampler_fields(s), self.sampler_start)
+        tail, self.size = _offsets(_sampler_fields(r), self.sampler_start)
         self.slices.update(tail)
-        self.sampler_slices = _offsets(_sampler_fields(s))[0]
+        self.sampler_slices = _offsets(_sampler_fields(r))[0]
         self.bucket = bucket
         self.max_blocks = max_blocks
 
@@ -118,13 +130,16 @@ class StepPacker:
       max_blocks: block-table width per sequence.
       block_size: tokens per KV block.
       num_penalty_slots: rows of the penalty state (the "no slot" value in the buffer).
+      sampler_rows: the row counts that have a sampler program; a bucket samples with the
+        smallest at least its rows (``sampler_rows_for``; empty: its own row count).
     """
 
     def __init__(self, buckets: list[Bucket], max_blocks: int, block_size: int,
-                 num_penalty_slots: int) -> None:
+                 num_penalty_slots: int, sampler_rows: tuple[int, ...] = ()) -> None:
         self.buckets, self.block_size = buckets, block_size
         self.num_penalty_slots = num_penalty_slots
-        self.layouts = {b: Layout(b, max_blocks) for b in buckets}
+        self.layouts = {b: Layout(b, max_blocks, sampler_rows_for(b.num_seqs, sampler_rows))
+                        for b in buckets}
         # two buffers per bucket, used in turn: a dispatched step may still read its buffer
         # (on the CPU the program can alias the numpy memory) while the next one is packed
         self.buffers = {b: (np.zeros(lay.size, np.int32), np.zeros(lay.size, np.int32))
@@ -186,8 +201,8 @@ class StepPacker:
             buf[sl["logits_indices"]][:num_seqs] = qsl[1:num_seqs + 1] - 1
         else:
             buf[sl["logits_indices"]][:num_seqs] = qsl[:num_seqs] + np.asarray(sample_index)
-        temp = np.zeros(b.num_seqs, np.float32)
-        top_p = np.ones(b.num_seqs, np.float32)
+        temp = np.zeros(lay.sampler_rows, np.float32)
+        top_p = np.ones(lay.sampler_rows, np.float32)
         temp[:num_seqs] = [r.temperature for r in rows]
         top_p[:num_seqs] = [r.top_p for r in rows]
         buf[sl["temperature"]] = temp.view(np.int32)
@@ -213,7 +228,7 @@ class StepPacker:
                      want_logprobs: bool) -> None:
         """min-p, penalties, suppressed ids and logprob fields (the cheap defaults when no row
         uses them)."""
-        sl, s = lay.slices, lay.bucket.num_seqs
+        sl, s = lay.slices, lay.sampler_rows
         r = self.num_penalty_slots
         f32 = lambda name, vals, fill: _put_f32(buf, sl[name], s, vals, fill)
         f32("min_p", [x.min_p for x in rows], 0.0)

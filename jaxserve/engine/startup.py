@@ -158,7 +158,8 @@ def assemble(config: EngineConfig, load: LoadConfig, devices: Sequence[jax.Devic
     runner = ModelRunner(
         model, params, kv, max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs, small_buckets=buckets.small,
-        mid_buckets_up_to=buckets.mid_up_to, max_blocks_per_seq=max_blocks,
+        mid_buckets_up_to=buckets.mid_up_to, sampler_rows=buckets.sampler_rows,
+        max_blocks_per_seq=max_blocks,
         vocab_limit=tokenizer.vocab_size if tokenizer.vocab_size < mc.vocab_size else None,
         mesh=mesh, executable_cache=exe_cache, host_tier=host_kv,
         program_description=repr((

@@ -29,10 +29,14 @@ class BucketSet:
     Fields:
       small: token buckets below 8, ascending (each costs a model and a sampler program).
       mid_up_to: compile the buckets ``3 * 2**k`` from 24 up to this many tokens (0: none).
+      sampler_rows: the row counts that get a sampler program; a bucket of ``S`` rows samples
+        with the smallest at least ``S``, its logits padded with zero rows (empty: one sampler
+        per row count; ``jaxserve.device.step_buffer.sampler_rows_for``).
     """
 
     small: tuple[int, ...] = ()
     mid_up_to: int = 0
+    sampler_rows: tuple[int, ...] = ()
 
 
 def attention_fn(backend: str) -> Callable[..., jax.Array]:

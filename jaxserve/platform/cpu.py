@@ -26,9 +26,14 @@ padded rows and slots, so a step of 33 decodes padded to 64 cost what 64 do. Mea
 process, decode steps interleaved (SmolLM2-135M, bfloat16, context 300;
 docs/decisions/0024-decode-mid-buckets.md): 48 live sequences 100.3 ms a step with the powers of
 two against 86.9 ms with the 48 bucket, 33 live 127.4 against 95.7, 24 live 90.0 against 77.2, 12
-live 51.4 against 40.6 (a 12 bucket); 64 live the same. Each bucket costs a model and a sampler
-program, about 2 s each of a cold start's compile: few steps run 9-12 decodes, so a 12 bucket
-would not repay it.
+live 51.4 against 40.6 (a 12 bucket); 64 live the same. Each bucket costs a model program, about
+1.2 s of a cold start's compile: few steps run 9-12 decodes, so a 12 bucket would not repay it.
+The sampler programs are the dearer ones (2.5-4.6 s each, 2-core Zen 3): only the small buckets'
+row counts and 16, 32, 64, ... get one (``cpu_sampler_rows``); a bucket of 8, 24 or 48 rows samples
+with the next, its logits padded with zero rows. That took a cold start's compile from 21 programs
+in 43.1 s to 18 in 34.4 s; an extra sampler pass over 8 (or 16) padding rows of the vocabulary is
+about 1 (2.5) ms against decode steps of 60-200 ms, below the noise of interleaved ``bench step``
+runs (docs/decisions/0037-sampler-row-counts.md).
 
 **Step cost.** ~30 ms a step against ~0.75 ms a prompt token (SmolLM2-135M, 2 cores;
 docs/decisions/0005-bucket-fit.md): ``step_overhead_tokens`` 32, ``prompt_token_s`` 0.75 ms
@@ -120,4 +125,16 @@ class CpuPlatform(Platform):
         return params
 
     def buckets(self, config: EngineConfig) -> BucketSet:
-        return BucketSet(small=SMALL_BUCKETS, mid_up_to=config.max_num_seqs)
+        return BucketSet(small=SMALL_BUCKETS, mid_up_to=config.max_num_seqs,
+                         sampler_rows=cpu_sampler_rows(config.max_num_seqs))
+
+
+def cpu_sampler_rows(max_num_seqs: int) -> tuple[int, ...]:
+    """The row counts with a sampler program on the CPU (the module docstring): the small
+    buckets', then 16, 32, 64, ... below ``max_num_seqs``, and ``max_num_seqs``."""
+    rows = {r for r in SMALL_BUCKETS if r < max_num_seqs}
+    r = 16
+    while r < max_num_seqs:
+        rows.add(r)
+        r *= 2
+    return tuple(sorted(rows | {max_num_seqs}))

@@ -76,6 +76,10 @@ def test_gpu_answers() -> None:
 def test_cpu_buckets_add_small_and_mid_shapes() -> None:
     b = CPU.buckets(EngineConfig(max_num_seqs=48))
     assert b.small == cpu.SMALL_BUCKETS == (1, 4) and b.mid_up_to == 48
+    # samplers for fewer row counts than buckets: 8 rows sample with 16, 24 with 32
+    assert b.sampler_rows == (1, 4, 16, 32, 48)
+    assert cpu.cpu_sampler_rows(64) == (1, 4, 16, 32, 64)
+    assert cpu.cpu_sampler_rows(4) == (1, 4) and cpu.cpu_sampler_rows(1) == (1,)
 
 
 def _prepared(monkeypatch, *, vectorized: bool = True, int4: bool = True, **config) -> list:
