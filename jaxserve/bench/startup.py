@@ -137,7 +137,8 @@ def start_once(serve_args: list[str], cache_dir: str, timeout_s: float,
       ValueError: the server exited or was not ready within ``timeout_s`` (its output quoted).
     """
     port = _free_port()
-    cmd = [sys.executable, "-m", "jaxserve.cli.main", "serve", *serve_args, "--host",
+    # -P: the working directory does not shadow a PYTHONPATH of --server-env (another tree)
+    cmd = [sys.executable, "-P", "-m", "jaxserve.cli.main", "serve", *serve_args, "--host",
            "127.0.0.1", "--port", str(port), "--compilation-cache-dir", cache_dir]
     url = f"http://127.0.0.1:{port}/ready"
     loadavg = os.getloadavg()
