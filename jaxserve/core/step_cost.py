@@ -85,18 +85,21 @@ class StepCostModel:
     per_prefill_pair_s: float = 0.0
 
     @classmethod
-    def prior(cls, step_overhead_tokens: int, prompt_token_s: float) -> StepCostModel:
+    def prior(cls, step_overhead_tokens: int, prompt_token_s: float,
+              prefill_pair_s: float = 0.0) -> StepCostModel:
         """The model before any step is measured: a step's fixed cost is
         ``step_overhead_tokens`` prompt tokens (``Platform.step_overhead_tokens``) of
-        ``prompt_token_s`` seconds each; rows and context cost nothing extra.
+        ``prompt_token_s`` seconds each, a prompt chunk's attention ``prefill_pair_s`` a
+        query-key pair (``Platform.prefill_pair_s``); rows and context cost nothing extra.
 
         Raises:
-          ValueError: a negative overhead or a per-token cost that is not > 0.
+          ValueError: a negative overhead or pair cost, or a per-token cost that is not > 0.
         """
-        if step_overhead_tokens < 0 or not prompt_token_s > 0:
-            raise ValueError(f"StepCostModel.prior: {step_overhead_tokens=} must be >= 0 and "
-                             f"{prompt_token_s=} > 0")
-        return cls(fixed_s=step_overhead_tokens * prompt_token_s, per_token_s=prompt_token_s)
+        if step_overhead_tokens < 0 or not prompt_token_s > 0 or not prefill_pair_s >= 0:
+            raise ValueError(f"StepCostModel.prior: {step_overhead_tokens=} and "
+                             f"{prefill_pair_s=} must be >= 0 and {prompt_token_s=} > 0")
+        return cls(fixed_s=step_overhead_tokens * prompt_token_s, per_token_s=prompt_token_s,
+                   per_prefill_pair_s=prefill_pair_s)
 
     def predict(self, num_tokens: int, num_decode_rows: int = 0,
                 num_context_tokens: int = 0, num_prefill_pairs: int = 0) -> float:
@@ -114,17 +117,18 @@ class StepCostModel:
         coefficients (a step does not get cheaper with more work: a term whose free fit is
         negative is held at 0 and the rest refitted, the active-set method of Lawson and
         Hanson, "Solving Least Squares Problems", 1974, ch. 23, one term at a time), and once
-        more without the steps the first fit misses by more than ``OUTLIER_REL_ERR`` and three
-        times the median miss (a step stalled by something outside the engine: a page fault,
-        another process). Normal equations, solved in plain Python: ``core`` imports neither
+        more without the steps that took more than ``STALL_RATIO`` times the first fit's
+        prediction (a step stalled by something outside the engine: a page fault, another
+        process). Normal equations, solved in plain Python: ``core`` imports neither
         jax nor numpy. Without a prior, samples whose prompt chunks all start at 0 leave
         ``per_prefill_pair_s`` at 0 (their pairs vary with their tokens alone); a prior keeps
         it at the prior's value instead.
 
-        With ``prior``, a ridge fit: each coefficient is pulled toward the prior's with the
-        weight of ``prior_weight`` times the count of steps whose variable is its
-        ``TERM_SCALES`` size and whose time is the median step's, so well-measured terms follow the data and unmeasured ones stay at the prior. A fit
-        whose per-token cost is not > 0 returns the prior.
+        With ``prior``, a ridge fit: each coefficient is pulled toward the prior's with
+        ``prior_weight`` times the weight the steps give it, plus ``PRIOR_FLOOR`` times the
+        count of steps whose variable is its ``TERM_SCALES`` size and whose time is the median
+        step's, so measured terms follow the data and unmeasured ones stay at the prior. A fit whose per-token cost is not > 0
+        returns the prior.
 
         Raises:
           ValueError: without a prior, samples that do not determine every coefficient (fewer
@@ -138,11 +142,9 @@ class StepCostModel:
         if prior is None and not any(x[4] for x, _ in rows):
             n = NUM_TERMS - 1  # no prompt chunk past position 0: no pair term
         coef = _fit_rows(rows, n, prior, prior_weight)
-        if coef is not None and len(rows) >= 2 * NUM_TERMS:
-            misses = [abs(_dot(coef, x) / y - 1) for x, y in rows if y > 0]
-            bound = max(OUTLIER_REL_ERR, 3 * sorted(misses)[len(misses) // 2])
-            kept = [(x, y) for x, y in rows if y > 0 and abs(_dot(coef, x) / y - 1) <= bound]
-            if len(kept) < len(rows):
+        if coef is not None:  # once more without the stalled steps
+            kept = [(x, y) for x, y in rows if y <= STALL_RATIO * _dot(coef, x)]
+            if 0 < len(kept) < len(rows):
                 coef = _fit_rows(kept, n, prior, prior_weight)
         if prior is None:
             return cls(*coef)
@@ -150,9 +152,13 @@ class StepCostModel:
         return fitted if fitted.per_token_s > 0 else prior
 
 
-# a step the first fit misses by more than this (relative), and by 3x the median miss, is left
-# out of the second fit (``StepCostModel.fit``)
-OUTLIER_REL_ERR = 0.25
+# a step that took more than this many times the first fit's prediction is a stall, left out of
+# the second fit (``StepCostModel.fit``). Not a bound on the relative miss: the steps a model
+# misses most are often the ones it has not learned yet (a long prompt's late chunks, whose
+# attention the pair term prices: 0.55-1.5 s against one prediction of 0.47 s in a trace where
+# a relative bound had dropped them and kept that term at 0)
+STALL_RATIO = 4.0
+PRIOR_FLOOR = 1e-7  # the ridge's floor (``_fit_rows``)
 
 
 def _dot(coef: Sequence[float], x: Sequence[float]) -> float:
@@ -172,12 +178,15 @@ def _fit_rows(rows: list[tuple[tuple[float, ...], float]], n: int,
         return _solve(ata, atb) + [0.0] * (NUM_TERMS - n)
     p = (prior.fixed_s, prior.per_token_s, prior.per_row_s, prior.per_context_token_s,
          prior.per_prefill_pair_s)
-    # the pull, in the relative units of the data: a term's deviation at its typical size over
-    # the median step, times the number of steps
+    # the pull: prior_weight of what the data say about the term (its own diagonal: a term
+    # the steps measure follows them, one only collinear ones measure is held near the prior),
+    # and a floor in the relative units of the data (the term's deviation at its typical size
+    # over the median step, per step) that keeps a term no step varies at the prior
     seconds = sorted(y for _, y in rows if y > 0)
     typical = seconds[len(seconds) // 2] if seconds else 1.0
     for i in range(n):
-        r = prior_weight * max(len(seconds), 1) * (TERM_SCALES[i] / typical) ** 2
+        r = prior_weight * ata[i][i] + PRIOR_FLOOR * max(len(seconds), 1) * (
+            TERM_SCALES[i] / typical) ** 2
         ata[i][i] += r
         atb[i] += r * p[i]
     active = list(range(n))
@@ -216,25 +225,33 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
 class OnlineStepCost:
     """The step-cost model kept current from measured steps (module docstring).
 
-    ``observe`` adds one step; every ``refit_every`` samples the model is refitted (``fit``
-    toward ``prior``) over the last ``window`` steps. ``model`` is the prior until then.
+    ``observe`` adds one step; after every ``refit_every`` samples, or sooner once the steps
+    since the last fit took ``refit_after_s`` (a long prompt's chunks: few, long steps whose
+    cost the model must learn while the prompt runs), the model is refitted (``fit`` toward
+    ``prior``) over the last ``window`` steps. ``model`` is the prior until then.
 
     Args:
       prior: the model before any step is measured (``StepCostModel.prior``).
       window: how many recent steps a fit uses.
-      refit_every: steps between fits (each costs ~``window`` x 16 multiply-adds in Python).
+      refit_every: steps between fits (each ~7 ms for 512 steps on a 2-core CPU).
+      refit_after_s: measured step seconds after which a fit comes sooner (at most one a
+        ``refit_after_s``: ~1% of the step thread at 7 ms a fit).
 
     Raises:
-      ValueError: ``window`` or ``refit_every`` < 1.
+      ValueError: ``window`` or ``refit_every`` < 1, or ``refit_after_s`` not > 0.
     """
 
-    def __init__(self, prior: StepCostModel, window: int = 512, refit_every: int = 32) -> None:
-        if window < 1 or refit_every < 1:
-            raise ValueError(f"OnlineStepCost: {window=} and {refit_every=} must be >= 1")
+    def __init__(self, prior: StepCostModel, window: int = 512, refit_every: int = 32,
+                 refit_after_s: float = 1.0) -> None:
+        if window < 1 or refit_every < 1 or not refit_after_s > 0:
+            raise ValueError(f"OnlineStepCost: {window=} and {refit_every=} must be >= 1, "
+                             f"{refit_after_s=} > 0")
         self.prior = self.model = prior
         self.samples: deque[StepSample] = deque(maxlen=window)
         self.refit_every = refit_every
+        self.refit_after_s = refit_after_s
         self.num_observed = 0
+        self._since_fit = (0, 0.0)  # samples and their seconds since the last fit
 
     def observe(self, sample: StepSample) -> StepCostModel | None:
         """Add one measured step; returns the refitted model when this sample triggered a
@@ -243,8 +260,12 @@ class OnlineStepCost:
             return None
         self.samples.append(sample)
         self.num_observed += 1
-        if self.num_observed % self.refit_every:
+        n, s = self._since_fit
+        n, s = n + 1, s + sample.seconds
+        if n < self.refit_every and s < self.refit_after_s:
+            self._since_fit = (n, s)
             return None
+        self._since_fit = (0, 0.0)
         self.model = StepCostModel.fit(self.samples, prior=self.prior)
         return self.model
 

@@ -175,7 +175,8 @@ def assemble(config: EngineConfig, load: LoadConfig, devices: Sequence[jax.Devic
                            config.block_size, runner.multiprocess, tokenizer.eos_token_ids)
     step_cost, itl = None, (0.0, 0.0)  # the target's floor (s) and decode ratio
     if platform.prompt_token_s is not None:  # the prior; the engine refits it as steps run
-        step_cost = StepCostModel.prior(platform.step_overhead_tokens, platform.prompt_token_s)
+        step_cost = StepCostModel.prior(platform.step_overhead_tokens, platform.prompt_token_s,
+                                        platform.prefill_pair_s)
         itl = resolve_itl_target(config.itl_slo_ms, platform.auto_itl_floor_s)
     elif config.itl_slo_ms:
         raise ValueError(f"itl_slo_ms={config.itl_slo_ms} needs a step-cost model, which the "

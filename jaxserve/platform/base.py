@@ -69,6 +69,9 @@ class Platform(ABC):
     prompt_token_s: float | None = None
     """Seconds one prompt token of a step costs, the prior of the engine's step-cost model
     (``core.step_cost.StepCostModel.prior``); None where unmeasured (``--itl-slo-ms`` refused)."""
+    prefill_pair_s: float = 0.0
+    """Seconds one query-key pair of a prompt chunk's attention costs, the prior of the
+    step-cost model's pair term (a long prompt's late chunks cost more than its first)."""
     auto_itl_floor_s: float | None = None
     """The ITL target's floor when ``--itl-slo-ms`` is not given (the target is the larger of
     it and ``AUTO_ITL_DECODE_RATIO`` times the predicted decode step); None: no target by

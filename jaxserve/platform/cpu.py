@@ -79,6 +79,7 @@ class CpuPlatform(Platform):
     name = "cpu"
     step_overhead_tokens = 32
     prompt_token_s = 0.75e-3
+    prefill_pair_s = 1.0e-6
     auto_itl_floor_s = 0.15
 
     def resolve_dtype(self, name: str) -> jnp.dtype:

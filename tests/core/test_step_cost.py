@@ -137,7 +137,7 @@ def test_fit_toward_a_prior_clips_negative_terms_and_refuses_a_free_token() -> N
 
 def test_online_fit_refits_every_k_steps_over_its_window() -> None:
     prior = StepCostModel.prior(32, 0.75e-3)
-    online = OnlineStepCost(prior, window=64, refit_every=8)
+    online = OnlineStepCost(prior, window=64, refit_every=8, refit_after_s=100.0)
     rng = random.Random(1)
     for i in range(7):
         assert online.observe(StepSample(64, 4, 400, 1.0)) is None
@@ -153,6 +153,11 @@ def test_online_fit_refits_every_k_steps_over_its_window() -> None:
     assert online.model.fixed_s == pytest.approx(MODEL.fixed_s, rel=0.1)
     with pytest.raises(ValueError, match="refit_every"):
         OnlineStepCost(prior, refit_every=0)
+    # long steps (a long prompt's chunks) bring the fit sooner: after 1 s of them, not 32
+    quick = OnlineStepCost(prior, refit_every=32, refit_after_s=1.0)
+    assert quick.observe(StepSample(256, 1, 300, 0.6)) is None
+    assert quick.observe(StepSample(256, 1, 300, 0.6)) is not None
+    assert quick.observe(StepSample(1, 1, 300, 0.04)) is None  # the count starts again
 
 
 def test_itl_target_is_the_floor_or_a_multiple_of_the_decode_step() -> None:
@@ -209,3 +214,27 @@ def test_fit_predicts_small_steps_beside_large_ones_and_ignores_stalls() -> None
     got = StepCostModel.fit(samples, prior=StepCostModel.prior(32, 0.75e-3))
     for n, rows, ctx in ((1, 1, 300), (16, 16, 4000), (64, 64, 16000), (1024, 30, 6000)):
         assert got.predict(n, rows, ctx) == pytest.approx(truth.predict(n, rows, ctx), rel=0.1)
+
+
+def test_a_long_prompts_late_chunks_are_learned_not_dropped_as_outliers() -> None:
+    """Mostly one-row decode steps, and a 3000-token prompt in 255-token chunks beside them
+    whose attention makes the last chunk ~3x the first: the fit prices the pairs, so the late
+    chunks are predicted, instead of being left out as misses of a model that had not
+    learned them (which kept the pair term at 0 on a real trace)."""
+    truth = StepCostModel(fixed_s=0.035, per_token_s=1.4e-3, per_row_s=1e-3,
+                          per_context_token_s=2e-6, per_prefill_pair_s=1.2e-6)
+    rng = random.Random(3)
+    samples = []
+    for i in range(400):
+        ctx = 64 + i
+        samples.append(StepSample(1, 1, ctx, truth.predict(1, 1, ctx) * rng.uniform(0.95, 1.05)))
+    for start in range(0, 3000, 255):
+        pairs = prefill_pairs(255, start)
+        samples.append(StepSample(256, 1, 500, truth.predict(256, 1, 500, pairs)
+                                  * rng.uniform(0.95, 1.05), pairs))
+    prior = StepCostModel.prior(32, 0.75e-3)  # knows nothing of pairs
+    got = StepCostModel.fit(samples, prior=prior)
+    late = prefill_pairs(255, 2805)
+    assert truth.predict(256, 1, 500, late) > 2.5 * truth.predict(256, 1, 500, 0)
+    assert got.predict(256, 1, 500, late) == pytest.approx(truth.predict(256, 1, 500, late),
+                                                           rel=0.15)
