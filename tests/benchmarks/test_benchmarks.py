@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import benchmarks
-from benchmarks import attention_ab, common, engine_ab, op_profile
+from benchmarks import attention_ab, common, engine_ab, greedy_invariance, op_profile
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HARNESSES = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__)
@@ -32,7 +32,7 @@ def engine():
 
 
 def test_the_harness_list_is_what_the_tests_run() -> None:
-    assert HARNESSES == ["attention_ab", "engine_ab", "op_profile"]
+    assert HARNESSES == ["attention_ab", "engine_ab", "greedy_invariance", "op_profile"]
 
 
 @pytest.mark.parametrize("name", HARNESSES)
@@ -123,3 +123,20 @@ def test_attention_ab_compares_the_paths(phase: str, tmp_path: Path) -> None:
     assert paths["jnp"]["max_rel_diff"] == 0.0
     if attention_ab.native_available():  # the kernel and the jnp op agree
         assert paths["native"]["max_rel_diff"] < 1e-2
+
+
+def test_greedy_invariance_compares_each_scenario_with_the_probe_alone(engine, tmp_path: Path
+                                                                       ) -> None:
+    out = tmp_path / "inv.json"
+    ns = greedy_invariance.build_parser().parse_args([
+        "--lens", "7,9", "--max-tokens", "4", "--batches", "2", "--json", str(out)])
+    result = greedy_invariance.run(ns, engine=engine)
+    assert set(result["scenarios"]) == {"again", "batch2", "staggered"}
+    for s in json.loads(out.read_text())["scenarios"].values():
+        assert s["preemptions"] >= 0 and all(d["len"] in (7, 9) for d in s["differ"])
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="--batches"):
+        greedy_invariance.run(greedy_invariance.build_parser().parse_args(
+            ["--lens", "7,9,11", "--batches", "2"]), engine=engine)
+    assert greedy_invariance._differences([5, 6], [[1, 2], [3, 4]], [[1, 2], [3, 9]]) == [
+        {"len": 6, "first_position": 1}]

@@ -1,0 +1,147 @@
+"""Does a greedy request's output depend on the load it is served under? (issue 46's matrix)
+
+    python -m benchmarks.greedy_invariance --engine-args dtype=bfloat16 --json inv.json
+
+One engine (the serving defaults but for ``--engine-args``: prefix caching and async scheduling
+on, unlike the other harnesses). Probe prompts of ``--lens`` tokens (cut from the bundled
+Pride and Prejudice text, so their next tokens are not near ties of random ids; the defaults
+sit at and around the KV block boundaries 16 and 32) are each run alone first, greedy, with
+``--max-tokens`` outputs and EOS ignored: the reference. Then, on the same engine:
+
+  again       each probe alone once more (its prompt's full blocks now a prefix-cache hit)
+  batchN      the probes among ``N - len(probes)`` other prompts of 50-400 tokens, all added at
+              once (``--batches``; their prompts chunked wherever the step budget falls)
+  staggered   24 long-running requests first, the probes added after 6 of their steps
+
+Each scenario reports the probes whose token ids differ from their reference (by length) and
+the first differing output position. Preemption and the host tier: run it again with
+``--engine-args num_kv_blocks=160`` (a pool that forces recompute) or
+``kv_offloading_size=0.5``; a scenario's ``preemptions`` says whether any happened.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import SEED, format_table, int_list, parse_settings, write_json
+
+SERVING: dict[str, Any] = {"max_model_len": 1024, "compilation_cache_dir": "~/.cache/jaxserve/xla"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The harness's flags (module docstring)."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.greedy_invariance",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="as jaxserve.LLM's model (default model)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument("--engine-args", type=parse_settings, default={},
+                   help=f"EngineConfig fields, KEY=VALUE,... (over {SERVING})")
+    p.add_argument("--lens", type=int_list, default=[15, 16, 17, 31, 32, 33, 100, 300],
+                   help="probe prompt lengths in tokens")
+    p.add_argument("--max-tokens", type=int, default=48, help="greedy outputs per request")
+    p.add_argument("--batches", type=int_list, default=[16, 64],
+                   help="batch sizes the probes run in (each at least len(--lens))")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the result here")
+    return p
+
+
+def _text_ids(engine: Any) -> list[int]:
+    from jaxserve.eval.inputs import DEFAULT_CORPUS
+
+    with open(DEFAULT_CORPUS, encoding="utf-8") as fh:
+        return engine.tokenizer.encode(fh.read())
+
+
+def _run(engine: Any, prompts: list[list[int]], tag: str, params: Any) -> list[list[int]]:
+    """Add every prompt, step until idle; the outputs' token ids in prompt order."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", p, params)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    return [done[f"{tag}-{i}"] for i in range(len(prompts))]
+
+
+def _differences(lens: list[int], ref: list[list[int]], got: list[list[int]]
+                 ) -> list[dict[str, int]]:
+    return [{"len": n, "first_position": next(i for i, (a, b) in enumerate(zip(r, g)) if a != b)
+             if len(r) == len(g) and r != g else min(len(r), len(g))}
+            for n, r, g in zip(lens, ref, got, strict=True) if r != g]
+
+
+def run(ns: argparse.Namespace, engine: Any = None) -> dict[str, Any]:
+    """Run the matrix (module docstring); print the table, write ``--json``, return the
+    result. ``engine``: a built ``LLMEngine`` to use instead of building one (tests).
+
+    Raises:
+      ValueError: a batch smaller than the probes, or a probe longer than the text.
+    """
+    from jaxserve import LLM, SamplingParams
+
+    if any(b < len(ns.lens) for b in ns.batches):
+        raise ValueError(f"--batches {ns.batches}: each must be >= {len(ns.lens)} probes")
+    if engine is None:
+        engine = LLM(ns.model, load_format=ns.load_format,
+                     **{**SERVING, **ns.engine_args}).engine
+    ids, rng = _text_ids(engine), np.random.default_rng(SEED)
+    if max(ns.lens) >= len(ids) or max(ns.lens) >= engine.max_model_len - ns.max_tokens:
+        raise ValueError(f"--lens up to {max(ns.lens)} do not fit the text or max_model_len")
+
+    def cut(n: int) -> list[int]:
+        start = int(rng.integers(0, len(ids) - n))
+        return ids[start:start + n]
+
+    top = min(400, engine.max_model_len - 4 * ns.max_tokens - 1)  # room for the staggered
+
+    def others(k: int) -> list[list[int]]:
+        return [cut(int(rng.integers(min(50, top // 2), top))) for _ in range(k)]
+
+    greedy = SamplingParams(max_tokens=ns.max_tokens, temperature=0.0, ignore_eos=True)
+    probes = [cut(n) for n in ns.lens]
+    ref = [_run(engine, [p], f"alone{i}", greedy)[0] for i, p in enumerate(probes)]
+    scenarios: dict[str, dict[str, Any]] = {}
+
+    def record(name: str, got: list[list[int]], preempted_before: int) -> None:
+        scenarios[name] = {"differ": _differences(ns.lens, ref, got),
+                           "preemptions": engine.scheduler.num_preemptions_total
+                           - preempted_before}
+
+    before = engine.scheduler.num_preemptions_total
+    record("again", [_run(engine, [p], f"again{i}", greedy)[0] for i, p in enumerate(probes)],
+           before)
+    for size in ns.batches:
+        before = engine.scheduler.num_preemptions_total
+        got = _run(engine, probes + others(size - len(probes)), f"batch{size}", greedy)
+        record(f"batch{size}", got[:len(probes)], before)
+    before = engine.scheduler.num_preemptions_total
+    long_running = SamplingParams(max_tokens=4 * ns.max_tokens, temperature=0.0,
+                                  ignore_eos=True)
+    for i, p in enumerate(others(24)):
+        engine.add_request(f"busy-{i}", p, long_running)
+    for _ in range(6):
+        engine.step()
+    record("staggered", _run(engine, probes, "staggered", greedy), before)
+    result = {"dtype": str(engine.dtype), "lens": ns.lens, "max_tokens": ns.max_tokens,
+              "engine_args": ns.engine_args, "scenarios": scenarios}
+    print(format_table(["scenario", "probes differing", "lens (first differing output)",
+                        "preemptions"],
+                       [(name, len(s["differ"]), " ".join(
+                           f"{d['len']}({d['first_position']})" for d in s["differ"]) or "-",
+                         s["preemptions"]) for name, s in scenarios.items()]), flush=True)
+    write_json(ns.json, result)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: parse ``argv``, run, exit status 0."""
+    run(build_parser().parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
