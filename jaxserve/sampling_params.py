@@ -161,6 +161,10 @@ class SamplingParams:
       structured_outputs: None (free text) or a ``StructuredOutputsParams``: every sampled
         token is one the constraint allows from the output so far (masked on the device), and
         the output ends (EOS) only where the constraint is complete.
+      cache_salt: None or a non-empty string hashed into the request's first KV block (vLLM's
+        request field of that name): only requests with the same salt share cached prefix
+        blocks (docs/kv-events.md#block-hashes). Not a sampling setting, but carried with
+        them to the scheduler.
 
     Raises:
       InvalidRequest: for any out-of-range value, ``param`` naming the field.
@@ -187,6 +191,7 @@ class SamplingParams:
     min_tokens: int = 0
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -208,6 +213,10 @@ class SamplingParams:
         Raises:
           InvalidRequest: for the first bad field, ``param`` naming it.
         """
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
+                                            or not self.cache_salt):
+            raise InvalidRequest(f"cache_salt must be a non-empty string, got "
+                                 f"{self.cache_salt!r}", param="cache_salt")
         if self.max_tokens is not None:
             if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
                 raise InvalidRequest(f"max_tokens must be an integer, got {self.max_tokens!r}",

@@ -79,7 +79,16 @@ class LLMEngine:
         self.load_config = load = load or LoadConfig()
         self.metrics = metrics
         t0 = time.perf_counter()
-        parts = assemble(config, load, devices, metrics.model_name if metrics else None)
+        # the events publisher first: a taken or bad endpoint fails before the weights load
+        self.kv_events = None  # the KV-cache events publisher (None: events off)
+        if config.kv_events_enabled:
+            self.kv_events = _start_kv_events(config, data_parallel_rank)
+        try:
+            parts = assemble(config, load, devices, metrics.model_name if metrics else None)
+        except BaseException:
+            if self.kv_events is not None:
+                self.kv_events.shutdown()
+            raise
         self.platform, self.mesh = parts.platform, parts.mesh
         self.dtype, self.compute_dtype = parts.dtype, parts.compute_dtype
         self.attention_backend = parts.attention_backend
@@ -110,9 +119,6 @@ class LLMEngine:
         self._t_last_ready: float | None = None  # the last completed step's ids on the host
         self._rng = np.random.default_rng(config.seed)
         self._ids = IdCounter()
-        self.kv_events = None  # the KV-cache events publisher (None: events off)
-        if config.kv_events_enabled:
-            self.kv_events = _start_kv_events(config, data_parallel_rank)
         self.load_s = time.perf_counter() - t0
         self.startup_s: dict[str, float] = parts.startup_s
 
@@ -393,4 +399,8 @@ def _start_kv_events(config: EngineConfig, data_parallel_rank: int):
     flax and numpy alone)."""
     from jaxserve.kv_events.publisher import start_publisher
 
+    if config.prefix_caching_hash_algo != "sha256_cbor":
+        log.warning("KV-cache events are on with --prefix-caching-hash-algo %s, whose block "
+                       "hashes a router cannot recompute; llm-d and Dynamo need sha256_cbor "
+                       "(docs/kv-events.md)", config.prefix_caching_hash_algo)
     return start_publisher(config.kv_events, config.block_size, data_parallel_rank)

@@ -72,7 +72,7 @@ class ZmqEventPublisher:
       block_size: tokens per block, sent in every ``BlockStored``.
       data_parallel_rank: the replica's rank: stamped on every batch, added to the ports.
     Raises:
-      zmq.ZMQError: an endpoint cannot be bound or connected.
+      ValueError: an endpoint cannot be bound or connected (naming the config field).
     """
 
     def __init__(
@@ -101,19 +101,21 @@ class ZmqEventPublisher:
         self._ctx = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay = None
+        field, e = "endpoint", self.endpoint
         try:
             self._pub.set_hwm(config.hwm)
-            e = self.endpoint
             if "*" in e or "::" in e or e.startswith(("ipc://", "inproc://")):
                 self._pub.bind(e)
             else:
                 self._pub.connect(e)
             if self.replay_endpoint is not None:
+                field, e = "replay_endpoint", self.replay_endpoint
                 self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.bind(self.replay_endpoint)
-        except zmq.ZMQError:
+                self._replay.bind(e)
+        except zmq.ZMQError as exc:
             self._close_sockets()
-            raise
+            raise ValueError(f"kv_events_config field {field!r}: cannot use {e!r}: {exc}"
+                             ) from None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events-publisher", daemon=True)
         self._thread.start()

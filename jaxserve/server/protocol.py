@@ -152,6 +152,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None
     min_tokens: int | None = None
     truncate_prompt_tokens: int | None = None
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share KV blocks
     # structured output (request_parsing.structured_outputs_of): OpenAI's field, vLLM's, and vLLM's
     # older guided_* names
     response_format: ResponseFormat | None = None

@@ -389,6 +389,7 @@ def to_sampling_params(req: CompletionRequest | ChatCompletionRequest) -> Sampli
             min_tokens=req.min_tokens or 0,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
             structured_outputs=structured_outputs_of(req),
+            cache_salt=req.cache_salt,
         )
     except InvalidRequest as exc:
         # the engine's field name -> the request's (the message starts with the field name)

@@ -177,3 +177,27 @@ def test_a_data_parallel_replica_stamps_its_rank_on_its_own_endpoint() -> None:
         sub.close(linger=0)
     finally:
         eng.close()
+
+
+def test_a_salted_request_does_not_share_an_unsalted_prefix(engine: LLMEngine) -> None:
+    """vLLM's ``cache_salt`` reaches the scheduler's sequence and its first block's hash: the
+    same prompt salted neither hits the unsalted blocks nor hashes as a router would unsalted;
+    a bad salt is refused naming the field."""
+    from jaxserve.errors import InvalidRequest
+
+    prompt = [(11 * i) % 700 + 3 for i in range(40)]
+    drive(engine, "plain", prompt)
+    salted = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, cache_salt="abc")
+    engine.add_request("salted", prompt, salted)
+    seq = engine.requests["salted"].seq
+    assert seq.cache_salt == "abc"
+    engine.step()
+    assert seq.block_hashes and int.from_bytes(seq.block_hashes[0][-8:], "big") \
+        not in ref_hashes(prompt)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.step()
+    for bad in ("", 5):
+        with pytest.raises(InvalidRequest) as exc:
+            SamplingParams(cache_salt=bad)
+        assert exc.value.param == "cache_salt"

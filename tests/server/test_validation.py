@@ -144,6 +144,7 @@ NUMERIC_CASES = [  # (path, field, bad value); vocabulary of the fake tokenizer:
     (COMPL, "repetition_penalty", -1.0), (COMPL, "logprobs", -1), (COMPL, "logprobs", BIG),
     (CHAT, "top_logprobs", -1), (COMPL, "logit_bias", {"5": 101}),
     (CHAT, "logit_bias", {"5": -BIG}), (COMPL, "logit_bias", {"x": 1}),
+    (COMPL, "cache_salt", ""), (CHAT, "cache_salt", 5),
 ]  # fmt: skip
 
 
