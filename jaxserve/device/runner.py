@@ -230,9 +230,9 @@ class ModelRunner:
         return step
 
     def _sampler_fn(self, layout: Layout):
-        """The sampler program of ``layout``'s sampler row count ``S`` (``Layout.sampler_rows``),
-        shared by every bucket with as many: ``(logits f32[S, vocab], pen, sampler_inputs, allowed) -> (ids
-        i32[max_bucket_seqs], logprobs)``. Apart from the model programs so that it compiles
+        """The sampler program of ``layout``'s sampler row count ``S``
+        (``Layout.sampler_rows``), shared by every bucket with as many: ``(logits f32[S,
+        vocab], pen, sampler_inputs, allowed) -> (ids i32[max_bucket_seqs], logprobs)``. Apart from the model programs so that it compiles
         once per sampler row count (2.5-4.6 s each on the 2-core CPU, against 1.2 s for a model
         program: the platform shares one among buckets, ``BucketSet.sampler_rows``)."""
         sl, num_seqs = layout.sampler_slices, layout.sampler_rows
@@ -495,8 +495,7 @@ class ModelRunner:
         self.kv_cache, self.penalty_state, logits, plp, inputs = self.compiled[bucket](
             self.params, self.kv_cache, self.penalty_state, arr, self._last_ids)
         ids, lp = self.samplers[self.layouts[bucket].sampler_rows](
-            logits, self.penalty_state, inputs,
-                                                 self._all_allowed[bucket])
+            logits, self.penalty_state, inputs, self._all_allowed[bucket])
         self._last_ids = ids
         local = lambda tree: jax.tree_util.tree_map(lambda x: x.addressable_data(0), tree)
         return StepOutput(np.asarray(ids.addressable_data(0)), local(lp), local(plp))
