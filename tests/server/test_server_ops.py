@@ -185,6 +185,9 @@ class _StubLLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def close(self) -> None:  # AsyncEngine.shutdown stops the engine's KV-events publisher
+        self.closed = True
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
