@@ -399,8 +399,5 @@ def _start_kv_events(config: EngineConfig, data_parallel_rank: int):
     flax and numpy alone)."""
     from jaxserve.kv_events.publisher import start_publisher
 
-    if config.prefix_caching_hash_algo != "sha256_cbor":
-        log.warning("KV-cache events are on with --prefix-caching-hash-algo %s, whose block "
-                       "hashes a router cannot recompute; llm-d and Dynamo need sha256_cbor "
-                       "(docs/kv-events.md)", config.prefix_caching_hash_algo)
-    return start_publisher(config.kv_events, config.block_size, data_parallel_rank)
+    return start_publisher(config.kv_events, config.block_size, data_parallel_rank,
+                           config.prefix_caching_hash_algo)

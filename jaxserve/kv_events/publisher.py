@@ -214,9 +214,19 @@ class NullEventPublisher:
 
 
 def start_publisher(
-    config: KVEventsConfig, block_size: int, data_parallel_rank: int = 0
+    config: KVEventsConfig, block_size: int, data_parallel_rank: int = 0,
+    hash_algo: str = "sha256_cbor",
 ) -> ZmqEventPublisher | NullEventPublisher:
-    """The publisher ``config.publisher`` names, started."""
+    """The publisher ``config.publisher`` names, started; warns when ``hash_algo`` (the
+    engine's ``prefix_caching_hash_algo``) gives block hashes no router can recompute.
+
+    Raises:
+      ValueError: an endpoint cannot be bound or connected (``ZmqEventPublisher``).
+    """
+    if hash_algo != "sha256_cbor":
+        log.warning("KV-cache events are on with --prefix-caching-hash-algo %s, whose block "
+                    "hashes a router cannot recompute; llm-d and Dynamo need sha256_cbor "
+                    "(docs/kv-events.md)", hash_algo)
     if config.publisher == "zmq":
         return ZmqEventPublisher(config, block_size, data_parallel_rank)
     return NullEventPublisher()
