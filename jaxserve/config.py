@@ -141,6 +141,11 @@ class EngineConfig:
         "help": "plan and pack the next step while the device runs the current one, reading "
                 "sampled tokens one step late (identical tokens; steps with structured-output "
                 "rows run synchronously); --no-async-scheduling turns it off"})
+    background_compile: bool = field(default=True, metadata={
+        "help": "serving: become ready once the smallest, the full-decode and the largest "
+                "step programs are compiled, and compile the others on a background thread "
+                "(where the platform allows it: the CPU; docs/configuration.md#compilation); "
+                "--no-background-compile compiles every program before ready"})
     grammar_compile_timeout_s: float = field(default=10.0, metadata={
         "help": "seconds a request's structured-output constraint (JSON schema, regex, choice, "
                 "grammar) may take to compile; a longer one is refused (HTTP 400)"})

@@ -62,9 +62,19 @@ def start_engine(cfg: EngineConfig, load: LoadConfig, out: typing.TextIO) -> Asy
     aeng = AsyncEngine(engine)
     aeng.start(warmup=True, progress=True)
     st = aeng.warmup_stats
-    print(f"compiled {int(st['num_programs'])} programs in {st['compile_s']:.1f} s; ready in "
-          f"{time.perf_counter() - t0:.1f} s", file=out, flush=True)
+    print(compiled_line(st, time.perf_counter() - t0), file=out, flush=True)
     return aeng
+
+
+def compiled_line(warmup_stats: dict[str, float], ready_in_s: float) -> str:
+    """The start-up line "compiled N programs in X s; ready in Y s", and how many programs
+    compile after ready (``EngineConfig.background_compile``), if any."""
+    st = warmup_stats
+    line = (f"compiled {int(st['num_programs'])} programs in {st['compile_s']:.1f} s; ready in "
+            f"{ready_in_s:.1f} s")
+    if st.get("pending_programs"):
+        line += f"; {int(st['pending_programs'])} more compile in the background"
+    return line
 
 
 def check_platform(cfg: EngineConfig) -> None:
@@ -131,8 +141,7 @@ def serve(ns: argparse.Namespace) -> None:
         aeng.start(warmup=True, progress=True, on_compiled=lifecycle.compiling)
         st = aeng.warmup_stats
         ready_in = lifecycle.startup_done()  # the gate's "ready" log line says the same
-        print(f"compiled {int(st['num_programs'])} programs in {st['compile_s']:.1f} s; ready in "
-              f"{ready_in:.1f} s", flush=True)
+        print(compiled_line(st, ready_in), flush=True)
         print(startup_stages_line(engine, st, ready_in), flush=True)
         return aeng
 

@@ -75,3 +75,13 @@ def pick_bucket(buckets: list[Bucket], num_tokens: int, num_seqs: int) -> Bucket
             f"no bucket holds {num_tokens} tokens of {num_seqs} sequences; largest is "
             f"{buckets[-1]}")
     return buckets[i]
+
+
+def ready_buckets(buckets: list[Bucket]) -> list[Bucket]:
+    """What a deferred start-up compiles before it is ready (``BucketSet.defer_compile``): the
+    smallest bucket (one sequence decoding), the smallest with the most rows (a full decode
+    batch) and the largest (any step), ascending. Until the others are compiled
+    (``ModelRunner.compile_pending``) a step pads up to the smallest of these that holds it."""
+    most_rows = max(b.num_seqs for b in buckets)
+    full = next(b for b in buckets if b.num_seqs == most_rows)
+    return sorted({buckets[0], full, buckets[-1]}, key=lambda b: b.num_tokens)

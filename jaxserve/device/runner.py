@@ -35,8 +35,8 @@ under a second flag, so ordinary steps keep computing logits for the sampled row
 
 from __future__ import annotations
 
-import gc
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -70,6 +70,7 @@ from jaxserve.device.step_buffer import (
     StepChunk,
     StepPacker,
 )
+from jaxserve.device.warmup import run_compiles
 from jaxserve.sampling_params import MAX_LOGPROBS, MAX_MIN_TOKENS_STOP_IDS
 from models.interface import AttentionMetadata, CausalLM
 from pallas_kernels import KVCache
@@ -183,6 +184,7 @@ class ModelRunner:
         # i32[max_bucket_seqs]: the last program's sampled ids, the next one's prev_ids
         self._last_ids: jax.Array = self._to_device(np.zeros(self.max_bucket_seqs, np.int32))
         self._set_bias: jax.stages.Compiled | None = None
+        self._specs: tuple | None = None  # _arg_specs
         self.num_compiles = 0
 
     # -- the device program ------------------------------------------------------------------
@@ -264,33 +266,77 @@ class ModelRunner:
         return sample_rows
 
     def warmup(self, progress: bool = True,
-               on_compiled: Callable[[int, int], None] | None = None) -> dict[str, float]:
-        """Compile every bucket's program (once; the persistent cache makes reruns cheap).
+               on_compiled: Callable[[int, int], None] | None = None,
+               buckets: Sequence[Bucket] | None = None) -> dict[str, float]:
+        """Compile the step programs of ``buckets`` (None: every bucket; the persistent cache
+        makes reruns cheap) and the logit_bias row writer, then the host tier's copy programs
+        (``HostKVTier.warmup``).
 
-        Returns {"num_programs", "compile_s", "compile_cpu_s"} (wall and process CPU
-        seconds); the programs are one per bucket plus the logit_bias row writer, and the host
-        tier's copy programs (``HostKVTier.warmup``). They compile
-        one after the other: XLA:CPU already spreads one compile over two threads, and on a
-        shared 2-core CPU compiling two programs at once took 17-30% more CPU seconds and no
-        less wall time (docs/configuration.md#compilation). ``on_compiled(done, total)`` is called before the first bucket
-        (``done`` 0) and after each, ``total`` counting the programs not compiled yet.
+        With a subset, steps run in the smallest compiled bucket that holds them
+        (``StepPacker.usable``) until ``compile_pending`` has compiled the others. Programs
+        compile one after the other: XLA:CPU already spreads one compile over two threads, and
+        on a shared 2-core CPU compiling two programs at once took 17-30% more CPU seconds and
+        no less wall time (docs/configuration.md#compilation). ``on_compiled(done, total)`` is
+        called before the first program (``done`` 0) and after each.
+
+        Returns:
+          {"num_programs", "compile_s", "compile_cpu_s", "pending_programs"}: programs
+          compiled so far, wall and process CPU seconds, programs left to ``compile_pending``.
+        Raises:
+          ValueError: a subset without the largest bucket (a step of every size must fit),
+            or a bucket that is not one of ``self.buckets``.
         """
+        if buckets is not None:
+            unknown = [b for b in buckets if b not in self.layouts]
+            if unknown or self.buckets[-1] not in buckets:
+                raise ValueError(f"warmup: buckets {list(buckets)} must be among the runner's "
+                                 f"and hold the largest, {self.buckets[-1]}")
         t0, c0 = time.perf_counter(), _cpu_s()
-        # tracing allocates many short-lived objects: the collector's passes took ~0.6 s of
-        # a warm start's ~2.3 s of tracing and lowering (7 programs, 2-core CPU)
-        gc_was_on = gc.isenabled()
-        gc.disable()
-        try:
-            self._warmup_buckets(progress, on_compiled)
-        finally:
-            if gc_was_on:
-                gc.enable()
+        todo = self._programs(self.buckets if buckets is None else buckets, set_bias=True)
+        run_compiles(todo, progress, on_compiled)
+        self._publish_usable()
         stats = {"num_programs": float(len(self.compiled) + len(self.samplers) + 1),
                  "compile_s": time.perf_counter() - t0, "compile_cpu_s": _cpu_s() - c0}
         if self.host_tier is not None:  # its block-copy programs
             host = self.host_tier.warmup()
             stats = {k: stats[k] + host.get(k, 0.0) for k in stats}
+        stats["pending_programs"] = float(len(self._programs(self.buckets)))
         return stats
+
+    def compile_pending(self, stop: threading.Event | None = None) -> int:
+        """Compile the programs ``warmup`` left out, smallest bucket first, each bucket made
+        usable for the next step as soon as its model and sampler programs are compiled. Runs
+        on another thread while steps run: it reads only the arguments' shapes, and publishes a
+        bucket by replacing ``StepPacker.usable`` whole. Returns the programs compiled; with
+        ``stop`` set, it returns after the program being compiled."""
+        done = 0
+        for compile_one in self._programs(self.buckets):
+            if stop is not None and stop.is_set():
+                break
+            compile_one()
+            done += 1
+            self._publish_usable()
+        return done
+
+    def _programs(self, buckets: Sequence[Bucket], set_bias: bool = False
+                  ) -> list[Callable[[], None]]:
+        """The compiles ``buckets`` still need, in order: a bucket's model program, then its
+        row count's sampler program if no bucket compiled it yet."""
+        todo: list[Callable[[], None]] = []
+        if set_bias and self._set_bias is None:  # counted in the bar and in num_programs alike
+            todo.append(self._compile_set_bias)
+        rows = set(self.samplers)
+        for b in buckets:
+            if b not in self.compiled:
+                todo.append(lambda b=b: self._compile_model(b))
+            if self.layouts[b].sampler_rows not in rows:
+                rows.add(self.layouts[b].sampler_rows)
+                todo.append(lambda b=b: self._compile_sampler(b))
+        return todo
+
+    def _publish_usable(self) -> None:
+        self.packer.usable = [b for b in self.buckets if b in self.compiled
+                              and self.layouts[b].sampler_rows in self.samplers]
 
     def copy_blocks(self, offloads: Sequence[tuple[int, int]],
                     loads: Sequence[tuple[int, int]]) -> None:
@@ -303,35 +349,6 @@ class ModelRunner:
             self.host_tier.offload(self.kv_cache, offloads)
         if loads:
             self.kv_cache = self.host_tier.load(self.kv_cache, loads)
-
-    def _warmup_buckets(self, progress: bool,
-                        on_compiled: Callable[[int, int], None] | None) -> None:
-        todo: list[Callable[[], None]] = []
-        if self._set_bias is None:  # counted in the bar and in num_programs alike
-            todo.append(self._compile_set_bias)
-        rows = set(self.samplers)
-        for b in self.buckets:
-            if b not in self.compiled:
-                todo.append(lambda b=b: self._compile_model(b))
-            if self.layouts[b].sampler_rows not in rows:
-                rows.add(self.layouts[b].sampler_rows)
-                todo.append(lambda b=b: self._compile_sampler(b))
-        bar = None
-        if progress:
-            # imported here: the runner stays importable with jax alone (scripts/gpu_check.py)
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(todo), desc="compiling step programs", unit="program")
-        if on_compiled is not None:
-            on_compiled(0, len(todo))
-        for i, compile_one in enumerate(todo):
-            compile_one()
-            if bar is not None:
-                bar.update(1)
-            if on_compiled is not None:
-                on_compiled(i + 1, len(todo))
-        if bar is not None:
-            bar.close()
 
     def _compile_set_bias(self) -> None:
         st = self.penalty_state
@@ -380,12 +397,24 @@ class ModelRunner:
             repr((*what, self.program_description, self.vocab_limit, self.max_bucket_seqs,
                   MAX_LOGPROBS, MAX_MIN_TOKENS_STOP_IDS)), args, compile_fn)
 
+    def _arg_specs(self) -> tuple:
+        """(params, kv_cache, penalty_state) as trees of ``jax.ShapeDtypeStruct``, taken once:
+        all a compile reads of them, so ``compile_pending`` may compile on another thread
+        while steps donate and replace the cache and the penalty state."""
+        if self._specs is None:
+            self._specs = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
+                                               weak_type=x.weak_type)
+                if isinstance(x, jax.Array) else x,
+                (self.params, self.kv_cache, self.penalty_state))
+        return self._specs
+
     def _compile_model(self, bucket: Bucket) -> None:
         lay = self.layouts[bucket]
         packed = jax.ShapeDtypeStruct((lay.size,), jnp.int32, sharding=self._replicated)
         prev = jax.ShapeDtypeStruct((self.max_bucket_seqs,), jnp.int32,
                                     sharding=self._replicated)
-        args = (self.params, self.kv_cache, self.penalty_state, packed, prev)
+        args = (*self._arg_specs(), packed, prev)
         compile_fn = lambda: jax.jit(self._model_fn(lay), donate_argnums=(1, 2)).lower(
             *args).compile()
         self.compiled[bucket] = self._cached(("model", bucket, lay.slices, lay.max_blocks),
@@ -400,7 +429,7 @@ class ModelRunner:
         s = lay.sampler_rows
         logits = self.compiled[bucket].out_info[2]
         args = (jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=self._replicated),
-                self.penalty_state,
+                self._arg_specs()[2],
                 jax.ShapeDtypeStruct((lay.size - lay.sampler_start,), jnp.int32,
                                      sharding=self._replicated),
                 jax.ShapeDtypeStruct((s, self.num_mask_words), jnp.int32,

@@ -132,11 +132,18 @@ class StepPacker:
       num_penalty_slots: rows of the penalty state (the "no slot" value in the buffer).
       sampler_rows: the row counts that have a sampler program; a bucket samples with the
         smallest at least its rows (``sampler_rows_for``; empty: its own row count).
+
+    Attribute ``usable``: the buckets a step may be packed into, ascending (default: all);
+    while some programs are still compiling it holds the compiled ones, and a step goes into
+    the smallest of them that holds it (``ModelRunner.warmup``). The largest bucket is always
+    among them, so every step still fits. Replaced whole, never changed in place, so another
+    thread may publish a new list between steps.
     """
 
     def __init__(self, buckets: list[Bucket], max_blocks: int, block_size: int,
                  num_penalty_slots: int, sampler_rows: tuple[int, ...] = ()) -> None:
         self.buckets, self.block_size = buckets, block_size
+        self.usable: list[Bucket] = list(buckets)
         self.num_penalty_slots = num_penalty_slots
         self.layouts = {b: Layout(b, max_blocks, sampler_rows_for(b.num_seqs, sampler_rows))
                         for b in buckets}
@@ -170,7 +177,7 @@ class StepPacker:
         start_pos = [c.start_pos for c in chunks]
         q_lens = [len(t) for t in token_ids]
         num_tokens, num_seqs = sum(q_lens), len(q_lens)
-        b = pick_bucket(self.buckets, num_tokens, num_seqs)
+        b = pick_bucket(self.usable, num_tokens, num_seqs)
         lay, buf = self.layouts[b], self.buffers[b][self._num_packed % 2]
         self._num_packed += 1
         sl = lay.slices

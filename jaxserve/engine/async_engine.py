@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from jaxserve import request_ids
+from jaxserve.device.warmup import BackgroundCompile
 from jaxserve.engine.compile_events import counting_compiles
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
@@ -39,7 +40,9 @@ class AsyncEngine:
     """Async front of an ``LLMEngine``; what the HTTP server talks to.
 
     Attributes: ``tokenizer``, ``max_model_len``, ``metrics``, ``model_name``, ``ready`` (True
-    once warm-up has compiled every program and the probe step ran).
+    once warm-up has compiled the programs it compiles first and the probe step ran),
+    ``background`` (the ``BackgroundCompile`` of the programs left for after ready; None when
+    warm-up compiled them all).
     """
 
     def __init__(self, engine: LLMEngine) -> None:
@@ -57,17 +60,24 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.warmup_stats: dict[str, float] = {}
+        self.background: BackgroundCompile | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self, warmup: bool = True, progress: bool = True,
               on_compiled: Callable[[int, int], None] | None = None) -> None:
-        """Compile every program and run one probe step (blocking; ``on_compiled(done, total)``
-        follows the compiles, as ``LLMEngine.warmup``), then start the engine thread."""
+        """Compile the step programs and run one probe step (blocking; ``on_compiled(done,
+        total)`` follows the compiles, as ``LLMEngine.warmup``), then start the engine thread.
+        With ``EngineConfig.background_compile`` (and a platform that defers) only the ready
+        buckets' programs compile here; the others compile on a background thread started
+        with the engine thread (``jaxserve.device.warmup``)."""
         if warmup:
-            self.warmup_stats = self.engine.warmup(progress, on_compiled)
+            self.warmup_stats = self.engine.warmup(
+                progress, on_compiled, defer=self.engine.config.background_compile)
             self.warmup_stats["probe_s"] = self.engine.probe()
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
+        if self.warmup_stats.get("pending_programs"):
+            self.background = BackgroundCompile(self.engine.runner).start()
         self.ready = True
 
     @property
@@ -79,8 +89,10 @@ class AsyncEngine:
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the engine thread (in-flight requests are left unfinished), then the engine's
-        KV-cache events publisher, if any."""
+        KV-cache events publisher, if any; a background compile stops after its program."""
         self._stop.set()
+        if self.background is not None:
+            self.background.stop(timeout_s)
         self._cmds.put(("wake", None))
         if self._thread is not None:
             self._thread.join(timeout_s)

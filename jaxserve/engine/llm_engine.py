@@ -32,6 +32,8 @@ from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.core.plan import SchedulerOutput
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.step_cost import OnlineStepCost, StepCostModel, StepSample
+from jaxserve.device.buckets import ready_buckets
+from jaxserve.engine.calibration import calibrate
 from jaxserve.engine.kv_budget import weights_summary
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.penalty_slots import PenaltySlots
@@ -131,13 +133,20 @@ class LLMEngine:
         return self.kv_layout.summary()
 
     def warmup(self, progress: bool = True,
-               on_compiled: Callable[[int, int], None] | None = None) -> dict[str, float]:
-        """Compile every step program (and the host tier's copy programs); returns
-        {"num_programs", "compile_s", "compile_cpu_s"}; ``on_compiled(done, total)`` is called
-        as step programs compile (``ModelRunner.warmup``). The grammar compiler's tokenizer is
-        built meanwhile, in its own thread (``GrammarCompiler.prepare``)."""
+               on_compiled: Callable[[int, int], None] | None = None,
+               defer: bool = False) -> dict[str, float]:
+        """Compile the step programs (and the host tier's copy programs); returns
+        ``ModelRunner.warmup``'s stats; ``on_compiled(done, total)`` is called as step
+        programs compile. ``defer``: only ``ready_buckets``' programs where the platform
+        defers (``BucketSet.defer_compile``) and the model runs in one process; the others are
+        left to ``ModelRunner.compile_pending``. The grammar compiler's tokenizer is built
+        meanwhile, in its own thread (``GrammarCompiler.prepare``)."""
         self.grammars.prepare()
-        return self.runner.warmup(progress, on_compiled)
+        first = None
+        if defer and self.platform.buckets(self.config).defer_compile \
+                and not self.runner.multiprocess:
+            first = ready_buckets(self.runner.buckets)
+        return self.runner.warmup(progress, on_compiled, first)
 
     def probe(self) -> float:
         """Run one step of the smallest program on the padding block and wait for it (no
@@ -151,21 +160,12 @@ class LLMEngine:
 
     def calibrate_step_cost(self, sizes: tuple[int, ...] = (1, 128), repeats: int = 2
                             ) -> StepCostModel | None:
-        """Time a prompt step of each of ``sizes`` tokens (clamped to what the runner can
-        probe) ``repeats`` times on the padding block, fit the step-cost model to the fastest
-        of each (toward the platform's prior: ``StepCostModel.fit``), and plan with it from
-        now on, as the prior of the online fit too. ~0.3 s on a 2-core CPU. Returns the model
-        (None without an ITL target)."""
+        """Fit the step-cost model to timed probe steps (``calibration.calibrate``) and plan
+        with it from now on, as the prior of the online fit too. ~0.3 s on a 2-core CPU.
+        Returns the model (None without an ITL target)."""
         if self.step_cost is None:
             return None
-        most = min(max(b.num_tokens for b in self.runner.buckets),
-                   self.max_model_len - 1)
-        samples = []
-        for n in sorted({max(1, min(n, most)) for n in sizes}):
-            runs = [self.runner.probe(n) for _ in range(repeats)]
-            seconds, padded = min(runs)
-            samples.append(StepSample(padded, 0, 0, seconds))
-        model = StepCostModel.fit(samples, prior=self.step_cost.prior)
+        model = calibrate(self.runner, self.step_cost.prior, self.max_model_len, sizes, repeats)
         self.step_cost.prior = self.step_cost.model = self.scheduler.step_cost = model
         return model
 

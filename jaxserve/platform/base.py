@@ -32,11 +32,15 @@ class BucketSet:
       sampler_rows: the row counts that get a sampler program; a bucket of ``S`` rows samples
         with the smallest at least ``S``, its logits padded with zero rows (empty: one sampler
         per row count; ``jaxserve.device.step_buffer.sampler_rows_for``).
+      defer_compile: a server may become ready once ``device.buckets.ready_buckets`` are
+        compiled and compile the others after (``EngineConfig.background_compile``); False:
+        every program compiles before ready.
     """
 
     small: tuple[int, ...] = ()
     mid_up_to: int = 0
     sampler_rows: tuple[int, ...] = ()
+    defer_compile: bool = False
 
 
 def attention_fn(backend: str) -> Callable[..., jax.Array]:

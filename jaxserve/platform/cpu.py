@@ -127,7 +127,7 @@ class CpuPlatform(Platform):
 
     def buckets(self, config: EngineConfig) -> BucketSet:
         return BucketSet(small=SMALL_BUCKETS, mid_up_to=config.max_num_seqs,
-                         sampler_rows=cpu_sampler_rows(config.max_num_seqs))
+                         sampler_rows=cpu_sampler_rows(config.max_num_seqs), defer_compile=True)
 
 
 def cpu_sampler_rows(max_num_seqs: int) -> tuple[int, ...]:
