@@ -10,6 +10,7 @@ w_gate/w_up [L, hidden, inter], w_down [L, inter, hidden]}``.
 
 from __future__ import annotations
 
+import os
 import re
 import zlib
 from typing import TYPE_CHECKING
@@ -110,22 +111,57 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
             .reshape(w.shape))
 
 
+DEQUANT_CHUNK_ELEMENTS = 1 << 24
+"""Elements dequantised at once: large enough that numpy's per-call overhead vanishes, small
+enough to bound the temporaries (a few float32 copies of the chunk)."""
+DEQUANT_THREADS = 4
+"""At most this many tensors dequantise at once (numpy releases the GIL in its loops)."""
+
+
+def dequantize(data: np.ndarray, qtype) -> np.ndarray:
+    """``gguf.quants.dequantize`` (f32, the shape GGUF reports), in chunks of
+    ``DEQUANT_CHUNK_ELEMENTS`` rather than its groups of 16 rows: SmolLM2-135M's 211 Q4_1 and
+    Q8_0 tensors took 2.0 s through ``dequantize`` and 1.4 s so (the same values), on a 2-core
+    Zen 3. A quant type without a ``dequantize_rows`` of its own goes through ``dequantize``."""
+    import gguf
+
+    q = getattr(gguf.quants, "_type_traits", {}).get(qtype)
+    if q is None or data.ndim == 0:
+        return gguf.quants.dequantize(data, qtype)
+    rows = data.reshape(-1, data.shape[-1])
+    out_shape = gguf.quants.quant_shape_from_byte_shape(data.shape, qtype)
+    per = max(1, DEQUANT_CHUNK_ELEMENTS // max(1, out_shape[-1]))
+    parts = [q.dequantize_rows(rows[i:i + per]) for i in range(0, rows.shape[0], per)]
+    return (parts[0] if len(parts) == 1 else np.concatenate(parts)).reshape(out_shape)
+
+
 def gguf_tensor_getter(reader, path: str = "GGUF file"):
     """``get(name) -> f32 ndarray`` dequantising one tensor of a ``gguf.GGUFReader`` (shape as
-    GGUF reports it, e.g. ``[out, in]`` for a linear weight).
+    GGUF reports it, e.g. ``[out, in]`` for a linear weight). Every tensor starts dequantising
+    at once on up to ``DEQUANT_THREADS`` threads, in file order (the loaders ask for nearly
+    all of them and hold them all before stacking): 1.4 -> 0.9 s for SmolLM2-135M on 2 cores.
 
     Raises (from ``get``):
       ValueError: the file lacks that tensor.
     """
-    import gguf
+    from concurrent.futures import ThreadPoolExecutor
 
     tensors = {t.name: t for t in reader.tensors}
+    pool = ThreadPoolExecutor(min(DEQUANT_THREADS, os.cpu_count() or 1),
+                              thread_name_prefix="jaxserve-dequant")
+    futures = {name: pool.submit(lambda t=t: np.asarray(dequantize(t.data, t.tensor_type),
+                                                        np.float32))
+               for name, t in tensors.items()}
+    pool.shutdown(wait=False)
 
     def get(name: str) -> np.ndarray:
         if name not in tensors:
             raise ValueError(f"{path} lacks tensor {name}")
-        t = tensors[name]
-        return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+        f = futures.pop(name, None)  # handed over once: the caller keeps what it needs
+        if f is None:  # asked for again
+            t = tensors[name]
+            return np.asarray(dequantize(t.data, t.tensor_type), np.float32)
+        return f.result()
 
     return get
 
