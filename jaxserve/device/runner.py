@@ -1,4 +1,6 @@
-"""The model runner: turns a scheduler plan into one padded step and runs its two compiled programs.
+"""The model runner: turns a scheduler plan into one padded step and runs its two compiled programs
+(what they compute: ``jaxserve.device.step_programs``; compiling them before and after ready:
+``jaxserve.device.warmup``).
 
 Per step:
   ``SchedulerOutput`` -> ``pack_step`` (numpy, into a preallocated ``i32`` buffer of the bucket's
@@ -51,31 +53,23 @@ from jaxserve.device.host_tier import HostKVTier
 from jaxserve.device.sampler import (
     Logprobs,
     PenaltyState,
-    RowInputs,
-    feed_tokens,
-    logprobs_of,
     new_penalty_state,
-    sample,
     set_bias_row,
-    suppress_tokens,
-    zero_logprobs,
 )
 from jaxserve.device.step_buffer import (
     FLAG_ALLOWED,
     FLAG_LOGPROBS,
     FLAG_PROMPT_LOGPROBS,
     Chunk,
-    Layout,
     RowParams,
     StepChunk,
     StepPacker,
 )
+from jaxserve.device.step_programs import model_program, sampler_program
 from jaxserve.device.warmup import run_compiles
 from jaxserve.sampling_params import MAX_LOGPROBS, MAX_MIN_TOKENS_STOP_IDS
-from models.interface import AttentionMetadata, CausalLM
+from models.interface import CausalLM
 from pallas_kernels import KVCache
-
-LM_HEAD_MIN_ROWS = 2  # rows the LM head is padded to (_lm_head)
 
 
 class StepOutput:
@@ -186,84 +180,6 @@ class ModelRunner:
         self._set_bias: jax.stages.Compiled | None = None
         self._specs: tuple | None = None  # _arg_specs
         self.num_compiles = 0
-
-    # -- the device program ------------------------------------------------------------------
-    def _gathered(self, logits: jax.Array) -> jax.Array:
-        """Under tensor parallelism, one all-gather of the vocabulary-split logits, so what
-        follows (sampling, logprobs) runs without collectives."""
-        if self._replicated is None:
-            return logits
-        return jax.lax.with_sharding_constraint(logits, self._replicated)
-
-    def _model_fn(self, layout: Layout):
-        """The bucket's model program: ``(params, kv_cache, pen, packed, prev_ids) ->
-        (kv_cache, pen, logits f32[S, vocab] of the sampled rows, prompt logprobs,
-        sampler_inputs i32[...])``, the last the packed buffer's sampler tail."""
-        model, sl, b = self.model, layout.slices, layout.bucket
-        limit, k, start = self.vocab_limit, MAX_LOGPROBS, layout.sampler_start
-
-        def step(params, kv_cache: KVCache, pen: PenaltyState, packed: jax.Array,
-                 prev_ids: jax.Array):
-            f = lambda name: packed[sl[name]]
-            md = AttentionMetadata(
-                slot_mapping=f("slot_mapping"),
-                block_tables=f("block_tables").reshape(b.num_seqs, layout.max_blocks),
-                seq_lens=f("seq_lens"), query_start_loc=f("query_start_loc"),
-                num_seqs=f("num_seqs"))
-            src = f("src_row")  # >= 0: the token is prev_ids[src] (async scheduling)
-            token_ids = jnp.where(src >= 0, prev_ids[jnp.maximum(src, 0)], f("token_ids"))
-            flags = f("flags")[0]
-            num_slots = pen.tokens.shape[0]
-            pen = jax.lax.cond(
-                jnp.any(f("tok_slot") < num_slots) | jnp.any(f("reset_slot") < num_slots),
-                feed_tokens, lambda st, *_: st, pen, f("reset_slot"), f("tok_slot"), token_ids,
-                f("tok_is_output"))
-            hidden, kv_cache = model.forward(params, token_ids, f("positions"), kv_cache, md)
-            logits = self._gathered(_lm_head(model, params, hidden[f("logits_indices")]))
-            if layout.sampler_rows > b.num_seqs:  # the shared sampler's rows (zero logits)
-                logits = jnp.pad(logits, ((0, layout.sampler_rows - b.num_seqs), (0, 0)))
-            plp = jax.lax.cond(
-                (flags & self.FLAG_PROMPT_LOGPROBS) != 0,
-                lambda h, tg: logprobs_of(self._gathered(_lm_head(model, params, h)), tg,
-                                          k, limit),
-                lambda h, tg: zero_logprobs(b.num_tokens, k), hidden, f("tok_target"))
-            return kv_cache, pen, logits, plp, packed[start:]
-
-        return step
-
-    def _sampler_fn(self, layout: Layout):
-        """The sampler program of ``layout``'s sampler row count ``S``
-        (``Layout.sampler_rows``), shared by every bucket with as many: ``(logits f32[S,
-        vocab], pen, sampler_inputs, allowed) -> (ids i32[max_bucket_seqs], logprobs)``. Apart from the model programs so that it compiles
-        once per sampler row count (2.5-4.6 s each on the 2-core CPU, against 1.2 s for a model
-        program: the platform shares one among buckets, ``BucketSet.sampler_rows``)."""
-        sl, num_seqs = layout.sampler_slices, layout.sampler_rows
-        limit, k, max_rows = self.vocab_limit, MAX_LOGPROBS, self.max_bucket_seqs
-
-        def sample_rows(logits: jax.Array, pen: PenaltyState, inputs: jax.Array,
-                        allowed: jax.Array):
-            f = lambda name: inputs[sl[name]]
-            as_f32 = lambda name: jax.lax.bitcast_convert_type(f(name), jnp.float32)
-            flags = f("flags")[0]
-            seeds = jax.lax.bitcast_convert_type(
-                jnp.stack([f("seed_hi"), f("seed_lo")], axis=-1), jnp.uint32)  # [S, 2]
-            rows = RowInputs(as_f32("temperature"), f("top_k"), as_f32("top_p"),
-                             as_f32("min_p"), seeds, f("sample_pos"), f("slot"),
-                             as_f32("repetition_penalty"), as_f32("presence_penalty"),
-                             as_f32("frequency_penalty"))
-            suppress = f("suppress_ids").reshape(num_seqs, MAX_MIN_TOKENS_STOP_IDS)
-            ids = sample(suppress_tokens(logits, suppress, allowed,
-                                         (flags & self.FLAG_ALLOWED) != 0), rows, pen, limit)
-            lp = jax.lax.cond(
-                (flags & self.FLAG_LOGPROBS) != 0,
-                lambda lg, ch: logprobs_of(lg, ch, k, limit),
-                lambda lg, ch: zero_logprobs(num_seqs, k), logits, ids)
-            ids = jnp.zeros(max_rows, jnp.int32).at[:num_seqs].set(ids.astype(jnp.int32))
-            if self._replicated is not None:
-                ids = jax.lax.with_sharding_constraint(ids, self._replicated)
-            return ids, lp
-
-        return sample_rows
 
     def warmup(self, progress: bool = True,
                on_compiled: Callable[[int, int], None] | None = None,
@@ -415,7 +331,8 @@ class ModelRunner:
         prev = jax.ShapeDtypeStruct((self.max_bucket_seqs,), jnp.int32,
                                     sharding=self._replicated)
         args = (*self._arg_specs(), packed, prev)
-        compile_fn = lambda: jax.jit(self._model_fn(lay), donate_argnums=(1, 2)).lower(
+        compile_fn = lambda: jax.jit(model_program(
+            self.model, lay, self.vocab_limit, self._replicated), donate_argnums=(1, 2)).lower(
             *args).compile()
         self.compiled[bucket] = self._cached(("model", bucket, lay.slices, lay.max_blocks),
                                              args, compile_fn)
@@ -434,7 +351,8 @@ class ModelRunner:
                                      sharding=self._replicated),
                 jax.ShapeDtypeStruct((s, self.num_mask_words), jnp.int32,
                                      sharding=self._replicated))
-        compile_fn = lambda: jax.jit(self._sampler_fn(lay)).lower(*args).compile()
+        compile_fn = lambda: jax.jit(sampler_program(
+            lay, self.vocab_limit, self.max_bucket_seqs, self._replicated)).lower(*args).compile()
         self.samplers[s] = self._cached(("sampler", s, lay.sampler_slices), args, compile_fn)
 
     def _to_device(self, host: np.ndarray) -> jax.Array:
@@ -547,20 +465,6 @@ class ModelRunner:
         """On process 0: release the processes blocked in ``follow``."""
         if self._multiprocess:
             multihost_utils.broadcast_one_to_all(np.array([-1], np.int32))
-
-
-def _lm_head(model: CausalLM, params, hidden: jax.Array) -> jax.Array:
-    """``model.compute_logits`` of ``hidden [L, hidden]``, one row padded to
-    ``LM_HEAD_MIN_ROWS`` and cut back: XLA:CPU runs a 1-row dot against the transposed
-    embedding as a slow reduction (SmolLM2-135M's 1-token step took 65 ms with it, 24 ms padded
-    to 8 rows); from 2 rows it goes to YNNPACK. 2 rows against the 8 used before, one decode
-    alone (docs/decisions/0025-lm-head-rows.md, four interleaved runs): int4 weights 21.3 /
-    18.4 ms a step against 22.8 / 18.7, bfloat16 19.8 / 21.8 against 19.9 / 22.7."""
-    rows = hidden.shape[0]
-    if rows >= LM_HEAD_MIN_ROWS:
-        return model.compute_logits(params, hidden)
-    padded = jnp.pad(hidden, ((0, LM_HEAD_MIN_ROWS - rows), (0, 0)))
-    return model.compute_logits(params, padded)[:rows]
 
 
 def _cpu_s() -> float:
