@@ -220,17 +220,24 @@ class ModelRunner:
         return stats
 
     def compile_pending(self, stop: threading.Event | None = None) -> int:
-        """Compile the programs ``warmup`` left out, smallest bucket first, each bucket made
-        usable for the next step as soon as its model and sampler programs are compiled. Runs
-        on another thread while steps run: it reads only the arguments' shapes, and publishes a
-        bucket by replacing ``StepPacker.usable`` whole. Returns the programs compiled; with
-        ``stop`` set, it returns after the program being compiled."""
+        """Compile the programs ``warmup`` left out, a bucket at a time, each made usable for
+        the next step as soon as its model and sampler programs are compiled. The next bucket
+        is the one steps padded up for most often (``StepPacker.wanted``), else the smallest.
+        Runs on another thread while steps run: it reads only the arguments' shapes, and
+        publishes a bucket by replacing ``StepPacker.usable`` whole. Returns the programs
+        compiled; with ``stop`` set, it returns after the program being compiled."""
         done = 0
-        for compile_one in self._programs(self.buckets):
-            if stop is not None and stop.is_set():
+        while not (stop is not None and stop.is_set()):
+            pending = [b for b in self.buckets if self._programs([b])]
+            if not pending:
                 break
-            compile_one()
-            done += 1
+            wanted = self.packer.wanted
+            bucket = max(pending, key=lambda b: wanted[b])  # the first (smallest) of ties
+            for compile_one in self._programs([bucket]):
+                if stop is not None and stop.is_set():
+                    break
+                compile_one()
+                done += 1
             self._publish_usable()
         return done
 

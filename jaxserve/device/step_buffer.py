@@ -10,6 +10,7 @@ prompt logprobs, and (set by ``ModelRunner.execute``) an allowed-token mask sent
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -137,13 +138,15 @@ class StepPacker:
     while some programs are still compiling it holds the compiled ones, and a step goes into
     the smallest of them that holds it (``ModelRunner.warmup``). The largest bucket is always
     among them, so every step still fits. Replaced whole, never changed in place, so another
-    thread may publish a new list between steps.
+    thread may publish a new list between steps. ``wanted`` counts, per bucket not yet usable,
+    the steps that padded up for want of it (what to compile next).
     """
 
     def __init__(self, buckets: list[Bucket], max_blocks: int, block_size: int,
                  num_penalty_slots: int, sampler_rows: tuple[int, ...] = ()) -> None:
         self.buckets, self.block_size = buckets, block_size
         self.usable: list[Bucket] = list(buckets)
+        self.wanted: collections.Counter[Bucket] = collections.Counter()
         self.num_penalty_slots = num_penalty_slots
         self.layouts = {b: Layout(b, max_blocks, sampler_rows_for(b.num_seqs, sampler_rows))
                         for b in buckets}
@@ -178,6 +181,10 @@ class StepPacker:
         q_lens = [len(t) for t in token_ids]
         num_tokens, num_seqs = sum(q_lens), len(q_lens)
         b = pick_bucket(self.usable, num_tokens, num_seqs)
+        if len(self.usable) < len(self.buckets):
+            fit = pick_bucket(self.buckets, num_tokens, num_seqs)
+            if fit != b:
+                self.wanted[fit] += 1
         lay, buf = self.layouts[b], self.buffers[b][self._num_packed % 2]
         self._num_packed += 1
         sl = lay.slices

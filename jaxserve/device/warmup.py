@@ -49,6 +49,25 @@ def run_compiles(todo: Sequence[Callable[[], None]], progress: bool,
             gc.enable()
 
 
+def _renice_compile_threads(nice: int) -> None:
+    """Lower this thread's priority, and that of XLA's LLVM code-generation workers (threads
+    named ``llvm-worker-*``, which run only compiles), by ``nice`` (Linux: a thread is a task
+    with its own niceness). Nothing else is touched; errors are ignored."""
+    ids = [threading.get_native_id()]
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/comm", encoding="utf-8") as fh:
+                if fh.read().startswith("llvm-worker"):
+                    ids.append(int(tid))
+    except OSError:
+        pass
+    for tid in ids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+        except OSError:
+            pass
+
+
 class BackgroundCompile:
     """Compiles a runner's pending programs (``ModelRunner.compile_pending``) on a daemon
     thread, at a lower CPU priority (``nice``, added to the thread's niceness where the OS
@@ -84,10 +103,7 @@ class BackgroundCompile:
         t0 = time.perf_counter()
         try:
             if self._nice and hasattr(os, "setpriority"):
-                try:  # Linux: a thread is a task with its own niceness
-                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
-                except OSError:
-                    pass
+                _renice_compile_threads(self._nice)
             self.num_programs = self._runner.compile_pending(self._stop)
             self.seconds = time.perf_counter() - t0
             if self.num_programs:

@@ -118,6 +118,7 @@ class LLMEngine:
         # the ITL target's step-cost model, refitted from measured steps (None: no target)
         cost = parts.scheduler_config.step_cost
         self.step_cost = OnlineStepCost(cost) if cost and parts.scheduler_config.itl_on else None
+        self._usable = self.runner.packer.usable  # the buckets the scheduler plans for
         self._t_last_ready: float | None = None  # the last completed step's ids on the host
         self._rng = np.random.default_rng(config.seed)
         self._ids = IdCounter()
@@ -329,6 +330,10 @@ class LLMEngine:
         """
         times = StepTimes(time.perf_counter())
         preempted_before = self.scheduler.num_preemptions_total
+        if self.runner.packer.usable is not self._usable:  # a background compile published
+            self._usable = self.runner.packer.usable  # plan steps for the compiled buckets
+            self.scheduler.config = dataclasses.replace(
+                self.scheduler.config, token_buckets=tuple(b.num_tokens for b in self._usable))
         plan = self.scheduler.schedule()
         self.runner.copy_blocks(plan.offloads, plan.loads)
         prev, self._inflight = self._inflight, None
