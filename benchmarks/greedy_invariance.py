@@ -12,16 +12,25 @@ sit at and around the KV block boundaries 16 and 32) are each run alone first, g
   batchN      the probes among ``N - len(probes)`` other prompts of 50-400 tokens, all added at
               once (``--batches``; their prompts chunked wherever the step budget falls)
   staggered   24 long-running requests first, the probes added after 6 of their steps
+  aborted     the probes beside three 900-token prompts that are aborted after one step, in
+              the middle of their chunked prefill
 
 Each scenario reports the probes whose token ids differ from their reference (by length) and
 the first differing output position. Preemption and the host tier: run it again with
 ``--engine-args num_kv_blocks=160`` (a pool that forces recompute) or
 ``kv_offloading_size=0.5``; a scenario's ``preemptions`` says whether any happened.
+
+Across engines: the JSON keeps the reference outputs, and ``--reference PATH`` compares this
+run's against another run's (the ``reference`` scenario), e.g. a step budget that splits the
+prompts elsewhere (``--engine-args max_num_batched_tokens=64``) or ``--ready-buckets-only``
+(every step in the buckets a deferred start-up serves with before its background compile ends,
+``jaxserve.device.buckets.ready_buckets``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 import numpy as np
@@ -44,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=48, help="greedy outputs per request")
     p.add_argument("--batches", type=int_list, default=[16, 64],
                    help="batch sizes the probes run in (each at least len(--lens))")
+    p.add_argument("--ready-buckets-only", action="store_true",
+                   help="steps use only the ready buckets, as before a background compile ends")
+    p.add_argument("--reference", default=None, metavar="PATH",
+                   help="another run's JSON (same --lens and --max-tokens) to compare the "
+                        "reference outputs with")
     p.add_argument("--json", default=None, metavar="PATH", help="write the result here")
     return p
 
@@ -59,12 +73,17 @@ def _run(engine: Any, prompts: list[list[int]], tag: str, params: Any) -> list[l
     """Add every prompt, step until idle; the outputs' token ids in prompt order."""
     for i, p in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", p, params)
+    return _finish(engine, [f"{tag}-{i}" for i in range(len(prompts))])
+
+
+def _finish(engine: Any, request_ids: list[str]) -> list[list[int]]:
+    """Step until idle; the token ids of ``request_ids`` (added already), in that order."""
     done: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = list(out.outputs[0].token_ids)
-    return [done[f"{tag}-{i}"] for i in range(len(prompts))]
+    return [done[r] for r in request_ids]
 
 
 def _differences(lens: list[int], ref: list[list[int]], got: list[list[int]]
@@ -81,13 +100,33 @@ def run(ns: argparse.Namespace, engine: Any = None) -> dict[str, Any]:
     Raises:
       ValueError: a batch smaller than the probes, or a probe longer than the text.
     """
-    from jaxserve import LLM, SamplingParams
+    from jaxserve import LLM
 
     if any(b < len(ns.lens) for b in ns.batches):
         raise ValueError(f"--batches {ns.batches}: each must be >= {len(ns.lens)} probes")
+    other = None
+    if ns.reference is not None:
+        with open(ns.reference, encoding="utf-8") as fh:
+            other = json.load(fh)
+        if other.get("lens") != ns.lens or other.get("max_tokens") != ns.max_tokens:
+            raise ValueError(f"--reference {ns.reference}: its lens and max_tokens differ")
     if engine is None:
         engine = LLM(ns.model, load_format=ns.load_format,
                      **{**SERVING, **ns.engine_args}).engine
+    usable = engine.runner.packer.usable
+    if ns.ready_buckets_only:
+        from jaxserve.device.buckets import ready_buckets
+
+        engine.runner.packer.usable = ready_buckets(engine.runner.buckets)
+    try:
+        return _matrix(ns, engine, other)
+    finally:
+        engine.runner.packer.usable = usable
+
+
+def _matrix(ns: argparse.Namespace, engine: Any, other: dict | None) -> dict[str, Any]:
+    from jaxserve import SamplingParams
+
     ids, rng = _text_ids(engine), np.random.default_rng(SEED)
     if max(ns.lens) >= len(ids) or max(ns.lens) >= engine.max_model_len - ns.max_tokens:
         raise ValueError(f"--lens up to {max(ns.lens)} do not fit the text or max_model_len")
@@ -126,8 +165,21 @@ def run(ns: argparse.Namespace, engine: Any = None) -> dict[str, Any]:
     for _ in range(6):
         engine.step()
     record("staggered", _run(engine, probes, "staggered", greedy), before)
+    before = engine.scheduler.num_preemptions_total
+    long_prompts = [cut(min(900, engine.max_model_len - ns.max_tokens - 1)) for _ in range(3)]
+    for i, p in enumerate(long_prompts):
+        engine.add_request(f"doomed-{i}", p, greedy)
+    for i, p in enumerate(probes):
+        engine.add_request(f"aborted-{i}", p, greedy)
+    engine.step()
+    engine.abort_request([f"doomed-{i}" for i in range(len(long_prompts))])
+    record("aborted", _finish(engine, [f"aborted-{i}" for i in range(len(probes))]), before)
+    if other is not None:
+        scenarios["reference"] = {"differ": _differences(ns.lens, other["reference"], ref),
+                                  "preemptions": 0}
     result = {"dtype": str(engine.dtype), "lens": ns.lens, "max_tokens": ns.max_tokens,
-              "engine_args": ns.engine_args, "scenarios": scenarios}
+              "engine_args": ns.engine_args, "ready_buckets_only": ns.ready_buckets_only,
+              "reference": ref, "scenarios": scenarios}
     print(format_table(["scenario", "probes differing", "lens (first differing output)",
                         "preemptions"],
                        [(name, len(s["differ"]), " ".join(

@@ -34,6 +34,10 @@ with the next, its logits padded with zero rows. That took a cold start's compil
 in 43.1 s to 18 in 34.4 s; an extra sampler pass over 8 (or 16) padding rows of the vocabulary is
 about 1 (2.5) ms against decode steps of 60-200 ms, below the noise of interleaved ``bench step``
 runs (docs/decisions/0037-sampler-row-counts.md).
+Even so, 18 programs took 45-53 s of a cold start, so the CPU defers (``defer_compile``): a server
+is ready once the 1-token, the ``max_num_seqs`` and the largest bucket are compiled (6 programs
+with their samplers and the logit_bias writer) and compiles the other 12 on a background thread,
+each usable as soon as it is compiled (docs/decisions/0039-deferred-compile.md).
 
 **Step cost.** ~30 ms a step against ~0.75 ms a prompt token (SmolLM2-135M, 2 cores;
 docs/decisions/0005-bucket-fit.md): ``step_overhead_tokens`` 32, ``prompt_token_s`` 0.75 ms

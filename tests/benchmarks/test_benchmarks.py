@@ -131,10 +131,21 @@ def test_greedy_invariance_compares_each_scenario_with_the_probe_alone(engine, t
     ns = greedy_invariance.build_parser().parse_args([
         "--lens", "7,9", "--max-tokens", "4", "--batches", "2", "--json", str(out)])
     result = greedy_invariance.run(ns, engine=engine)
-    assert set(result["scenarios"]) == {"again", "batch2", "staggered"}
+    assert set(result["scenarios"]) == {"again", "batch2", "staggered", "aborted"}
     for s in json.loads(out.read_text())["scenarios"].values():
         assert s["preemptions"] >= 0 and all(d["len"] in (7, 9) for d in s["differ"])
     assert not engine.has_unfinished_requests()
+    assert [len(r) for r in result["reference"]] == [4, 4]
+    # against another run's references, in the ready buckets only (put back afterwards)
+    usable = list(engine.runner.packer.usable)
+    again = greedy_invariance.run(greedy_invariance.build_parser().parse_args([
+        "--lens", "7,9", "--max-tokens", "4", "--batches", "2", "--ready-buckets-only",
+        "--reference", str(out)]), engine=engine)
+    assert again["ready_buckets_only"] and "reference" in again["scenarios"]
+    assert engine.runner.packer.usable == usable
+    with pytest.raises(ValueError, match="lens and max_tokens differ"):
+        greedy_invariance.run(greedy_invariance.build_parser().parse_args([
+            "--lens", "7", "--batches", "2", "--reference", str(out)]), engine=engine)
     with pytest.raises(ValueError, match="--batches"):
         greedy_invariance.run(greedy_invariance.build_parser().parse_args(
             ["--lens", "7,9,11", "--batches", "2"]), engine=engine)

@@ -3,6 +3,8 @@ tensor getter."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import gguf
 import numpy as np
 import pytest
@@ -32,14 +34,11 @@ def test_getter_hands_each_tensor_and_refuses_unknown_names() -> None:
         def __init__(self, name, data, qtype):
             self.name, self.data, self.tensor_type = name, data, qtype
 
-    class Reader:
-        tensors = [T("a", gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
-                     gguf.GGMLQuantizationType.Q8_0),
-                   T("b", w, gguf.GGMLQuantizationType.F32)]
-
-    a = Reader.tensors[0]
+    a = T("a", gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
+          gguf.GGMLQuantizationType.Q8_0)
+    reader = SimpleNamespace(tensors=[a, T("b", w, gguf.GGMLQuantizationType.F32)])
     want_a = gguf.quants.dequantize(a.data, a.tensor_type)
-    get = loader.gguf_tensor_getter(Reader(), "x.gguf")
+    get = loader.gguf_tensor_getter(reader, "x.gguf")
     np.testing.assert_array_equal(get("a"), want_a)
     np.testing.assert_array_equal(get("b"), w)
     np.testing.assert_array_equal(get("a"), want_a)  # asked again: dequantised again
