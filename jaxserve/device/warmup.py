@@ -106,7 +106,10 @@ class BackgroundCompile:
                 _renice_compile_threads(self._nice)
             self.num_programs = self._runner.compile_pending(self._stop)
             self.seconds = time.perf_counter() - t0
-            if self.num_programs:
+            if self._stop.is_set():
+                log.info("background compile stopped after %d step programs (%.1f s)",
+                         self.num_programs, self.seconds)
+            elif self.num_programs:
                 log.info("compiled %d more step programs in %.1f s after ready",
                          self.num_programs, self.seconds)
         except BaseException as e:  # logged; steps go on in the compiled buckets

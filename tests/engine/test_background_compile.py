@@ -8,6 +8,7 @@ already compiled).
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -107,13 +108,15 @@ def test_warmup_subset_must_hold_the_largest_bucket(tmp_path) -> None:
         eng.runner.warmup(progress=False, buckets=[Bucket(2, 2), Bucket(32, 4)])
 
 
-def test_background_compile_runs_beside_steps_and_stops_when_asked(tmp_path) -> None:
+def test_background_compile_runs_beside_steps_and_stops_when_asked(tmp_path, caplog) -> None:
     eng = _engine(tmp_path)
     eng.warmup(progress=False, defer=True)
     stopped = BackgroundCompile(eng.runner)
     assert stopped.stop()  # asked to stop before it started: compiles nothing
-    stopped.start().done.wait(60)
+    with caplog.at_level(logging.INFO, logger="jaxserve.device.warmup"):
+        stopped.start().done.wait(60)
     assert stopped.num_programs == 0 and eng.runner.packer.usable == READY
+    assert "background compile stopped after 0 step programs" in caplog.text
     bg = BackgroundCompile(eng.runner).start()
     outs = _run(eng, [])  # steps on this thread while the other compiles
     assert bg.done.wait(300) and bg.error is None
