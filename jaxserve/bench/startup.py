@@ -13,7 +13,10 @@ the load time, the compile time of the step programs and each start-up stage's s
 (``stages_s``: import — launch to ``serve()``, taken as ``ready_s`` minus the server's own
 ``ready_in`` —, load_weights, plan_kv, kv_cache, runner, engine, compile, probe and the rest,
 ``server``: the port, uvicorn, the start-up thread). A cold start has an empty persistent
-compilation cache; the warm start that follows reuses the cache the cold one wrote.
+compilation cache; the warm start that follows reuses the cache the cold one wrote. A server
+that became ready before all its programs compiled (``--background-compile``) is stopped only
+once ``jaxserve:step_programs_pending`` is 0, so that the warm start finds every program
+cached; ``background_s`` is how long after ready that took.
 ``--repeats`` pairs, each with a new cache; medians are reported. ``--server-env`` sets
 environment variables of the server only (``PYTHONPATH=other/tree`` times another checkout,
 ``XLA_FLAGS=...`` compile options), so before/after runs can be interleaved. For load time per
@@ -43,7 +46,7 @@ from jaxserve.bench.common import write_json
 
 POLL_S = 0.1
 KINDS = ("cold", "warm")
-FIGURES = ("port_s", "ready_s", "load_s", "compile_s", "cpu_s")
+FIGURES = ("port_s", "ready_s", "load_s", "compile_s", "cpu_s", "background_s")
 STAGES = ("import", "load_weights", "plan_kv", "kv_cache", "runner", "engine", "compile",
           "probe", "server")
 
@@ -79,6 +82,24 @@ def _ready(url: str) -> tuple[int | None, str | None]:
         return e.code, _stage(e.read())
     except OSError:
         return None, None
+
+
+def _pending(url: str) -> float | None:
+    """``pending_programs`` of GET ``url`` (/metrics); None when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return pending_programs(r.read().decode("utf-8", "replace"))
+    except OSError:
+        return None
+
+
+def pending_programs(metrics_text: str) -> float | None:
+    """``jaxserve:step_programs_pending`` in a Prometheus text page (the sum over its
+    label sets: data-parallel replicas); None when it is not there (a server from before
+    the gauge)."""
+    found = re.findall(r"^jaxserve:step_programs_pending(?:\{[^}]*\})? ([0-9.eE+-]+)$",
+                       metrics_text, re.MULTILINE)
+    return sum(float(x) for x in found) if found else None
 
 
 def _stage(body: bytes) -> str | None:
@@ -168,6 +189,12 @@ def start_once(serve_args: list[str], cache_dir: str, timeout_s: float,
             time.sleep(POLL_S)
         ready_s = time.perf_counter() - t0
         cpu_s = _cpu_s(proc.pid)
+        metrics_url = f"http://127.0.0.1:{port}/metrics"
+        while (_pending(metrics_url) or 0) > 0 and proc.poll() is None:
+            if time.perf_counter() - t0 > timeout_s:
+                raise ValueError(f"background compile not done in {timeout_s} s")
+            time.sleep(POLL_S * 5)
+        background_s = time.perf_counter() - t0 - ready_s
     finally:
         proc.terminate()
         try:
@@ -177,7 +204,7 @@ def start_once(serve_args: list[str], cache_dir: str, timeout_s: float,
             proc.wait()
         reader.join(5)
     server = parse_server_output("".join(lines))
-    return {"port_s": port_s, "ready_s": ready_s, "cpu_s": cpu_s,
+    return {"port_s": port_s, "ready_s": ready_s, "cpu_s": cpu_s, "background_s": background_s,
             "load_s": server["load_s"], "compile_s": server["compile_s"],
             "num_programs": server["num_programs"], "stage_at_s": stage_at,
             "stages_s": _stages(ready_s, server["stages_s"]),
@@ -230,12 +257,13 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [(f"jaxserve serve {shlex.join(result['serve_args'])}: median of "
              f"{result['repeats']} start(s)"),
              (f"{'':6}{'port s':>8}{'ready s':>9}{'cpu s':>8}{'load s':>8}{'compile s':>10}"
-              f"{'programs':>9}")]
+              f"{'programs':>9}{'bg s':>7}")]
     for kind in KINDS:
         r = result[kind]
         lines.append(f"{kind:6}{r['median_port_s']:8.2f}{r['median_ready_s']:9.2f}"
                      f"{r['median_cpu_s']:8.2f}{r['median_load_s']:8.2f}"
-                     f"{r['median_compile_s']:10.2f}{r['num_programs']:9d}")
+                     f"{r['median_compile_s']:10.2f}{r['num_programs']:9d}"
+                     f"{r.get('median_background_s', 0.0):7.1f}")
     stages = [k for k in (*STAGES, "compile_cpu") if k in result["cold"]["median_stages_s"]]
     if stages:
         lines.append("stages, s: " + "  ".join(

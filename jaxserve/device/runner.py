@@ -216,7 +216,7 @@ class ModelRunner:
         if self.host_tier is not None:  # its block-copy programs
             host = self.host_tier.warmup()
             stats = {k: stats[k] + host.get(k, 0.0) for k in stats}
-        stats["pending_programs"] = float(len(self._programs(self.buckets)))
+        stats["pending_programs"] = float(self.num_pending_programs())
         return stats
 
     def compile_pending(self, stop: threading.Event | None = None) -> int:
@@ -240,6 +240,10 @@ class ModelRunner:
                 done += 1
             self._publish_usable()
         return done
+
+    def num_pending_programs(self) -> int:
+        """Programs ``compile_pending`` still has to compile (0 after a full ``warmup``)."""
+        return len(self._programs(self.buckets))
 
     def _programs(self, buckets: Sequence[Bucket], set_bias: bool = False
                   ) -> list[Callable[[], None]]:

@@ -73,13 +73,17 @@ class BackgroundCompile:
     thread, at a lower CPU priority (``nice``, added to the thread's niceness where the OS
     allows it per thread, as Linux does) so that steps running meanwhile keep the cores first.
 
+    ``on_end(num_left)`` is called on the thread as it ends, with the programs still pending
+    (0 unless it was stopped or failed).
+
     Attributes: ``done`` (an Event, set when the thread has ended), ``num_programs`` and
     ``seconds`` (compiled so far, and the wall seconds they took, once done), ``error`` (the
     exception that ended it, if any: logged; the buckets compiled before it stay usable).
     """
 
-    def __init__(self, runner, nice: int = 10) -> None:
-        self._runner, self._nice = runner, nice
+    def __init__(self, runner, nice: int = 10,
+                 on_end: Callable[[int], None] | None = None) -> None:
+        self._runner, self._nice, self._on_end = runner, nice, on_end
         self._stop = threading.Event()
         self.done = threading.Event()
         self.num_programs, self.seconds = 0, 0.0
@@ -107,13 +111,18 @@ class BackgroundCompile:
             self.num_programs = self._runner.compile_pending(self._stop)
             self.seconds = time.perf_counter() - t0
             if self._stop.is_set():
-                log.info("background compile stopped after %d step programs (%.1f s)",
+                log.info("background compile stopped after %d step program(s) (%.1f s)",
                          self.num_programs, self.seconds)
             elif self.num_programs:
-                log.info("compiled %d more step programs in %.1f s after ready",
+                log.info("compiled %d more step program(s) in %.1f s in the background",
                          self.num_programs, self.seconds)
         except BaseException as e:  # logged; steps go on in the compiled buckets
             self.error = e
             log.exception("background compile failed; steps keep to the compiled buckets")
         finally:
+            if self._on_end is not None:
+                try:
+                    self._on_end(self._runner.num_pending_programs())
+                except Exception:  # a report must not keep the thread from ending
+                    log.exception("background compile: on_end failed")
             self.done.set()

@@ -64,21 +64,35 @@ class AsyncEngine:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self, warmup: bool = True, progress: bool = True,
-              on_compiled: Callable[[int, int], None] | None = None) -> None:
+              on_compiled: Callable[[int, int], None] | None = None,
+              background: bool = True) -> None:
         """Compile the step programs and run one probe step (blocking; ``on_compiled(done,
         total)`` follows the compiles, as ``LLMEngine.warmup``), then start the engine thread.
         With ``EngineConfig.background_compile`` (and a platform that defers) only the ready
-        buckets' programs compile here; the others compile on a background thread started
-        with the engine thread (``jaxserve.device.warmup``)."""
+        buckets' programs compile here; the others compile on a background thread
+        (``jaxserve.device.warmup``), started here unless ``background`` is False (then
+        ``start_background_compile`` starts it)."""
         if warmup:
             self.warmup_stats = self.engine.warmup(
                 progress, on_compiled, defer=self.engine.config.background_compile)
             self.warmup_stats["probe_s"] = self.engine.probe()
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
-        if self.warmup_stats.get("pending_programs"):
-            self.background = BackgroundCompile(self.engine.runner).start()
+        if background:
+            self.start_background_compile()
         self.ready = True
+
+    def start_background_compile(self) -> None:
+        """Start compiling the programs warm-up left out, if any, on a background thread
+        (``self.background``); the ``jaxserve:step_programs_pending`` gauge follows it."""
+        pending = int(self.warmup_stats.get("pending_programs", 0))
+        if not pending or self.background is not None:
+            return
+        gauge = None if self.metrics is None else self.metrics.step_programs_pending
+        if gauge is not None:
+            gauge.set(pending)
+        self.background = BackgroundCompile(
+            self.engine.runner, on_end=None if gauge is None else gauge.set).start()
 
     @property
     def alive(self) -> bool:

@@ -106,19 +106,24 @@ class DataParallelEngine:
 
     def start(self, warmup: bool = True, progress: bool = True,
               on_compiled: Callable[[int, int], None] | None = None) -> None:
-        """Warm up and start every replica (one after another); ``on_compiled(done, total)``
-        counts the programs of all replicas."""
+        """Warm up and start every replica (one after another), then their background
+        compiles, if any; ``on_compiled(done, total)`` counts the programs of all replicas,
+        and ``warmup_stats`` sums their programs and compile seconds."""
         n = len(self.replicas)
         for i, r in enumerate(self.replicas):
             report = None if on_compiled is None else (
                 lambda done, total, i=i: on_compiled(i * total + done, n * total))
-            r.start(warmup=warmup, progress=progress, on_compiled=report)
+            # the background compiles start once every replica is warm: they would slow
+            # the later replicas' warm-up
+            r.start(warmup=warmup, progress=progress, on_compiled=report, background=False)
             if i == 0:
                 self.warmup_stats = dict(r.warmup_stats)
             elif r.warmup_stats:
-                for k in ("compile_s", "compile_cpu_s"):
+                for k in ("compile_s", "compile_cpu_s", "num_programs", "pending_programs"):
                     self.warmup_stats[k] = (self.warmup_stats.get(k, 0.0)
                                             + r.warmup_stats.get(k, 0.0))
+        for r in self.replicas:
+            r.start_background_compile()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop every replica's engine thread."""

@@ -25,7 +25,9 @@ to histograms; importing this module turns off the ``_created`` series process-w
              jaxserve:request_success_total{finished_reason}, jaxserve:num_preemptions_total,
              jaxserve:num_aborted_requests_total, jaxserve:num_compiles_after_warmup_total
              (XLA compiles on the engine thread, ``compile_events``; 0 unless warm-up missed a
-             program)
+             program); the gauge jaxserve:step_programs_pending (programs a server ready
+             before they compiled still has to compile in the background; 0 once none is
+             left, ``--background-compile``)
   prefix cache and host tier (kv_manager.KVStats; tokens where the name says so):
              jaxserve:prefix_cache_queries_total (prompt tokens looked up),
              jaxserve:prefix_cache_hits_total (of those, found in either tier),
@@ -212,6 +214,9 @@ class EngineMetrics:
         self.num_preemptions = counter("num_preemptions", "Requests preempted to free KV blocks.")
         self.num_aborted_requests = counter("num_aborted_requests",
                                             "Requests aborted (client disconnect or cancel).")
+        self.step_programs_pending = gauge(
+            "step_programs_pending",
+            "Step programs still to compile in the background after ready (0: none left).")
         self.num_compiles_after_warmup = counter(
             "num_compiles_after_warmup",
             "XLA compiles on the engine thread after warm-up (0 unless warm-up missed a program).")

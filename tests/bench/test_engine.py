@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.bench.startup import parse_server_output
+from jaxserve.bench.startup import parse_server_output, pending_programs
 from jaxserve.bench.static_batch import StaticRequest
 from jaxserve.bench.step import _summary
 from jaxserve.bench.throughput import model_flops
@@ -96,7 +96,7 @@ def test_bench_startup_command(tmp_path: Path) -> None:
         assert r["num_programs"] > 0 and r["median_load_s"] >= 0 and r["median_compile_s"] >= 0
         assert r["median_ready_s"] > r["median_load_s"]
         assert 0 < r["median_port_s"] <= r["median_ready_s"]  # the port answers first
-        assert r["median_cpu_s"] > 0
+        assert r["median_cpu_s"] > 0 and r["median_background_s"] >= 0
         assert len(res["runs"][kind]) == 1
         run = res["runs"][kind][0]
         assert run["stage_at_s"]["ready"] <= run["ready_s"] and len(run["loadavg"]) == 3
@@ -107,6 +107,15 @@ def test_bench_startup_command(tmp_path: Path) -> None:
         # the server's own stages lie within the time to ready (the rest, "server", is not
         # negative but for the rounding of the server's figures to 1 ms)
         assert stages["server"] > -0.01
+
+
+def test_pending_programs_sums_the_replicas_gauges() -> None:
+    page = ('# TYPE jaxserve:step_programs_pending gauge\n'
+            'jaxserve:step_programs_pending{engine="0",model_name="a"} 3.0\n'
+            'jaxserve:step_programs_pending{engine="1",model_name="a"} 2.0\n'
+            'jaxserve:step_programs_pending_other 9.0\n')
+    assert pending_programs(page) == 5.0
+    assert pending_programs("jaxserve:num_requests_running 1.0\n") is None
 
 
 def test_parse_server_output() -> None:

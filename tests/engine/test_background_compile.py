@@ -116,7 +116,7 @@ def test_background_compile_runs_beside_steps_and_stops_when_asked(tmp_path, cap
     with caplog.at_level(logging.INFO, logger="jaxserve.device.warmup"):
         stopped.start().done.wait(60)
     assert stopped.num_programs == 0 and eng.runner.packer.usable == READY
-    assert "background compile stopped after 0 step programs" in caplog.text
+    assert "background compile stopped after 0 step program(s)" in caplog.text
     bg = BackgroundCompile(eng.runner).start()
     outs = _run(eng, [])  # steps on this thread while the other compiles
     assert bg.done.wait(300) and bg.error is None
@@ -139,11 +139,12 @@ def test_async_engine_is_ready_before_the_background_compile_ends(tmp_path, back
             assert aeng.background is None and aeng.warmup_stats["pending_programs"] == 0
             assert eng.runner.packer.usable == ALL
             return
-        assert aeng.warmup_stats["pending_programs"] == 2
+        pending = eng.metrics.step_programs_pending._value
+        assert aeng.warmup_stats["pending_programs"] == 2 and pending.get() == 2
         assert eng.runner.packer.usable == READY and not aeng.background.done.is_set()
         gate.set()
         assert aeng.background.done.wait(300) and aeng.background.num_programs == 2
-        assert eng.runner.packer.usable == ALL
+        assert eng.runner.packer.usable == ALL and pending.get() == 0
         # compiles off the engine thread are not the ones the alert counts
         assert eng.metrics.num_compiles_after_warmup._value.get() == 0
     finally:

@@ -38,6 +38,10 @@ def test_two_replicas_serve_concurrent_requests_through_one_server() -> None:
     assert [r.engine.runner.kv_cache.k.devices() for r in dp.replicas] == \
         [{jax.devices()[0]}, {jax.devices()[1]}]
     dp.start(warmup=True, progress=False)
+    # each replica left its 8-token program for its background compile, started once both
+    # were warm
+    assert dp.warmup_stats["pending_programs"] == 2
+    assert all(r.background is not None for r in dp.replicas)
     try:
         with serve_app(build_app(dp, "tiny", ServerConfig())) as url:
             def complete(prompt: str) -> str:
