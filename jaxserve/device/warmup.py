@@ -2,8 +2,8 @@
 
 ``run_compiles`` runs a runner's compiles in order, with a progress bar and the collector
 paused. ``BackgroundCompile`` runs ``ModelRunner.compile_pending`` on a daemon thread once the
-engine serves: a start-up that compiles only the platform's ready buckets
-(``BucketSet.ready``) is ready sooner, and until the others are compiled a step pads up to the
+engine serves: a start-up that compiles only the ready buckets (``buckets.ready_buckets``,
+where the platform's ``BucketSet.defer_compile`` allows) is ready sooner, and until the others are compiled a step pads up to the
 smallest compiled bucket that holds it (slower, never wrong: the largest bucket holds any step).
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -49,41 +48,21 @@ def run_compiles(todo: Sequence[Callable[[], None]], progress: bool,
             gc.enable()
 
 
-def _renice_compile_threads(nice: int) -> None:
-    """Lower this thread's priority, and that of XLA's LLVM code-generation workers (threads
-    named ``llvm-worker-*``, which run only compiles), by ``nice`` (Linux: a thread is a task
-    with its own niceness). Nothing else is touched; errors are ignored."""
-    ids = [threading.get_native_id()]
-    try:
-        for tid in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{tid}/comm", encoding="utf-8") as fh:
-                if fh.read().startswith("llvm-worker"):
-                    ids.append(int(tid))
-    except OSError:
-        pass
-    for tid in ids:
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
-        except OSError:
-            pass
-
-
 class BackgroundCompile:
     """Compiles a runner's pending programs (``ModelRunner.compile_pending``) on a daemon
-    thread, at a lower CPU priority (``nice``, added to the thread's niceness where the OS
-    allows it per thread, as Linux does) so that steps running meanwhile keep the cores first.
-
-    ``on_end(num_left)`` is called on the thread as it ends, with the programs still pending
-    (0 unless it was stopped or failed).
+    thread. ``on_start()`` is called on the thread first (the engine passes the platform's
+    ``lower_compile_priority``, so that steps running meanwhile keep the cores first), and
+    ``on_end(num_left)`` as it ends, with the programs still pending (0 unless it was stopped
+    or failed).
 
     Attributes: ``done`` (an Event, set when the thread has ended), ``num_programs`` and
     ``seconds`` (compiled so far, and the wall seconds they took, once done), ``error`` (the
     exception that ended it, if any: logged; the buckets compiled before it stay usable).
     """
 
-    def __init__(self, runner, nice: int = 10,
+    def __init__(self, runner, on_start: Callable[[], None] | None = None,
                  on_end: Callable[[int], None] | None = None) -> None:
-        self._runner, self._nice, self._on_end = runner, nice, on_end
+        self._runner, self._on_start, self._on_end = runner, on_start, on_end
         self._stop = threading.Event()
         self.done = threading.Event()
         self.num_programs, self.seconds = 0, 0.0
@@ -106,8 +85,8 @@ class BackgroundCompile:
     def _run(self) -> None:
         t0 = time.perf_counter()
         try:
-            if self._nice and hasattr(os, "setpriority"):
-                _renice_compile_threads(self._nice)
+            if self._on_start is not None:
+                self._on_start()
             self.num_programs = self._runner.compile_pending(self._stop)
             self.seconds = time.perf_counter() - t0
             if self._stop.is_set():

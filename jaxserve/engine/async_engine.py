@@ -25,6 +25,7 @@ from jaxserve.device.warmup import BackgroundCompile
 from jaxserve.engine.compile_events import counting_compiles
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
+from jaxserve.platform.process import lower_compile_priority
 from jaxserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,8 @@ class AsyncEngine:
         if gauge is not None:
             gauge.set(pending)
         self.background = BackgroundCompile(
-            self.engine.runner, on_end=None if gauge is None else gauge.set).start()
+            self.engine.runner, on_start=lower_compile_priority,
+            on_end=None if gauge is None else gauge.set).start()
 
     @property
     def alive(self) -> bool:

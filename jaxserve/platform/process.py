@@ -16,6 +16,9 @@ set it already:
   (``host_malloc``), so XLA:CPU's per-step temporaries stay paged in
   (docs/configuration.md#host-malloc-on-the-cpu).
 
+``lower_compile_priority`` changes only the threads of a compile that runs while the server
+serves (the serving engine calls it on its background-compile thread).
+
 This module imports no jax: it must be able to run before jax starts its threads.
 """
 
@@ -25,6 +28,7 @@ import importlib.util
 import logging
 import os
 import pkgutil
+import threading
 from dataclasses import dataclass
 
 from jaxserve.platform.host_malloc import keep_freed_blocks, single_malloc_arena
@@ -96,3 +100,26 @@ def configure_process() -> ProcessSettings:
         malloc_thresholds=on_cpu and keep_freed_blocks())
     log.info("process settings: %s", _applied)
     return _applied
+
+
+def lower_compile_priority(nice: int = 10) -> None:
+    """Lower the calling thread's CPU priority, and that of XLA's LLVM code-generation workers
+    (threads named ``llvm-worker-*``, which run only compiles), by ``nice``: for a thread that
+    compiles while steps run (``jaxserve.device.warmup.BackgroundCompile``). Linux, where a
+    thread is a task with its own niceness; elsewhere, or where a thread refuses, nothing
+    changes. Errors are ignored."""
+    if not hasattr(os, "setpriority"):
+        return
+    ids = [threading.get_native_id()]
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/comm", encoding="utf-8") as fh:
+                if fh.read().startswith("llvm-worker"):
+                    ids.append(int(tid))
+    except OSError:
+        pass
+    for tid in ids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+        except OSError:
+            pass

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 from jaxserve.platform import process
 
@@ -93,3 +94,21 @@ def test_jax_platforms_decides_the_cpu_settings(monkeypatch) -> None:
 def test_this_test_process_runs_with_them() -> None:
     """tests/conftest.py applies them before jax opens its backend, as the entry points do."""
     assert f"{FLAG}=false" in os.environ["XLA_FLAGS"].split()
+
+
+def test_lower_compile_priority_lowers_only_the_calling_thread() -> None:
+    me = threading.get_native_id()
+    seen: dict[str, int] = {}
+
+    def worker() -> None:
+        tid = threading.get_native_id()
+        before = os.getpriority(os.PRIO_PROCESS, tid)
+        process.lower_compile_priority(3)
+        seen["before"], seen["after"] = before, os.getpriority(os.PRIO_PROCESS, tid)
+
+    main_before = os.getpriority(os.PRIO_PROCESS, me)
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen["after"] == min(19, seen["before"] + 3)  # Linux caps niceness at 19
+    assert os.getpriority(os.PRIO_PROCESS, me) == main_before
