@@ -42,9 +42,12 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from jaxserve.bench.common import write_json
 
 POLL_S = 0.1
+PENDING_GAUGE = "jaxserve:step_programs_pending"
 KINDS = ("cold", "warm")
 FIGURES = ("port_s", "ready_s", "load_s", "compile_s", "cpu_s", "background_s")
 STAGES = ("import", "load_weights", "plan_kv", "kv_cache", "runner", "engine", "compile",
@@ -94,12 +97,12 @@ def _pending(url: str) -> float | None:
 
 
 def pending_programs(metrics_text: str) -> float | None:
-    """``jaxserve:step_programs_pending`` in a Prometheus text page (the sum over its
-    label sets: data-parallel replicas); None when it is not there (a server from before
-    the gauge)."""
-    found = re.findall(r"^jaxserve:step_programs_pending(?:\{[^}]*\})? ([0-9.eE+-]+)$",
-                       metrics_text, re.MULTILINE)
-    return sum(float(x) for x in found) if found else None
+    """``jaxserve:step_programs_pending`` in a Prometheus text page (prometheus_client's
+    parser; the sum over its label sets: data-parallel replicas); None when it is not there
+    (a server from before the gauge)."""
+    found = [s.value for fam in text_string_to_metric_families(metrics_text)
+             for s in fam.samples if s.name == PENDING_GAUGE]
+    return sum(found) if found else None
 
 
 def _stage(body: bytes) -> str | None:
