@@ -43,7 +43,7 @@ def cpu_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, l
                          v_scale: jax.Array | None = None,
                          sliding_window: int | jax.Array | None = None,
                          logit_soft_cap: float | None = None,
-                         prefill: bool = False) -> jax.Array:
+                         prefill: bool = False, invariant: bool = False) -> jax.Array:
     """Attention of each one-row (decode) sequence's row over its paged context, and with
     ``prefill`` of every row of the multi-row sequences too (causal: row ``i`` of a sequence
     with ``q_len`` rows and ``seq_lens`` context sits at position ``seq_lens - q_len + i``).
@@ -58,6 +58,10 @@ def cpu_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, l
       sliding_window: attend to the last ``sliding_window`` positions only (traced or int).
       logit_soft_cap: ``cap * tanh(s / cap)`` on the scores, if set.
       prefill: also the rows of sequences with more than one query row.
+      invariant: with ``prefill``, run each decode row as a one-row prefill tile, so that every
+        row's result is bit-identical whether it is a decode row or in a prompt chunk, and
+        whatever rows share its step (``csrc/attention.cc``; batch invariance,
+        docs/configuration.md#batch-invariance). Ignored without ``prefill``.
     Returns:
       ``f32[T, num_q_heads, head_dim]``: the decode rows' outputs (and with ``prefill`` the
       multi-row sequences'), every other row (padding) 0.
@@ -79,13 +83,24 @@ def cpu_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, l
                 jnp.asarray(layer, jnp.int32).reshape(()), block_tables.astype(jnp.int32),
                 seq_lens.astype(jnp.int32), query_start_loc.astype(jnp.int32),
                 num_seqs.astype(jnp.int32).reshape(1), v_scale.astype(jnp.float32), window,
-                soft_cap=np.float32(logit_soft_cap or 0.0), prefill=np.int32(bool(prefill)))
+                soft_cap=np.float32(logit_soft_cap or 0.0), prefill=np.int32(bool(prefill)),
+                invariant=np.int32(bool(prefill and invariant)))
 
 
-def native_attention_fn(prefill: bool = True) -> Callable[..., jax.Array]:
+def native_attention_fn(prefill: bool = True, invariant: bool = False
+                        ) -> Callable[..., jax.Array]:
     """The attention op (``pallas_kernels.ragged_paged_attention``'s signature) with its decode
     rows, and with ``prefill`` its prefill rows too, in this kernel; the jnp path runs the rest.
+    ``invariant`` (needs ``prefill``): every row in one reduction order (``cpu_decode_attention``).
     XLA:CPU only. Check ``available()`` first: calling the op without it raises RuntimeError.
+
+    Raises:
+      ValueError: ``invariant`` without ``prefill`` (the jnp path would run the prefill rows).
     """
-    return functools.partial(ragged_paged_attention, rows_kernel=cpu_decode_attention,
+    if invariant and not prefill:
+        raise ValueError("invariant=True needs prefill=True: the jnp path's prefill rows sum "
+                         "in another order than the kernel's decode rows")
+    kernel = functools.partial(cpu_decode_attention, invariant=True) if invariant \
+        else cpu_decode_attention
+    return functools.partial(ragged_paged_attention, rows_kernel=kernel,
                              rows_kernel_prefill=prefill)

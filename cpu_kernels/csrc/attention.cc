@@ -10,7 +10,8 @@
 //   tables   s32[S, max_blocks]   seq_lens s32[S]   query_start_loc s32[S + 1]   num_seqs s32[1]
 //   v_scale  f32[num_kv_heads]                     multiplies the output (1 for a float cache)
 //   window   s32[]                                 last `window` positions only; 0: none
-//   attrs    soft_cap (f32, 0: none), prefill (s32: 1 = multi-row sequences' rows too)
+//   attrs    soft_cap (f32, 0: none), prefill (s32: 1 = multi-row sequences' rows too),
+//            invariant (s32: 1 = decode rows as one-row prefill tiles, below)
 //   out      f32[T, num_q_heads, head_dim]: the row of each sequence whose query length is 1,
 //            and with `prefill` every row of the multi-row sequences (row i of a sequence of
 //            q_len rows and context ctx sits at position ctx - q_len + i and attends causally);
@@ -35,6 +36,14 @@
 // and the 1 / denominator scales the output instead of every probability. 1.6-2.3x less time
 // than the generic item for 1-64 sequences of 300 tokens (SmolLM2's 64 x 3), measured
 // interleaved in one process (docs/decisions/0031-vectorised-decode-attention.md).
+// Batch invariance (`invariant`, with `prefill`): a decode item and a prefill tile sum in
+// different orders, so a token's attention output, and the KV of every later layer, depended on
+// whether it was computed in a prompt chunk, as a decode row, or recomputed after preemption.
+// With `invariant` every decode row runs as a one-row tile, so each query row's result is a
+// function of its own query and keys alone: its scores, softmax and value sums go key by key
+// in one order whatever tile it is in (rows do not share sums), in prefill, decode and
+// recompute alike (the "fixed reduction order per sequence" of He et al., "Defeating
+// Nondeterminism in LLM Inference", Thinking Machines Lab, 2025).
 // Items are shared between the calling thread and tasks on XLA's intra-op thread pool through
 // an atomic counter; the caller waits only for items some thread has claimed, so a pool with
 // no free thread cannot deadlock it.
@@ -810,7 +819,7 @@ template <typename T>
 void run(ffi::ThreadPool& pool, const Shapes& sh, int64_t layer, const float* q,
          const void* k_raw, const void* v_raw, const int32_t* tables, const int32_t* seq_lens,
          const int32_t* qsl, int64_t num_seqs, int64_t window, float soft_cap,
-         const float* v_scale, bool prefill, float* out) {
+         const float* v_scale, bool prefill, bool invariant, float* out) {
   const T* kc = static_cast<const T*>(k_raw);
   const T* vc = static_cast<const T*>(v_raw);
   std::memset(out, 0, sizeof(float) * sh.num_tokens * sh.num_q_heads * sh.head_dim);
@@ -828,7 +837,9 @@ void run(ffi::ThreadPool& pool, const Shapes& sh, int64_t layer, const float* q,
            seq_lens[b.s] - (qsl[b.s + 1] - qsl[b.s]) + b.i1;
   });
   for (int64_t s = 0; s < num_seqs; ++s) {
-    if (qsl[s + 1] - qsl[s] == 1 && seq_lens[s] > 0) items.push_back({s, 0, 0});
+    if (qsl[s + 1] - qsl[s] == 1 && seq_lens[s] > 0) {
+      items.push_back({s, 0, invariant ? int64_t{1} : int64_t{0}});  // one-row tile, or item
+    }
   }
   auto job = std::make_shared<Job>();
   job->total = static_cast<int64_t>(items.size()) * sh.num_kv_heads;
@@ -869,7 +880,8 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> qsl,
                                ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::F32> v_scale,
                                ffi::Buffer<ffi::S32> window, float soft_cap,
-                               int32_t prefill, ffi::ResultBuffer<ffi::F32> out) {
+                               int32_t prefill, int32_t invariant,
+                               ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();
   const auto kd = k_cache.dimensions();
   const auto td = tables.dimensions();
@@ -891,7 +903,8 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     using T = decltype(tag);
     run<T>(pool, sh, l, q.typed_data(), k_cache.untyped_data(), v_cache.untyped_data(),
            tables.typed_data(), seq_lens.typed_data(), qsl.typed_data(), n, w, soft_cap,
-           v_scale.typed_data(), prefill != 0, out->typed_data());
+           v_scale.typed_data(), prefill != 0, prefill != 0 && invariant != 0,
+           out->typed_data());
   };
   switch (k_cache.element_type()) {
     case ffi::DataType::F32: go(float{}); break;
@@ -922,4 +935,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveCpuDecodeAttention, DecodeAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // window
                                   .Attr<float>("soft_cap")
                                   .Attr<int32_t>("prefill")
+                                  .Attr<int32_t>("invariant")
                                   .Ret<ffi::Buffer<ffi::F32>>());

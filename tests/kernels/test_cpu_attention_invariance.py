@@ -1,0 +1,97 @@
+"""Batch invariance of the native CPU attention kernel (``invariant=True``): a query row's output
+is bit-identical whether it is a decode row, in one prompt chunk or another, in a tile with
+other rows, or beside other sequences (``cpu_kernels/csrc/attention.cc``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cpu_kernels import attention as cpu_attention
+
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "cpu" or not cpu_attention.available(),
+    reason="the native kernel runs on XLA:CPU and needs its library built (jaxserve "
+           "build-kernels)")
+
+BLOCK = 16
+KV_HEADS = 2
+
+
+class Pool:
+    """A paged cache holding a few sequences' keys and values, and their query rows."""
+
+    def __init__(self, rng: np.random.Generator, ctx_lens: list[int], group: int,
+                 head_dim: int, dtype) -> None:
+        nbs = [-(-c // BLOCK) for c in ctx_lens]
+        num_blocks = 1 + sum(nbs)
+        shape = (1, num_blocks, BLOCK, KV_HEADS, head_dim)
+        self.k = jnp.asarray(rng.standard_normal(shape), dtype)
+        self.v = jnp.asarray(rng.standard_normal(shape), dtype)
+        perm = rng.permutation(np.arange(1, num_blocks))
+        self.tables, used = [], 0
+        for nb in nbs:
+            self.tables.append(perm[used:used + nb])
+            used += nb
+        self.max_blocks = max(nbs)
+        self.ctx = ctx_lens
+        # every position's query rows, already scaled (the kernel's input)
+        self.q = [rng.standard_normal((c, KV_HEADS * group, head_dim)).astype(np.float32) * 0.3
+                  for c in ctx_lens]
+
+    def run(self, segments: list[tuple[int, int, int]], invariant: bool, window=None,
+            tokens_pad: int = 64, seqs_pad: int = 8) -> list[np.ndarray]:
+        """One kernel call over ``segments`` (sequence, first row, end row): each the query
+        rows ``[a, b)`` of a sequence whose context then ends at ``b``. Returns each segment's
+        output rows."""
+        n_tok = sum(b - a for _, a, b in segments)
+        q = np.zeros((tokens_pad, *self.q[0].shape[1:]), np.float32)
+        tables = np.zeros((seqs_pad, self.max_blocks), np.int32)
+        seq_lens = np.zeros(seqs_pad, np.int32)
+        qsl = np.full(seqs_pad + 1, n_tok, np.int32)
+        off = 0
+        for i, (s, a, b) in enumerate(segments):
+            q[off:off + b - a] = self.q[s][a:b]
+            tables[i, :len(self.tables[s])] = self.tables[s]
+            seq_lens[i] = b
+            qsl[i] = off
+            off += b - a
+        out = np.asarray(cpu_attention.cpu_decode_attention(
+            jnp.asarray(q), self.k, self.v, jnp.int32(0), jnp.asarray(tables),
+            jnp.asarray(seq_lens), jnp.asarray(qsl), jnp.asarray([len(segments)], jnp.int32),
+            sliding_window=window, prefill=True, invariant=invariant))
+        rows, off = [], 0
+        for _, a, b in segments:
+            rows.append(out[off:off + b - a])
+            off += b - a
+        return rows
+
+
+@pytest.mark.parametrize("cache", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (16, 2)])
+@pytest.mark.parametrize("window", [None, 40])
+def test_rows_bit_identical_however_computed(cache, head_dim: int, group: int, window) -> None:
+    """Sequence 0's rows 96..130 as one chunk are the reference. The same rows computed as
+    decode rows (beside other sequences' decode and prefill rows), split into chunks at other
+    places, and with another sequence's chunk first in the batch, are equal to the bit."""
+    rng = np.random.default_rng(7)
+    pool = Pool(rng, [131, 300, 45], group, head_dim, cache)
+    [ref] = pool.run([(0, 96, 131)], True, window)
+    assert np.all(np.isfinite(ref)) and np.abs(ref).max() > 0
+    got = {}
+    for r in (96, 97, 111, 112, 113, 130):  # each row as a decode row, among other rows
+        _, row, _ = pool.run([(1, 299, 300), (0, r, r + 1), (2, 0, 45)], True, window)
+        got[f"decode {r}"] = (row, ref[r - 96:r - 95])
+    for cut in (97, 100, 112, 128):  # two chunks, cut elsewhere, the second beside others
+        first = pool.run([(0, 96, cut)], True, window)[0]
+        _, second = pool.run([(2, 40, 45), (0, cut, 131)], True, window)
+        got[f"chunks cut at {cut}"] = (np.concatenate([first, second]), ref)
+    for name, (a, b) in got.items():
+        assert np.array_equal(a, b), f"{name}: max |diff| {np.abs(a - b).max()}"
+
+
+def test_invariant_needs_prefill_rows_in_the_kernel() -> None:
+    with pytest.raises(ValueError, match="invariant=True needs prefill=True"):
+        cpu_attention.native_attention_fn(prefill=False, invariant=True)
