@@ -60,8 +60,25 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
+def pairwise_sum(x: jax.Array) -> jax.Array:
+    """The sum over the last axis (kept, size 1) as one fixed tree of elementwise adds: the
+    halves added, level by level, an odd element carried. XLA:CPU's reduce sums a row in
+    another order when the array has few rows (``[T, 576]`` with T <= 5, 2-core Zen 3), so a
+    token's norm depended on how many tokens its step had; this order is the same for any
+    number of rows (batch invariance: docs/configuration.md#batch-invariance)."""
+    n = x.shape[-1]
+    while n > 1:
+        h = n // 2
+        y = x[..., :h] + x[..., h:2 * h]
+        x = jnp.concatenate([y, x[..., 2 * h:]], axis=-1) if n % 2 else y
+        n = x.shape[-1]
+    return x
+
+
 class RMSNorm(nn.Module):
-    """RMSNorm (Zhang & Sennrich 2019), computed in float32, weight ``[hidden]``."""
+    """RMSNorm (Zhang & Sennrich 2019), computed in float32, weight ``[hidden]``; the mean
+    square summed by ``pairwise_sum``, so each row's result does not depend on the rows beside
+    it."""
 
     eps: float
     dtype: jnp.dtype
@@ -70,7 +87,8 @@ class RMSNorm(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
         xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        ms = pairwise_sum(xf * xf) / x.shape[-1]
+        xf = xf * jax.lax.rsqrt(ms + self.eps)
         return (xf * w.astype(jnp.float32)).astype(self.dtype)
 
 
