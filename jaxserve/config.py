@@ -23,6 +23,7 @@ KV_SCALE_MODES = ("calibrated", "unit")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas-interpret")
 QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8")
 CPU_KERNELS = ("auto", "on", "off")
+BATCH_INVARIANT = ("auto", "on", "off")
 # the order in which prompts get a step's prefill budget (core.scheduler.Scheduler.schedule)
 PREFILL_ORDERS = ("fcfs", "shortest-first")
 # copies of core.block_hash.HASH_ALGOS / UNSUPPORTED_HASH_ALGOS (tests/core/test_block_hash.py)
@@ -116,6 +117,12 @@ class EngineConfig:
                 "where they cannot load or off the CPU), off (XLA's paths only). The matmul "
                 "kernels run without tensor parallelism only",
         "choices": CPU_KERNELS})
+    batch_invariant: str = field(default="auto", metadata={
+        "help": "logits that do not depend on the rest of the batch, on prompt chunking, "
+                "preemption or padding (greedy output identical under any load): on, off, or "
+                "auto (on for bfloat16 weights on the CPU; docs/configuration.md"
+                "#batch-invariance)",
+        "choices": BATCH_INVARIANT})
     compilation_cache_dir: str = field(default="~/.cache/jaxserve/xla", metadata={
         "help": "persistent XLA compilation cache directory ('' disables it)"})
     # the split: jaxserve/sharding.py
@@ -203,6 +210,8 @@ class EngineConfig:
             raise ValueError(f"{self.quantization=} must be one of {QUANTIZATION_METHODS}")
         if self.cpu_kernels not in CPU_KERNELS:
             raise ValueError(f"{self.cpu_kernels=} must be one of {CPU_KERNELS}")
+        if self.batch_invariant not in BATCH_INVARIANT:
+            raise ValueError(f"{self.batch_invariant=} must be one of {BATCH_INVARIANT}")
         gs = self.quantization_group_size
         if gs < 2 or gs % 2:
             raise ValueError(f"{self.quantization_group_size=} must be an even integer >= 2 "

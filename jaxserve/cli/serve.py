@@ -58,12 +58,19 @@ def start_engine(cfg: EngineConfig, load: LoadConfig, out: typing.TextIO) -> Asy
     print(f"loaded {engine.model_name} in {engine.load_s:.1f} s ({engine.weights_summary()}, "
           f"{engine.num_blocks} KV blocks of {cfg.block_size} tokens "
           f"({engine.kv_cache_summary()}), max_model_len "
-          f"{engine.max_model_len}, {engine.attention_backend} attention)", file=out, flush=True)
+          f"{engine.max_model_len}, {attention_summary(engine)})", file=out, flush=True)
     aeng = AsyncEngine(engine)
     aeng.start(warmup=True, progress=True)
     st = aeng.warmup_stats
     print(compiled_line(st, time.perf_counter() - t0), file=out, flush=True)
     return aeng
+
+
+def attention_summary(engine: LLMEngine) -> str:
+    """"<backend> attention", and ", batch-invariant" where the engine runs that mode
+    (``Platform.batch_invariant``)."""
+    invariant = engine.platform.batch_invariant(engine.config)
+    return f"{engine.attention_backend} attention" + (", batch-invariant" if invariant else "")
 
 
 def compiled_line(warmup_stats: dict[str, float], ready_in_s: float) -> str:
@@ -78,14 +85,14 @@ def compiled_line(warmup_stats: dict[str, float], ready_in_s: float) -> str:
 
 
 def check_platform(cfg: EngineConfig) -> None:
-    """Raise ValueError naming the flag (``--attention-backend``, ``--cpu-kernels``) if this
-    platform cannot run the settings (``Platform.check``: a GPU kernel on a CPU, native CPU
-    kernels that cannot load or off the CPU)."""
+    """Raise ValueError naming the flag (``--attention-backend``, ``--cpu-kernels``,
+    ``--batch-invariant``) if this platform cannot run the settings (``Platform.check``: a GPU
+    kernel on a CPU, native CPU kernels that cannot load or off the CPU)."""
     try:
         current_platform().check(cfg)
     except (ValueError, RuntimeError) as e:
         msg = str(e)
-        for name in ("attention_backend", "cpu_kernels"):
+        for name in ("attention_backend", "cpu_kernels", "batch_invariant"):
             msg = msg.replace(f"{name}=", f"--{name.replace('_', '-')}=", 1)
         raise ValueError(msg) from None
 
@@ -172,7 +179,7 @@ def _load(cfg: EngineConfig, load: LoadConfig, ns: argparse.Namespace, name: str
     print(f"loaded {engine.model_name} in {engine.load_s:.1f} s ({engine.weights_summary()}, "
           f"{engine.num_blocks} KV blocks of {cfg.block_size} tokens "
           f"({engine.kv_cache_summary()}), max_model_len "
-          f"{engine.max_model_len}, {engine.attention_backend} attention, "
+          f"{engine.max_model_len}, {attention_summary(engine)}, "
           f"{ns.data_parallel_size} replica(s) x "
           f"{cfg.tensor_parallel_size} device(s))", flush=True)
     return aeng, engine

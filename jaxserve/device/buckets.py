@@ -33,10 +33,11 @@ class Bucket:
 
 
 def token_buckets(max_num_batched_tokens: int, small: tuple[int, ...] = (),
-                  mid_up_to: int = 0) -> list[int]:
+                  mid_up_to: int = 0, min_tokens: int = 1) -> list[int]:
     """``small`` (ascending, each below 8), then powers of two from 8 below
     ``max_num_batched_tokens``, each ``2**k`` from 16 followed by ``3 * 2**(k - 1)`` while that
-    is at most ``mid_up_to`` (so 8, 16, 24, 32, 48, 64, 96, ...), then the maximum itself.
+    is at most ``mid_up_to`` (so 8, 16, 24, 32, 48, 64, 96, ...), then the maximum itself;
+    none of them below ``min_tokens`` but the maximum (``BucketSet.min_tokens``).
 
     Raises:
       ValueError: a ``small`` bucket not in ``[1, 8)`` or not ascending; ``mid_up_to < 0``.
@@ -53,14 +54,15 @@ def token_buckets(max_num_batched_tokens: int, small: tuple[int, ...] = (),
             out.append(mid)
         t *= 2
     out.append(max_num_batched_tokens)
-    return out
+    return [t for t in out if t >= min_tokens or t == max_num_batched_tokens]
 
 
 def make_buckets(max_num_batched_tokens: int, max_num_seqs: int,
-                 small: tuple[int, ...] = (), mid_up_to: int = 0) -> list[Bucket]:
+                 small: tuple[int, ...] = (), mid_up_to: int = 0,
+                 min_tokens: int = 1) -> list[Bucket]:
     """The bucket table, one entry per token bucket (``token_buckets``), ascending."""
     return [Bucket(t, min(t, max_num_seqs))
-            for t in token_buckets(max_num_batched_tokens, small, mid_up_to)]
+            for t in token_buckets(max_num_batched_tokens, small, mid_up_to, min_tokens)]
 
 
 def pick_bucket(buckets: list[Bucket], num_tokens: int, num_seqs: int) -> Bucket:

@@ -112,6 +112,8 @@ class ModelRunner(ProgramCompiler):
       mid_buckets_up_to: compile the buckets ``3 * 2**k`` (24, 48, ...) up to this many tokens
         too (``buckets.token_buckets``; the engine asks for them up to ``max_num_seqs`` on the
         CPU); 0: none.
+      min_bucket_tokens: no token bucket below this many tokens but the largest
+        (``BucketSet.min_tokens``: batch invariance).
       max_blocks_per_seq: block-table width (``cdiv(max_model_len, block_size)``).
       vocab_limit: ids at or above it are never sampled (tokenizer smaller than the embedding).
       num_penalty_slots: rows of the penalty state (default ``max_num_seqs``: every running
@@ -135,7 +137,7 @@ class ModelRunner(ProgramCompiler):
     def __init__(self, model: CausalLM, params, kv_cache: KVCache, *,
                  max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
                  small_buckets: tuple[int, ...] = (), mid_buckets_up_to: int = 0,
-                 vocab_limit: int | None = None,
+                 min_bucket_tokens: int = 1, vocab_limit: int | None = None,
                  num_penalty_slots: int | None = None,
                  mesh: jax.sharding.Mesh | None = None,
                  executable_cache: ExecutableCache | None = None,
@@ -150,7 +152,7 @@ class ModelRunner(ProgramCompiler):
         self.block_size = kv_cache.block_size
         self.max_blocks = max_blocks_per_seq
         self.buckets = make_buckets(max_num_batched_tokens, max_num_seqs, small_buckets,
-                                    mid_buckets_up_to)
+                                    mid_buckets_up_to, min_bucket_tokens)
         self.num_penalty_slots = num_penalty_slots or max_num_seqs
         self.packer = StepPacker(self.buckets, max_blocks_per_seq, self.block_size,
                                  self.num_penalty_slots, sampler_rows)

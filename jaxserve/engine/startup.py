@@ -105,7 +105,8 @@ def assemble(config: EngineConfig, load: LoadConfig, devices: Sequence[jax.Devic
     platform = current_platform()
     dtype = platform.resolve_dtype(config.dtype)
     backend = platform.attention_backend(config)
-    attention = attention_fn(backend)
+    invariant = platform.batch_invariant(config)
+    attention = attention_fn(backend, invariant)
     tp = config.tensor_parallel_size
     mesh = sharding.make_mesh(tp, devices) if tp > 1 or devices is not None else None
     loaded = load_model(load, dtype, config.seed, mesh, quantization=QuantConfig(
@@ -159,6 +160,7 @@ def assemble(config: EngineConfig, load: LoadConfig, devices: Sequence[jax.Devic
         model, params, kv, max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs, small_buckets=buckets.small,
         mid_buckets_up_to=buckets.mid_up_to, sampler_rows=buckets.sampler_rows,
+        min_bucket_tokens=buckets.min_tokens,
         max_blocks_per_seq=max_blocks,
         vocab_limit=tokenizer.vocab_size if tokenizer.vocab_size < mc.vocab_size else None,
         mesh=mesh, executable_cache=exe_cache, host_tier=host_kv,

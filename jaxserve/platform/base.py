@@ -35,27 +35,35 @@ class BucketSet:
       defer_compile: a server may become ready once ``device.buckets.ready_buckets`` are
         compiled and compile the others after (``EngineConfig.background_compile``); False:
         every program compiles before ready.
+      min_tokens: no token bucket below this many tokens (but the largest): batch invariance
+        needs every step's matmuls in one row class (``Platform.batch_invariant``).
     """
 
     small: tuple[int, ...] = ()
     mid_up_to: int = 0
     sampler_rows: tuple[int, ...] = ()
     defer_compile: bool = False
+    min_tokens: int = 1
 
 
-def attention_fn(backend: str) -> Callable[..., jax.Array]:
+def attention_fn(backend: str, invariant: bool = False) -> Callable[..., jax.Array]:
     """The attention op (signature: ``pallas_kernels.ragged_paged_attention``) of a resolved
     backend: "reference" the pure-jnp op; "native" the jnp op with its decode and prefill rows in
     the native CPU kernel; "pallas" the Pallas Triton kernel; "pallas-interpret" that kernel in
-    the Pallas interpreter (CPU tests; minutes for a few tokens).
+    the Pallas interpreter (CPU tests; minutes for a few tokens). ``invariant``: every row in
+    one reduction order, whatever its step (``Platform.batch_invariant``; "native" only).
 
     Raises:
-      ValueError: an unresolved ("auto") or unknown backend.
+      ValueError: an unresolved ("auto") or unknown backend; ``invariant`` with a backend
+        other than "native".
     """
+    if invariant and backend != "native":
+        raise ValueError(f"batch-invariant attention runs in the native CPU kernel only, not "
+                         f"with attention_backend={backend!r}")
     if backend == "reference":
         return ragged_paged_attention
     if backend == "native":
-        return native_attention_fn(prefill=True)
+        return native_attention_fn(prefill=True, invariant=invariant)
     if backend == "pallas":
         return ragged_paged_attention_pallas
     if backend == "pallas-interpret":
@@ -110,7 +118,21 @@ class Platform(ABC):
     def buckets(self, config: EngineConfig) -> BucketSet:
         """The step shapes worth compiling beyond the powers of two."""
 
+    def batch_invariant(self, config: EngineConfig) -> bool:
+        """``config.batch_invariant`` resolved: whether every sequence's logits are bit-identical
+        whatever else its steps hold (docs/configuration.md#batch-invariance). Where no platform
+        overrides this, only "off" and "auto" (off) are accepted.
+
+        Raises:
+          ValueError: "on" where this platform cannot run it (the message names the field).
+        """
+        if config.batch_invariant == "on":
+            raise ValueError(f"batch_invariant='on' is built for the CPU only, not for "
+                             f"{self.name!r} yet; use 'auto' or 'off'")
+        return False
+
     def check(self, config: EngineConfig) -> None:
         """Refuse settings this platform cannot run, before any weight is read (the errors of
-        ``attention_backend``)."""
+        ``attention_backend`` and ``batch_invariant``)."""
         self.attention_backend(config)
+        self.batch_invariant(config)

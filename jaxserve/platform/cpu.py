@@ -60,6 +60,13 @@ from models.quant import NATIVE_INT4_MAX_ROWS, QuantTargets, use_native_int4, us
 
 SMALL_BUCKETS = (1, 4)  # token buckets below 8 compiled on the CPU
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+BATCH_INVARIANT_AUTO = (jnp.dtype(jnp.bfloat16),)
+"""The weight dtypes ``batch_invariant="auto"`` turns the mode on for (``batch_invariant``)."""
+DOT_ROW_FLOORS = {"bfloat16": 2, "float32": 64, "float16": 64}
+"""Per weight dtype, the fewest rows from which XLA:CPU's dot of SmolLM2's weight shapes gives
+each row bit-identical results at every row count up to 1024 (2-core Zen 3, YNNPACK dots): a
+1-row bfloat16 dot (float32 accumulation) runs as a matrix-vector product; float32 dots of 2-48
+rows use other kernels than those of 64 and more (docs/decisions/0040-batch-invariance.md)."""
 """/proc/cpuinfo flags of x86 CPUs with a native bfloat16 dot (XLA:CPU's YNNPACK dots use
 it); without one a bfloat16 dot is converted to float32 and gains nothing."""
 
@@ -124,22 +131,70 @@ class CpuPlatform(Platform):
         on = config.cpu_kernels == "on"
         if config.quantization == "int4" and (on or cpu_int4_matmul.available()):
             params = use_native_int4(params, NATIVE_INT4_MAX_ROWS)
-        if (config.quantization == "none" and jnp.dtype(dtype) == jnp.bfloat16
-                and targets is not None and (on or cpu_bf16_matmul.vectorized())):
+        if self._packs_bf16(config, dtype) and targets is not None:
             params = use_packed_bf16(params, targets)
         return params
 
+    @staticmethod
+    def _packs_bf16(config: EngineConfig, dtype: jnp.dtype) -> bool:
+        """Whether bfloat16 weights are packed for the native bfloat16 matmul."""
+        return (config.cpu_kernels != "off" and config.tensor_parallel_size == 1
+                and config.quantization == "none" and jnp.dtype(dtype) == jnp.bfloat16
+                and (config.cpu_kernels == "on" or cpu_bf16_matmul.vectorized()))
+
+    def batch_invariant(self, config: EngineConfig) -> bool:
+        """"auto" is on for bfloat16 weights, whose rounding turns the other paths' last-bit
+        differences into different greedy tokens, and off for float32, where the matmul floor
+        costs more than it saves (``BATCH_INVARIANT_AUTO``; docs/configuration.md#batch-invariance).
+        It needs the native attention kernel (its decode rows run as one-row prefill tiles),
+        unquantised weights (a quantised dot changes dtype with its row count) and one device.
+
+        Raises:
+          ValueError: "on" with another attention backend, quantisation or tensor parallelism.
+        """
+        mode = config.batch_invariant
+        if mode == "off" or (mode == "auto" and self.resolve_dtype(config.dtype)
+                             not in BATCH_INVARIANT_AUTO):
+            return False
+        why = None
+        if self.attention_backend(config) != "native":
+            why = ("the native attention kernel (attention_backend 'auto' with the native CPU "
+                   "kernels built: `jaxserve build-kernels`; cpu_kernels not 'off')")
+        elif config.quantization != "none":
+            why = f"quantization='none' (got {config.quantization!r})"
+        elif config.tensor_parallel_size > 1:
+            why = f"tensor_parallel_size=1 (got {config.tensor_parallel_size})"
+        if why is None:
+            return True
+        if mode == "on":
+            raise ValueError(f"batch_invariant='on' needs {why}")
+        return False
+
+    def dot_row_floor(self, config: EngineConfig) -> int:
+        """The fewest rows from which every matmul of a step is in one row class (a row's
+        result bit-identical whatever the row count): 1 for the native bfloat16 kernel (each
+        row summed alone), 2 for XLA's mixed bfloat16 dot (one row runs as a matrix-vector
+        product), 64 for XLA's float32 and float16 dots (``DOT_ROW_FLOORS``)."""
+        dtype = self.resolve_dtype(config.dtype)
+        if self._packs_bf16(config, dtype):
+            return 1
+        return DOT_ROW_FLOORS[jnp.dtype(dtype).name]
+
     def buckets(self, config: EngineConfig) -> BucketSet:
-        return BucketSet(small=SMALL_BUCKETS, mid_up_to=config.max_num_seqs,
-                         sampler_rows=cpu_sampler_rows(config.max_num_seqs), defer_compile=True)
+        floor = self.dot_row_floor(config) if self.batch_invariant(config) else 1
+        return BucketSet(small=tuple(t for t in SMALL_BUCKETS if t >= floor),
+                         mid_up_to=config.max_num_seqs,
+                         sampler_rows=cpu_sampler_rows(config.max_num_seqs, floor),
+                         defer_compile=True, min_tokens=floor)
 
 
-def cpu_sampler_rows(max_num_seqs: int) -> tuple[int, ...]:
+def cpu_sampler_rows(max_num_seqs: int, min_rows: int = 1) -> tuple[int, ...]:
     """The row counts with a sampler program on the CPU (the module docstring): the small
-    buckets', then 16, 32, 64, ... below ``max_num_seqs``, and ``max_num_seqs``."""
+    buckets', then 16, 32, 64, ... below ``max_num_seqs``, and ``max_num_seqs``; none below
+    ``min_rows`` but ``max_num_seqs``."""
     rows = {r for r in SMALL_BUCKETS if r < max_num_seqs}
     r = 16
     while r < max_num_seqs:
         rows.add(r)
         r *= 2
-    return tuple(sorted(rows | {max_num_seqs}))
+    return tuple(sorted({r for r in rows if r >= min_rows} | {max_num_seqs}))

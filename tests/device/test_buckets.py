@@ -54,3 +54,14 @@ def test_mid_buckets_sit_between_the_powers_of_two_from_24_up_to_their_limit() -
         token_buckets(64, mid_up_to=-1)
     # a step of 33 decodes pads to 48, not 64
     assert pick_bucket(make_buckets(1024, 64, SMALL_BUCKETS, 64), 33, 33) == Bucket(48, 48)
+
+
+def test_min_tokens_drops_the_buckets_below_it_but_the_largest() -> None:
+    """Batch invariance's floor (``BucketSet.min_tokens``): no bucket below it, so every step's
+    matmuls run at one row class; the budget stays the last bucket even below the floor."""
+    full = token_buckets(1024, small=SMALL_BUCKETS, mid_up_to=64)
+    assert token_buckets(1024, small=SMALL_BUCKETS, mid_up_to=64, min_tokens=2) == full[1:]
+    assert token_buckets(1024, small=SMALL_BUCKETS, mid_up_to=64, min_tokens=64) == [
+        64, 128, 256, 512, 1024]
+    assert token_buckets(32, small=SMALL_BUCKETS, mid_up_to=64, min_tokens=64) == [32]
+    assert make_buckets(1024, 64, SMALL_BUCKETS, 64, min_tokens=64)[0] == Bucket(64, 64)

@@ -82,6 +82,56 @@ def test_cpu_buckets_add_small_and_mid_shapes() -> None:
     assert cpu.cpu_sampler_rows(4) == (1, 4) and cpu.cpu_sampler_rows(1) == (1,)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_cpu_batch_invariance_resolves_by_dtype_and_refuses_what_it_cannot_run(
+        monkeypatch, native: bool) -> None:
+    """"auto" is on for bfloat16 weights and off for float32; "on" needs the native attention
+    kernel, unquantised weights and one device, and says which it lacks."""
+    monkeypatch.setattr(cpu.cpu_attention, "available", lambda: native)
+    monkeypatch.setattr(cpu.cpu_bf16_matmul, "vectorized", lambda: False)
+    inv = lambda **kw: CPU.batch_invariant(EngineConfig(**kw))
+    assert inv(dtype="bfloat16") is native and inv(dtype="float32") is False
+    assert inv(dtype="bfloat16", batch_invariant="off") is False
+    assert inv(dtype="bfloat16", quantization="int8") is False  # auto falls back quietly
+    if not native:
+        with pytest.raises(ValueError, match="batch_invariant='on' needs the native attention"):
+            CPU.check(EngineConfig(batch_invariant="on"))
+        return
+    assert inv(dtype="float32", batch_invariant="on") is True
+    for bad, why in (({"attention_backend": "reference"}, "native attention"),
+                     ({"quantization": "int4"}, "quantization='none'"),
+                     ({"tensor_parallel_size": 2}, "tensor_parallel_size=1")):
+        with pytest.raises(ValueError, match=f"batch_invariant='on' needs.*{why}"):
+            CPU.check(EngineConfig(batch_invariant="on", **bad))
+
+
+def test_batch_invariant_setting_is_checked() -> None:
+    with pytest.raises(ValueError, match="batch_invariant='always' must be one of"):
+        EngineConfig(batch_invariant="always")
+    with pytest.raises(ValueError, match="batch_invariant='on' is built for the CPU only"):
+        GpuPlatform("gpu").check(EngineConfig(batch_invariant="on"))
+    assert GpuPlatform("gpu").batch_invariant(EngineConfig()) is False
+
+
+def test_cpu_batch_invariant_buckets_start_at_the_dot_row_floor(monkeypatch) -> None:
+    """Invariant steps run no bucket below the dtype's matmul row floor: XLA's mixed bfloat16
+    dot 2 rows (no 1-token bucket), float32 64; the native bfloat16 kernel 1."""
+    monkeypatch.setattr(cpu.cpu_attention, "available", lambda: True)
+    monkeypatch.setattr(cpu.cpu_bf16_matmul, "vectorized", lambda: False)
+    b = CPU.buckets(EngineConfig(dtype="bfloat16"))
+    assert (b.min_tokens, b.small, b.sampler_rows) == (2, (4,), (4, 16, 32, 64))
+    b = CPU.buckets(EngineConfig(dtype="float32", batch_invariant="on"))
+    assert (b.min_tokens, b.small, b.sampler_rows) == (64, (), (64,))
+    assert CPU.buckets(EngineConfig(dtype="float32")).min_tokens == 1  # auto: off
+    monkeypatch.setattr(cpu.cpu_bf16_matmul, "vectorized", lambda: True)
+    b = CPU.buckets(EngineConfig(dtype="bfloat16"))
+    assert (b.min_tokens, b.small) == (1, cpu.SMALL_BUCKETS)
+    invariant = attention_fn("native", invariant=True)
+    assert invariant.keywords["rows_kernel"].keywords == {"invariant": True}
+    with pytest.raises(ValueError, match="native CPU kernel only"):
+        attention_fn("reference", invariant=True)
+
+
 def _prepared(monkeypatch, *, vectorized: bool = True, int4: bool = True, **config) -> list:
     """Which weight preparations ``CpuPlatform.prepare_weights`` asks for under ``config``."""
     calls = []
