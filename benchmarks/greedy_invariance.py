@@ -16,7 +16,9 @@ sit at and around the KV block boundaries 16 and 32) are each run alone first, g
               the middle of their chunked prefill
 
 Each scenario reports the probes whose token ids differ from their reference (by length) and
-the first differing output position. Preemption and the host tier: run it again with
+the first differing output position, and how many probes' sampled-token logprobs differ from
+the reference in any bit (0 where the engine is batch-invariant; identical tokens with other
+logprobs show a load-dependent rounding that has not flipped a token yet). Preemption and the host tier: run it again with
 ``--engine-args num_kv_blocks=160`` (a pool that forces recompute) or
 ``kv_offloading_size=0.5``; a scenario's ``preemptions`` says whether any happened.
 
@@ -69,21 +71,27 @@ def _text_ids(engine: Any) -> list[int]:
         return engine.tokenizer.encode(fh.read())
 
 
-def _run(engine: Any, prompts: list[list[int]], tag: str, params: Any) -> list[list[int]]:
-    """Add every prompt, step until idle; the outputs' token ids in prompt order."""
+Outputs = tuple[list[list[int]], list[list[float]]]
+"""Per request, in order: its token ids, and its sampled tokens' logprobs."""
+
+
+def _run(engine: Any, prompts: list[list[int]], tag: str, params: Any) -> Outputs:
+    """Add every prompt, step until idle; the outputs in prompt order."""
     for i, p in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", p, params)
     return _finish(engine, [f"{tag}-{i}" for i in range(len(prompts))])
 
 
-def _finish(engine: Any, request_ids: list[str]) -> list[list[int]]:
-    """Step until idle; the token ids of ``request_ids`` (added already), in that order."""
-    done: dict[str, list[int]] = {}
+def _finish(engine: Any, request_ids: list[str]) -> Outputs:
+    """Step until idle; the outputs of ``request_ids`` (added already), in that order."""
+    done: dict[str, Any] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
-    return [done[r] for r in request_ids]
+                done[out.request_id] = out.outputs[0]
+    outs = [done[r] for r in request_ids]
+    return ([list(o.token_ids) for o in outs],
+            [[lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)] for o in outs])
 
 
 def _differences(lens: list[int], ref: list[list[int]], got: list[list[int]]
@@ -140,23 +148,31 @@ def _matrix(ns: argparse.Namespace, engine: Any, other: dict | None) -> dict[str
     def others(k: int) -> list[list[int]]:
         return [cut(int(rng.integers(min(50, top // 2), top))) for _ in range(k)]
 
-    greedy = SamplingParams(max_tokens=ns.max_tokens, temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=ns.max_tokens, temperature=0.0, ignore_eos=True,
+                            logprobs=0)
     probes = [cut(n) for n in ns.lens]
-    ref = [_run(engine, [p], f"alone{i}", greedy)[0] for i, p in enumerate(probes)]
+
+    def each_alone(tag: str) -> Outputs:
+        runs = [_run(engine, [p], f"{tag}{i}", greedy) for i, p in enumerate(probes)]
+        return [r[0][0] for r in runs], [r[1][0] for r in runs]
+
+    ref, ref_lp = each_alone("alone")
     scenarios: dict[str, dict[str, Any]] = {}
 
-    def record(name: str, got: list[list[int]], preempted_before: int) -> None:
-        scenarios[name] = {"differ": _differences(ns.lens, ref, got),
+    def record(name: str, got: Outputs, preempted_before: int) -> None:
+        ids, lps = got[0][:len(probes)], got[1][:len(probes)]
+        scenarios[name] = {"differ": _differences(ns.lens, ref, ids),
+                           "logprobs_differ": [n for n, a, b in zip(ns.lens, ref_lp, lps)
+                                               if a != b],
                            "preemptions": engine.scheduler.num_preemptions_total
                            - preempted_before}
 
     before = engine.scheduler.num_preemptions_total
-    record("again", [_run(engine, [p], f"again{i}", greedy)[0] for i, p in enumerate(probes)],
-           before)
+    record("again", each_alone("again"), before)
     for size in ns.batches:
         before = engine.scheduler.num_preemptions_total
         got = _run(engine, probes + others(size - len(probes)), f"batch{size}", greedy)
-        record(f"batch{size}", got[:len(probes)], before)
+        record(f"batch{size}", got, before)
     before = engine.scheduler.num_preemptions_total
     long_running = SamplingParams(max_tokens=4 * ns.max_tokens, temperature=0.0,
                                   ignore_eos=True)
@@ -175,16 +191,21 @@ def _matrix(ns: argparse.Namespace, engine: Any, other: dict | None) -> dict[str
     engine.abort_request([f"doomed-{i}" for i in range(len(long_prompts))])
     record("aborted", _finish(engine, [f"aborted-{i}" for i in range(len(probes))]), before)
     if other is not None:
+        other_lp = other.get("reference_logprobs") or [None] * len(ns.lens)
         scenarios["reference"] = {"differ": _differences(ns.lens, other["reference"], ref),
+                                  "logprobs_differ": [n for n, a, b in zip(ns.lens, other_lp,
+                                                                           ref_lp) if a != b],
                                   "preemptions": 0}
     result = {"dtype": str(engine.dtype), "lens": ns.lens, "max_tokens": ns.max_tokens,
               "engine_args": ns.engine_args, "ready_buckets_only": ns.ready_buckets_only,
-              "reference": ref, "scenarios": scenarios}
+              "batch_invariant": engine.platform.batch_invariant(engine.config),
+              "reference": ref, "reference_logprobs": ref_lp, "scenarios": scenarios}
     print(format_table(["scenario", "probes differing", "lens (first differing output)",
-                        "preemptions"],
+                        "logprobs differing", "preemptions"],
                        [(name, len(s["differ"]), " ".join(
                            f"{d['len']}({d['first_position']})" for d in s["differ"]) or "-",
-                         s["preemptions"]) for name, s in scenarios.items()]), flush=True)
+                         len(s["logprobs_differ"]), s["preemptions"])
+                        for name, s in scenarios.items()]), flush=True)
     write_json(ns.json, result)
     return result
 

@@ -134,8 +134,13 @@ def test_greedy_invariance_compares_each_scenario_with_the_probe_alone(engine, t
     assert set(result["scenarios"]) == {"again", "batch2", "staggered", "aborted"}
     for s in json.loads(out.read_text())["scenarios"].values():
         assert s["preemptions"] >= 0 and all(d["len"] in (7, 9) for d in s["differ"])
+        assert set(s["logprobs_differ"]) <= {7, 9}
+        # a token that differs has other logprobs; the converse is the finer check
+        assert {d["len"] for d in s["differ"]} <= set(s["logprobs_differ"])
     assert not engine.has_unfinished_requests()
     assert [len(r) for r in result["reference"]] == [4, 4]
+    assert all(len(r) == 4 and all(lp <= 0.0 for lp in r) for r in result["reference_logprobs"])
+    assert result["batch_invariant"] is False  # the float32 session engine: "auto" is off
     # against another run's references, in the ready buckets only (put back afterwards)
     usable = list(engine.runner.packer.usable)
     again = greedy_invariance.run(greedy_invariance.build_parser().parse_args([
