@@ -68,11 +68,16 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
                              f"{str(e).splitlines()[0]}") from None
         if not isinstance(data, dict):
             raise ValueError(f"config file {ns.config} must hold a mapping of flag: value")
-        names = {f.name for f in dataclasses.fields(EngineConfig)}
+        fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
         for k, v in data.items():
             key = str(k).replace("-", "_")
-            if key not in names:
+            if key not in fields:
                 raise ValueError(f"config file {ns.config}: unknown key {k!r}")
+            # YAML reads a bare on / off as a bool; for a setting that has those choices
+            # (cpu_kernels, batch_invariant) it means the choice
+            if isinstance(v, bool) and {"on", "off"} <= set(fields[key].metadata.get(
+                    "choices", ())):
+                v = "on" if v else "off"
             values[key] = v
     for f in dataclasses.fields(EngineConfig):
         v = getattr(ns, f.name, None)

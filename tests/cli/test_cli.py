@@ -44,6 +44,16 @@ def test_prefix_caching_and_host_tier_flags(tmp_path) -> None:
     assert cfg.enable_prefix_caching and cfg.kv_offloading_size == 2
 
 
+def test_yaml_on_and_off_mean_the_choices(tmp_path) -> None:
+    """YAML 1.1 reads a bare ``on`` / ``off`` as a bool: for a setting whose choices they are,
+    the file means the choice."""
+    cfg = _cfg(tmp_path, "batch-invariant: on\ncpu_kernels: off\n")
+    assert (cfg.batch_invariant, cfg.cpu_kernels) == ("on", "off")
+    assert _cfg(tmp_path, "batch_invariant: auto\n").batch_invariant == "auto"
+    with pytest.raises(ValueError, match="background_compile must be bool"):
+        _cfg(tmp_path, "background_compile: auto\n")
+
+
 @pytest.mark.parametrize("text,match", [
     ("enable_prefix_caching: 1\n", "enable_prefix_caching must be bool"),
     ("kv_offloading_size: 0\n", "--kv-offloading-size=0 must be > 0"),
