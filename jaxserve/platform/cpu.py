@@ -39,6 +39,13 @@ is ready once the 1-token, the ``max_num_seqs`` and the largest bucket are compi
 with their samplers and the logit_bias writer) and compiles the other 12 on a background thread,
 each usable as soon as it is compiled (docs/decisions/0039-deferred-compile.md).
 
+**Batch invariance** (``batch_invariant``; docs/configuration.md#batch-invariance): XLA:CPU's
+dot picks its kernel by row count, so the mode compiles no bucket below ``dot_row_floor``
+(``DOT_ROW_FLOORS``: 2 rows for the mixed bfloat16 dot, 64 for float32; 1 for the native
+bfloat16 kernel, which sums each row alone) and runs attention in the native kernel's one
+reduction order. "auto" turns it on for bfloat16 weights only: float32's floor of 64 rows costs
+small batches far more (docs/decisions/0040-batch-invariance.md).
+
 **Step cost.** ~30 ms a step against ~0.75 ms a prompt token (SmolLM2-135M, 2 cores;
 docs/decisions/0005-bucket-fit.md): ``step_overhead_tokens`` 32, ``prompt_token_s`` 0.75 ms
 (the step-cost model's prior for ``--itl-slo-ms``; the engine refits it from measured steps).
