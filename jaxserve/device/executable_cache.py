@@ -90,14 +90,15 @@ def _jax_cache_on() -> bool:
 
 
 def code_digest() -> str:
-    """sha256 hex of every ``.py`` file (path and bytes) of the packages that build the step
-    programs; computed once per process."""
+    """sha256 hex of every ``.py`` and ``.cc`` file (path and bytes) of the packages that build
+    the step programs (the native kernels' sources too: a program binds its custom calls'
+    attributes, which the handlers built from them must take); computed once per process."""
     global _code_digest
     if _code_digest is None:
         h = hashlib.sha256()
         for pkg in _SOURCE_PACKAGES:
             root = Path(__import__(pkg).__file__).parent
-            for path in sorted(root.rglob("*.py")):
+            for path in sorted([*root.rglob("*.py"), *root.rglob("*.cc")]):
                 h.update(str(path.relative_to(root)).encode())
                 h.update(path.read_bytes())
         _code_digest = h.hexdigest()

@@ -239,3 +239,23 @@ def test_only_a_reported_miss_counts_as_fresh_while_jax_cache_is_on(tmp_path, mo
     monkeypatch.setattr(ec, "_jax_cache_on", lambda: False)  # then every compile is XLA's
     cache.get_or_compile("no jax cache", args, lambda: "compiled too")
     assert stored == ["compiled", "compiled too"]
+
+
+def test_the_code_digest_covers_the_native_kernels_sources(tmp_path, monkeypatch):
+    """A kernel's C++ source is part of the key: a program binds its custom calls' attributes,
+    which a handler built from other sources may not take."""
+    from jaxserve.device import executable_cache as ec
+
+    pkg = tmp_path / "fakepkg"
+    (pkg / "csrc").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "csrc" / "k.cc").write_text("int a;")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(ec, "_SOURCE_PACKAGES", ("fakepkg",))
+    digests = []
+    for text in ("int a;", "int b;"):
+        (pkg / "csrc" / "k.cc").write_text(text)
+        monkeypatch.setattr(ec, "_code_digest", None)
+        digests.append(ec.code_digest())
+    assert digests[0] != digests[1]
+    monkeypatch.setattr(ec, "_code_digest", None)  # the next test computes the real one
