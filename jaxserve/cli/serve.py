@@ -92,7 +92,8 @@ def check_platform(cfg: EngineConfig) -> None:
         current_platform().check(cfg)
     except (ValueError, RuntimeError) as e:
         msg = str(e)
-        for name in ("attention_backend", "cpu_kernels", "batch_invariant"):
+        for name in ("attention_backend", "cpu_kernels", "batch_invariant", "quantization",
+                     "tensor_parallel_size"):
             msg = msg.replace(f"{name}=", f"--{name.replace('_', '-')}=", 1)
         raise ValueError(msg) from None
 

@@ -56,6 +56,8 @@ predicted decode step and the predicted step with a 128-token prompt chunk besid
 
 from __future__ import annotations
 
+import logging
+
 import jax.numpy as jnp
 
 from cpu_kernels import attention as cpu_attention
@@ -64,6 +66,9 @@ from cpu_kernels import int4_matmul as cpu_int4_matmul
 from jaxserve.config import EngineConfig
 from jaxserve.platform.base import BucketSet, Platform
 from models.quant import NATIVE_INT4_MAX_ROWS, QuantTargets, use_native_int4, use_packed_bf16
+
+log = logging.getLogger(__name__)
+_AUTO_OFF_LOGGED: set[str] = set()  # the reasons "auto" left batch invariance off, logged once
 
 SMALL_BUCKETS = (1, 4)  # token buckets below 8 compiled on the CPU
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -165,8 +170,11 @@ class CpuPlatform(Platform):
             return False
         why = None
         if self.attention_backend(config) != "native":
-            why = ("the native attention kernel (attention_backend 'auto' with the native CPU "
-                   "kernels built: `jaxserve build-kernels`; cpu_kernels not 'off')")
+            why = "the native attention kernel (" + (
+                "got cpu_kernels='off'" if config.cpu_kernels == "off" else
+                f"got attention_backend={config.attention_backend!r}"
+                if config.attention_backend != "auto" else
+                "not built for this CPU: run `jaxserve build-kernels`") + ")"
         elif config.quantization != "none":
             why = f"quantization='none' (got {config.quantization!r})"
         elif config.tensor_parallel_size > 1:
@@ -175,6 +183,10 @@ class CpuPlatform(Platform):
             return True
         if mode == "on":
             raise ValueError(f"batch_invariant='on' needs {why}")
+        if why not in _AUTO_OFF_LOGGED:  # once per reason, though asked at every start-up step
+            _AUTO_OFF_LOGGED.add(why)
+            log.warning("batch invariance is off: batch_invariant='auto' would turn it on for "
+                        "bfloat16 weights, but it needs %s", why)
         return False
 
     def dot_row_floor(self, config: EngineConfig) -> int:

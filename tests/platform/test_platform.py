@@ -3,6 +3,8 @@ CPU kernels under ``cpu_kernels``, buckets and step cost, per backend."""
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -84,7 +86,7 @@ def test_cpu_buckets_add_small_and_mid_shapes() -> None:
 
 @pytest.mark.parametrize("native", [True, False])
 def test_cpu_batch_invariance_resolves_by_dtype_and_refuses_what_it_cannot_run(
-        monkeypatch, native: bool) -> None:
+        monkeypatch, caplog, native: bool) -> None:
     """"auto" is on for bfloat16 weights and off for float32; "on" needs the native attention
     kernel, unquantised weights and one device, and says which it lacks."""
     monkeypatch.setattr(cpu.cpu_attention, "available", lambda: native)
@@ -92,13 +94,21 @@ def test_cpu_batch_invariance_resolves_by_dtype_and_refuses_what_it_cannot_run(
     inv = lambda **kw: CPU.batch_invariant(EngineConfig(**kw))
     assert inv(dtype="bfloat16") is native and inv(dtype="float32") is False
     assert inv(dtype="bfloat16", batch_invariant="off") is False
-    assert inv(dtype="bfloat16", quantization="int8") is False  # auto falls back quietly
+    monkeypatch.setattr(cpu, "_AUTO_OFF_LOGGED", set())
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=cpu.__name__):
+        assert inv(dtype="bfloat16", quantization="int8") is False  # auto falls back, and says
+        assert inv(dtype="bfloat16", quantization="int8") is False
+    said = [r.getMessage() for r in caplog.records if "batch invariance is off" in r.getMessage()]
+    want = "quantization='none'" if native else "native attention kernel (not built"
+    assert len(said) == 1 and want in said[0], said
     if not native:
         with pytest.raises(ValueError, match="batch_invariant='on' needs the native attention"):
             CPU.check(EngineConfig(batch_invariant="on"))
         return
     assert inv(dtype="float32", batch_invariant="on") is True
-    for bad, why in (({"attention_backend": "reference"}, "native attention"),
+    for bad, why in (({"attention_backend": "reference"}, "attention_backend='reference'"),
+                     ({"cpu_kernels": "off"}, "native attention kernel .got cpu_kernels='off'"),
                      ({"quantization": "int4"}, "quantization='none'"),
                      ({"tensor_parallel_size": 2}, "tensor_parallel_size=1")):
         with pytest.raises(ValueError, match=f"batch_invariant='on' needs.*{why}"):
