@@ -61,8 +61,9 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def pairwise_sum(x: jax.Array) -> jax.Array:
-    """The sum over the last axis (kept, size 1) as one fixed tree of elementwise adds: the
-    halves added, level by level, an odd element carried. XLA:CPU's reduce sums a row in
+    """``x [..., n]`` -> ``[..., 1]`` in ``x``'s dtype: the sum over the last axis as one fixed
+    tree of elementwise adds (pairwise summation): the halves added, level by level, an odd
+    element carried. XLA:CPU's reduce sums a row in
     another order when the array has few rows (``[T, 576]`` with T <= 5, 2-core Zen 3), so a
     token's norm depended on how many tokens its step had; this order is the same for any
     number of rows (batch invariance: docs/configuration.md#batch-invariance)."""

@@ -201,8 +201,7 @@ class CpuPlatform(Platform):
 
     def buckets(self, config: EngineConfig) -> BucketSet:
         floor = self.dot_row_floor(config) if self.batch_invariant(config) else 1
-        return BucketSet(small=tuple(t for t in SMALL_BUCKETS if t >= floor),
-                         mid_up_to=config.max_num_seqs,
+        return BucketSet(small=SMALL_BUCKETS, mid_up_to=config.max_num_seqs,
                          sampler_rows=cpu_sampler_rows(config.max_num_seqs, floor),
                          defer_compile=True, min_tokens=floor)
 

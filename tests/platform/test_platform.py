@@ -11,6 +11,7 @@ import pytest
 
 from cpu_kernels.attention import cpu_decode_attention
 from jaxserve.config import EngineConfig
+from jaxserve.device.buckets import token_buckets
 from jaxserve.platform import cpu, current_platform
 from jaxserve.platform.base import attention_fn
 from jaxserve.platform.gpu import GpuPlatform
@@ -129,9 +130,11 @@ def test_cpu_batch_invariant_buckets_start_at_the_dot_row_floor(monkeypatch) -> 
     monkeypatch.setattr(cpu.cpu_attention, "available", lambda: True)
     monkeypatch.setattr(cpu.cpu_bf16_matmul, "vectorized", lambda: False)
     b = CPU.buckets(EngineConfig(dtype="bfloat16"))
-    assert (b.min_tokens, b.small, b.sampler_rows) == (2, (4,), (4, 16, 32, 64))
+    assert (b.min_tokens, b.sampler_rows) == (2, (4, 16, 32, 64))
+    assert token_buckets(1024, b.small, b.mid_up_to, b.min_tokens)[0] == 4
     b = CPU.buckets(EngineConfig(dtype="float32", batch_invariant="on"))
-    assert (b.min_tokens, b.small, b.sampler_rows) == (64, (), (64,))
+    assert (b.min_tokens, b.sampler_rows) == (64, (64,))
+    assert token_buckets(1024, b.small, b.mid_up_to, b.min_tokens)[0] == 64
     assert CPU.buckets(EngineConfig(dtype="float32")).min_tokens == 1  # auto: off
     monkeypatch.setattr(cpu.cpu_bf16_matmul, "vectorized", lambda: True)
     b = CPU.buckets(EngineConfig(dtype="bfloat16"))

@@ -6,6 +6,8 @@ sum) does at every row count, where XLA's reduce does not (docs/configuration.md
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,7 @@ import pytest
 from jaxserve.device.buckets import token_buckets
 from jaxserve.platform import cpu
 from models.llama import pairwise_sum
+from models.quant import qmatmul
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's row classes")
 
@@ -26,11 +29,6 @@ def _rows(f, x: np.ndarray, w: jax.Array, counts: list[int]) -> dict[int, np.nda
     return {t: np.asarray(jax.jit(f)(jnp.asarray(x[:t]), w))[:3] for t in counts}
 
 
-def _dot(x, w):
-    if w.dtype == x.dtype:
-        return x @ w
-    return jax.lax.dot_general(x.astype(w.dtype), w, (((1,), (0,)), ((), ())),
-                               preferred_element_type=jnp.float32)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -42,14 +40,13 @@ def test_dots_from_the_row_floor_up_are_one_row_class(dtype: str) -> None:
     for k, n in SHAPES:
         x = rng.standard_normal((1024, k)).astype(np.float32)
         w = jnp.asarray(rng.standard_normal((k, n)) * 0.05, dtype)
-        got = _rows(_dot, x, w, counts)
+        got = _rows(qmatmul, x, w, counts)  # the model's matmul
         odd = [t for t in counts if not np.array_equal(got[t], got[1024][:len(got[t])])]
         assert not odd, f"{dtype} [{k}, {n}]: rows at {odd} tokens differ from 1024's"
     # the LM head runs on the sampler's rows, none below the floor and never 1
     x = rng.standard_normal((64, HEAD[1])).astype(np.float32)
     w = jnp.asarray(rng.standard_normal(HEAD) * 0.05, dtype)
-    head = lambda x, w: jax.lax.dot_general(
-        x.astype(w.dtype), w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    head = functools.partial(qmatmul, transpose=True)
     rows = cpu.cpu_sampler_rows(64, floor)
     got = _rows(head, x, w, sorted(set(rows) | {64}))
     assert all(np.array_equal(got[r], got[64][:len(got[r])]) for r in rows), rows
