@@ -7,6 +7,7 @@ Plain data: no jax, no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from jaxserve.config import PREFILL_ORDERS, EngineConfig
@@ -104,7 +105,7 @@ class SchedulerConfig:
 class ScheduledSeq:
     """One sequence's share of a step."""
 
-    request_id: str
+    seq_id: str
     token_ids: tuple[int, ...]  # at positions start_pos .. start_pos + len - 1; async
     #   scheduling: the last may be PLACEHOLDER_TOKEN (the in-flight step's sample)
     start_pos: int
@@ -140,5 +141,22 @@ class UpdateResult:
 
     new_token_ids: dict[str, int] = field(default_factory=dict)  # sequence -> token appended
     finished: dict[str, str] = field(default_factory=dict)  # sequence -> "stop" | "length"
+    # sequence -> what stopped it, for "stop" finishes that have one: the stop id (int), or
+    # the ``TextStop.stop_reason`` the engine's stop check gave (a stop string)
+    stop_reasons: dict[str, str | int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TextStop:
+    """A stop only the engine sees in the output (``StopCheck``): a stop string
+    (``stop_reason`` the string), or a structured-output grammar that has ended (None)."""
+
+    stop_reason: str | int | None = None
+
+
+# the engine's rule for stops in the text: ``(seq_id, token) -> TextStop | None``, asked by
+# ``Scheduler.update`` for each appended token that is not a stop id (it may advance the
+# sequence's detokeniser and grammar: it is asked once per token, in order)
+StopCheck = Callable[[str, int], TextStop | None]
 
 

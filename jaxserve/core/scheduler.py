@@ -10,9 +10,15 @@ prefill and decode are the same thing. The engine loop drives one ``Scheduler``:
     while scheduler.has_unfinished():
         plan = scheduler.schedule()               # which tokens of which sequences; takes blocks
         sampled = run_model(plan)                 # one token per ScheduledSeq with sample=True
-        result = scheduler.update(plan, sampled)  # advance, append, finish, free blocks
-        scheduler.finish(stopped)                 # the sequences a stop string ended
+        result = scheduler.update(plan, sampled, stop_check)  # advance, append, finish, free
     scheduler.abort(ids)                          # at any time: the client went away
+
+``update`` is the one place where a sequence finishes: at a stop id, at its length limit, or
+where the engine's ``stop_check`` sees a stop in the text (a stop string, a grammar's end).
+The engine tells the scheduler what it measures through methods too: the compiled token
+buckets it may plan for (``set_token_buckets``), each measured step (``observe_step``, which
+refits the step-cost model an ITL target plans with) and the start-up calibration of that
+model (``calibrate``); nothing outside assigns to its attributes.
 
 The methods change the scheduler in place; the plan and the update result are snapshots. A
 finished, aborted or preempted sequence leaves ``running`` and frees its blocks; a preempted one
@@ -39,21 +45,13 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 
 from jaxserve.core.block_pool import BlockPool
+from jaxserve.core.cache_events import CacheEvent
 from jaxserve.core.kv_manager import KVManager, KVStats
-from jaxserve.core.plan import (
-    PLACEHOLDER_TOKEN,
-    ScheduledSeq,
-    SchedulerConfig,
-    SchedulerOutput,
-    UpdateResult,
-)
-from jaxserve.core.sequence import SeqState, cdiv
-from jaxserve.core.step_cost import (
-    fit_bucket,
-    itl_target_s,
-    prefill_pairs,
-    prefill_token_budget,
-)
+from jaxserve.core.plan import SchedulerConfig, SchedulerOutput, StopCheck, UpdateResult
+from jaxserve.core.sequence import SeqState, cdiv, decodes, last_sample_pending
+from jaxserve.core.step_cost import StepCostModel
+from jaxserve.core.step_plan import PlanBuilder
+from jaxserve.core.step_policy import StepPolicy
 
 
 class Scheduler:
@@ -75,9 +73,65 @@ class Scheduler:
         self.running: list[SeqState] = []
         self.num_preemptions_total = 0
         self._next_arrival_index = 0
-        # the step-cost model the ITL target plans with; the engine refits it from measured
-        # steps (step_cost.OnlineStepCost)
-        self.step_cost = config.step_cost
+        self._async = config.async_scheduling
+        # how far a step's prefill may grow and in what order prompts get it; what the engine
+        # measures (compiled buckets, step times) reaches it through the methods below
+        self.policy = StepPolicy(config)
+
+    # -- what the engine tells the scheduler -----------------------------------------------------
+    def set_token_buckets(self, buckets: Iterable[int]) -> None:
+        """Plan steps for these compiled token buckets (ascending sizes), e.g. once a
+        background compile has published more of them."""
+        self.policy.set_token_buckets(buckets)
+
+    @property
+    def token_buckets(self) -> tuple[int, ...]:
+        """The token buckets steps are planned for (() : none)."""
+        return self.policy.token_buckets
+
+    def set_async_scheduling(self, on: bool) -> None:
+        """Switch between the async and the synchronous loop (module docstring).
+
+        Raises:
+          RuntimeError: while sequences are unfinished.
+        """
+        if self.has_unfinished():
+            raise RuntimeError("set_async_scheduling while sequences are unfinished")
+        self._async = bool(on)
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether plans may run one step ahead of ``update``."""
+        return self._async
+
+    @property
+    def step_cost(self) -> StepCostModel | None:
+        """The step-cost model the ITL target plans with now (None without a target)."""
+        return self.policy.step_cost
+
+    def calibrate(self, model: StepCostModel) -> None:
+        """Plan with ``model`` from now on, and fit measured steps toward it (start-up's timed
+        probe steps); ignored without an ITL target."""
+        self.policy.calibrate(model)
+
+    def observe_step(self, plan: SchedulerOutput, num_tokens: int, seconds: float) -> None:
+        """One measured step: ``plan`` ran padded to ``num_tokens`` tokens in ``seconds``, for
+        the step-cost model an ITL target plans with (ignored without one)."""
+        self.policy.observe(plan, num_tokens, seconds)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached-free block in both tiers (blocks of running sequences are
+        kept); returns how many were dropped (``KVManager.reset_prefix_cache``)."""
+        return self.kv.reset_prefix_cache()
+
+    def take_kv_events(self) -> list[CacheEvent]:
+        """The prefix-cache changes since the last call, oldest first (``KVManager``)."""
+        return self.kv.take_events()
+
+    def predict_step_s(self, plan: SchedulerOutput, num_tokens: int) -> float | None:
+        """The step-cost model's seconds for ``plan`` run padded to ``num_tokens`` tokens (None
+        without an ITL target)."""
+        return self.policy.predict_s(plan, num_tokens)
 
     @property
     def block_pool(self) -> BlockPool:
@@ -126,7 +180,7 @@ class Scheduler:
         prompt, ``max_tokens >= 1``, prompt + max_tokens within max_model_len and the pool, a
         new id); these are asserted here, not checked again for users.
         """
-        cfg, n, rid = self.config, len(seq.token_ids), seq.request_id
+        cfg, n, rid = self.config, len(seq.token_ids), seq.seq_id
         assert n > 0, f"request {rid!r}: empty prompt"
         assert seq.num_prompt_tokens == n and not seq.num_computed_tokens and \
             not seq.block_ids, f"request {rid!r}: not fresh"
@@ -135,8 +189,8 @@ class Scheduler:
             f"request {rid!r}: prompt length {n} + {seq.max_tokens=} > {cfg.max_model_len=}"
         assert cdiv(n + seq.max_tokens, cfg.block_size) <= self.block_pool.num_usable_blocks, \
             f"request {rid!r} needs more blocks than the pool's usable ones"
-        assert not any(s.request_id == rid for s in (*self.waiting, *self.running)), \
-            f"request_id {rid!r} is already present"
+        assert not any(s.seq_id == rid for s in (*self.waiting, *self.running)), \
+            f"seq_id {rid!r} is already present"
         seq.arrival_index = self._next_arrival_index
         self._next_arrival_index += 1
         self.waiting.append(seq)
@@ -153,164 +207,97 @@ class Scheduler:
             |   K/V already in the cache  |  computed now   |                    |
             |<--- blocks after: cdiv(num_computed + num_new, block_size) --->|
 
-        With an ITL target (``SchedulerConfig.itl_on``) and a sequence decoding, the prompt
-        tokens of the step (every chunk but the decodes') are capped by
-        ``step_cost.prefill_token_budget`` under ``step_cost.itl_target_s``.
+        The step's prompt tokens (every chunk but the decodes') are capped by the policy's
+        ``StepPolicy.prefill_budget`` (the ITL target's; ``core/step_policy.py``).
 
         1. Running sequences that decode, oldest first; while the pool is short, preempt a
            victim among the running ones not yet planned this step (``preemption_policy``),
            possibly the sequence itself.
-        2. Prefill work, in ``prefill_order``: the running sequences' next prompt chunks and
-           the waiting prompts. "fcfs": running ones oldest first, then waiting ones in queue
-           order. "shortest-first" (Shortest-Remaining-Prefill, against head-of-line blocking
-           as in sgl-project/sglang#22831): preempted sequences first (they were streaming),
-           then prompts bypassed ``max_prefill_skips`` times in arrival order (so a long prompt
-           always progresses), then the rest by prompt tokens left. Waiting ones are admitted
-           while ``max_num_seqs``, budget and blocks allow and nothing was preempted; the first
-           that does not fit closes admission for the step. A swapped-out one loads its blocks
-           back; any other starts after its longest cached prefix of full blocks, so
-           ``start_pos`` may be > 0.
+        2. Prefill work, in ``StepPolicy.prefill_order``: the running sequences' next prompt
+           chunks and the waiting prompts. Waiting ones are admitted while ``max_num_seqs``,
+           budget and blocks allow and nothing was preempted; the first that does not fit
+           closes admission for the step. A swapped-out one loads its blocks back; any other
+           starts after its longest cached prefix of full blocks, so ``start_pos`` may be > 0.
 
         ``num_computed_tokens`` is advanced by ``update``, not here. With async scheduling a
         sequence's chunk starts after its in-flight tokens, and the full blocks those fill are
         offered to the prefix cache first (module docstring).
         """
-        cfg, kv = self.config, self.kv
-        budget = prefill_left = cfg.max_num_batched_tokens  # prefill_left >= budget when off
-        if cfg.itl_on:
-            prefill_left = self._itl_prefill_budget()
-        scheduled: list[ScheduledSeq] = []
-        preempted: list[str] = []
-        planned: set[str] = set()
-        decoding: set[str] = set()  # the planned sequences that decode
-        shape = [0, 0, 0]  # decode rows, their context tokens, prefill chunks
+        step = PlanBuilder(self.config.max_num_batched_tokens,
+                           self.policy.prefill_budget(self.running, len(self.waiting)))
         for seq in self.running:  # blocks the dispatched steps fill: as if update had run
             if seq.num_inflight_tokens:
-                kv.cache_computed_blocks(seq, seq.num_computed_tokens + seq.num_inflight_tokens)
-
-        def plan(seq: SeqState, num_new: int) -> None:
-            nonlocal budget, prefill_left
-            start = seq.num_computed_tokens + seq.num_inflight_tokens
-            if self._decodes(seq, start):
-                shape[0] += 1
-                shape[1] += start + 1
-                decoding.add(seq.request_id)
-            else:
-                prefill_left -= num_new
-                shape[2] += 1
-            end = start + num_new
-            known = seq.token_ids[start:end]
-            sample = end == len(seq.token_ids) + seq.num_output_placeholders
-            scheduled.append(
-                ScheduledSeq(
-                    request_id=seq.request_id,
-                    token_ids=(*known, *[PLACEHOLDER_TOKEN] * (num_new - len(known))),
-                    start_pos=start,
-                    block_ids=tuple(seq.block_ids),
-                    sample=sample,
-                    arrival_index=seq.arrival_index,
-                )
-            )
-            planned.add(seq.request_id)
-            budget -= num_new
-
-        def run_chunk(seq: SeqState, limit: int, may_preempt: bool = True) -> None:
-            """Plan a running sequence's next chunk, preempting while the pool is short (or,
-            when not ``may_preempt``, leaving it for a later step)."""
-            start = seq.num_computed_tokens + seq.num_inflight_tokens
-            num_new = 0 if self._last_sample_pending(seq) else self._chunk(seq, start, limit)
-            if num_new <= 0:  # a pending sample ends it (async), or no budget left
-                return
-            need = cdiv(start + num_new, cfg.block_size) - len(seq.block_ids)
-            if need > kv.device.num_free_blocks and not may_preempt:
-                return
-            while need > kv.device.num_free_blocks:
-                victim = self._pick_victim(planned)
-                self.running.remove(victim)
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is seq:
-                    return
-            if need > 0:
-                seq.block_ids.extend(kv.allocate(need))
-            plan(seq, num_new)
-
-        for seq in list(self.running):
-            if budget <= 0:
+                self.kv.cache_computed_blocks(seq, seq.num_computed_tokens
+                                              + seq.num_inflight_tokens)
+        for seq in list(self.running):  # 1. the decodes
+            if step.budget <= 0:
                 break
-            if seq.request_id not in preempted and self._decodes(
+            if seq.seq_id not in step.preempted and decodes(
                     seq, seq.num_computed_tokens + seq.num_inflight_tokens):
-                run_chunk(seq, budget)
+                self._run_chunk(step, seq, step.budget)
+        pending = [s for s in self.running if s.seq_id not in step.planned]
+        self._plan_prefill(step, pending)
+        if step.num_prefill_chunks:  # prompts got prefill this step: the others were bypassed
+            for seq in (*pending, *self.waiting):
+                if seq.seq_id not in step.planned and seq.seq_id not in step.preempted:
+                    seq.num_prefill_skips += 1
+        num_tokens = self.policy.fit_bucket(step.scheduled, step.max_tokens - step.budget)
+        if self._async:  # the plan's tokens are in flight until its update
+            by_id = {s.seq_id: s for s in self.running}
+            for chunk in step.scheduled:
+                seq = by_id[chunk.seq_id]
+                seq.num_inflight_tokens += len(chunk.token_ids)
+                seq.num_output_placeholders += chunk.sample
+        return step.build(num_tokens, *self.kv.take_transfers())
 
-        pending = [s for s in self.running if s.request_id not in planned]
-        pending_ids = {s.request_id for s in pending}
-        admitting, admitted = not preempted, False
-        for seq in self._prefill_order(pending):
-            if budget <= 0:
+    def _plan_prefill(self, step: PlanBuilder, pending: list[SeqState]) -> None:
+        """``schedule``'s step 2: the running sequences ``pending`` a prompt chunk and the
+        waiting ones, in the policy's order, while the step's budgets last."""
+        pending_ids = {s.seq_id for s in pending}
+        admitting = not step.preempted
+        for seq in self.policy.prefill_order(pending, self.waiting):
+            if step.budget <= 0:
                 break
-            limit = min(budget, prefill_left)
-            if seq.request_id in pending_ids:  # running: its next prompt chunk
-                if seq.request_id not in preempted:
+            if seq.seq_id in pending_ids:  # running: its next prompt chunk
+                if seq.seq_id not in step.preempted:
                     # not after an admission: a swap-out's host copy must not land in the
                     # host blocks a swap-in of this step reads (offloads run first)
-                    run_chunk(seq, limit, may_preempt=not admitted)
-                    admitting = admitting and not preempted
+                    self._run_chunk(step, seq, step.limit, may_preempt=not step.admitted)
+                    admitting = admitting and not step.preempted
             elif admitting:
-                num_new = 0 if limit <= 0 or len(self.running) >= cfg.max_num_seqs \
-                    else self._admit(seq, limit)
+                num_new = 0 if step.limit <= 0 or len(self.running) >= self.config.max_num_seqs \
+                    else self._admit(seq, step.limit)
                 if not num_new:
                     admitting = False  # the first that does not fit closes admission
                     continue
                 self.waiting.remove(seq)
                 self.running.append(seq)
-                plan(seq, num_new)
-                admitted = True
+                step.add(seq, num_new)
+                step.admitted = True
 
-        if shape[2]:  # prompts got prefill this step: the others were bypassed
-            for seq in (*pending, *self.waiting):
-                if seq.request_id not in planned and seq.request_id not in preempted:
-                    seq.num_prefill_skips += 1
-        num_tokens = cfg.max_num_batched_tokens - budget
-        if cfg.token_buckets:
-            num_tokens = self._fit_bucket(scheduled, num_tokens)
-        pairs = sum(prefill_pairs(len(c.token_ids), c.start_pos) for c in scheduled
-                    if c.request_id not in decoding)
-        if cfg.async_scheduling:  # the plan's tokens are in flight until its update
-            by_id = {s.request_id: s for s in self.running}
-            for chunk in scheduled:
-                seq = by_id[chunk.request_id]
-                seq.num_inflight_tokens += len(chunk.token_ids)
-                seq.num_output_placeholders += chunk.sample
-        offloads, loads = kv.take_transfers()
-        return SchedulerOutput(
-            scheduled=tuple(scheduled),
-            num_scheduled_tokens=num_tokens,
-            preempted_ids=tuple(preempted),
-            offloads=offloads,
-            loads=loads,
-            num_decode_rows=shape[0],
-            num_context_tokens=shape[1],
-            num_prefill_pairs=pairs,
-        )
-
-    def _prefill_order(self, pending: list[SeqState]) -> list[SeqState]:
-        """The running sequences ``pending`` a prompt chunk and the waiting ones, in the order
-        they get the step's prefill budget (``schedule``, step 2)."""
-        if self.config.prefill_order == "fcfs":
-            return [*pending, *self.waiting]
-        max_skips = self.config.max_prefill_skips
-
-        def key(item: tuple[int, SeqState]) -> tuple[int, int, int]:
-            pos, seq = item
-            if seq.num_preemptions and not seq.block_ids:  # preempted, waiting: queue order
-                return (0, pos, 0)
-            if seq.num_prefill_skips >= max_skips:
-                return (1, seq.arrival_index, 0)
-            left = (len(seq.token_ids) + seq.num_output_placeholders - seq.num_computed_tokens
-                    - seq.num_inflight_tokens)
-            return (2, left, seq.arrival_index)
-
-        return [s for _, s in sorted(enumerate([*pending, *self.waiting]), key=key)]
+    def _run_chunk(self, step: PlanBuilder, seq: SeqState, limit: int,
+                   may_preempt: bool = True) -> None:
+        """Plan a running sequence's next chunk of at most ``limit`` tokens, preempting while
+        the pool is short (or, when not ``may_preempt``, leaving it for a later step)."""
+        cfg, kv = self.config, self.kv
+        start = seq.num_computed_tokens + seq.num_inflight_tokens
+        num_new = 0 if last_sample_pending(seq, cfg.max_model_len) \
+            else self._chunk(seq, start, limit)
+        if num_new <= 0:  # a pending sample ends it (async), or no budget left
+            return
+        need = cdiv(start + num_new, cfg.block_size) - len(seq.block_ids)
+        if need > kv.device.num_free_blocks and not may_preempt:
+            return
+        while need > kv.device.num_free_blocks:
+            victim = self._pick_victim(step.planned)
+            self.running.remove(victim)
+            self._preempt(victim)
+            step.preempted.append(victim.seq_id)
+            if victim is seq:
+                return
+        if need > 0:
+            seq.block_ids.extend(kv.allocate(need))
+        step.add(seq, num_new)
 
     def _admit(self, seq: SeqState, limit: int) -> int:
         """Give a waiting sequence blocks for its first chunk of at most ``limit`` tokens
@@ -335,8 +322,17 @@ class Scheduler:
                 seq.num_cached_tokens = seq.num_computed_tokens
         return num_new
 
-    def update(self, plan: SchedulerOutput, sampled: Sequence[int | None]) -> UpdateResult:
-        """Advance each chunk, append sampled tokens, finish ("stop", "length") and free.
+    def update(self, plan: SchedulerOutput, sampled: Sequence[int | None],
+               stop_check: StopCheck | None = None) -> UpdateResult:
+        """Advance each chunk, append sampled tokens, finish and free: the one place where a
+        sequence finishes.
+
+        A sequence that took a token finishes, in this order of precedence: "stop" at one of
+        its ``stop_token_ids`` (``stop_reason`` the token; ``stop_check`` is not asked: a stop
+        token's text is no part of the output); "stop" where ``stop_check(seq_id, token)``
+        returns a ``TextStop`` (a stop string, a grammar's end: its ``stop_reason``); "length"
+        at ``max_tokens`` or ``max_model_len``. ``stop_check`` sees every appended token but
+        stop ids, in plan order (the engine's detokeniser advances there).
 
         Sequences no longer present (aborted or finished since ``schedule``) are skipped; in
         the synchronous loop so are those no longer running. With async scheduling a sequence
@@ -346,6 +342,7 @@ class Scheduler:
           plan: the plan ``schedule`` returned for this step.
           sampled: per ``plan.scheduled`` entry, the token sampled for it (ignored where
             ``sample`` is False).
+          stop_check: the engine's text rule (None: none).
 
         Raises:
           ValueError: ``len(sampled) != len(plan.scheduled)``, or a sampled token is None where
@@ -355,22 +352,21 @@ class Scheduler:
             raise ValueError(f"update: {len(sampled)=} != {len(plan.scheduled)=}")
         for chunk, token in zip(plan.scheduled, sampled, strict=True):
             if chunk.sample and token is None:
-                raise ValueError(f"update: request {chunk.request_id!r} has sample=True but no "
+                raise ValueError(f"update: sequence {chunk.seq_id!r} has sample=True but no "
                                  "token")
         result = UpdateResult()
-        running = {s.request_id: s for s in self.running}
-        known = {**{s.request_id: s for s in self.waiting}, **running} \
-            if self.config.async_scheduling else running
+        running = {s.seq_id: s for s in self.running}
+        known = {**{s.seq_id: s for s in self.waiting}, **running} if self._async else running
         done: list[SeqState] = []
         for chunk, token in zip(plan.scheduled, sampled, strict=True):
-            seq = known.get(chunk.request_id)
+            seq = known.get(chunk.seq_id)
             if seq is None or seq.arrival_index != chunk.arrival_index:
                 continue
-            if self.config.async_scheduling:
+            if self._async:
                 if seq.num_inflight_tokens:  # else preempted to recompute: its K/V is gone
                     seq.num_inflight_tokens -= len(chunk.token_ids)
                     seq.num_computed_tokens += len(chunk.token_ids)
-                    if seq.request_id in running:
+                    if seq.seq_id in running:
                         self.kv.cache_computed_blocks(seq)
                 if not chunk.sample:
                     continue
@@ -384,83 +380,48 @@ class Scheduler:
                     continue
             assert token is not None
             seq.token_ids.append(token)
-            result.new_token_ids[seq.request_id] = token
-            if token in seq.stop_token_ids:
-                result.finished[seq.request_id] = "stop"
-            elif (
-                seq.num_output_tokens >= seq.max_tokens
-                or len(seq.token_ids) >= self.config.max_model_len
-            ):
-                result.finished[seq.request_id] = "length"
-            else:
-                continue
-            done.append(seq)
+            result.new_token_ids[seq.seq_id] = token
+            if self._finish(seq, token, stop_check, result):
+                done.append(seq)
         if done:
-            self._remove({s.request_id for s in done})
+            self._remove({s.seq_id for s in done})
         return result
 
-    def finish(self, seq_ids: Iterable[str]) -> list[str]:
-        """Drop sequences a stop string ended, free their blocks; return the known ids removed."""
-        return self._remove(set(seq_ids))
+    def _finish(self, seq: SeqState, token: int, stop_check: StopCheck | None,
+                result: UpdateResult) -> bool:
+        """Whether ``token``, just appended, finishes ``seq`` (``update``'s rules), recorded
+        in ``result``."""
+        if token in seq.stop_token_ids:
+            result.finished[seq.seq_id] = "stop"
+            result.stop_reasons[seq.seq_id] = token
+            return True
+        text = stop_check(seq.seq_id, token) if stop_check is not None else None
+        if text is not None:
+            result.finished[seq.seq_id] = "stop"
+            if text.stop_reason is not None:
+                result.stop_reasons[seq.seq_id] = text.stop_reason
+            return True
+        if seq.num_output_tokens >= seq.max_tokens or \
+                len(seq.token_ids) >= self.config.max_model_len:
+            result.finished[seq.seq_id] = "length"
+            return True
+        return False
 
     def abort(self, seq_ids: Iterable[str]) -> list[str]:
-        """Drop aborted sequences, free their blocks; return the known ids removed."""
+        """Drop aborted sequences (the client went away), free their blocks; return the known
+        ids removed."""
         return self._remove(set(seq_ids))
 
     def _remove(self, seq_ids: set[str]) -> list[str]:
         removed: list[str] = []
         for seq in (*self.running, *self.waiting):
-            if seq.request_id in seq_ids:
+            if seq.seq_id in seq_ids:
                 self.kv.free_seq(seq)
-                removed.append(seq.request_id)
+                removed.append(seq.seq_id)
         if removed:
-            self.running = [s for s in self.running if s.request_id not in seq_ids]
-            self.waiting = deque(s for s in self.waiting if s.request_id not in seq_ids)
+            self.running = [s for s in self.running if s.seq_id not in seq_ids]
+            self.waiting = deque(s for s in self.waiting if s.seq_id not in seq_ids)
         return removed
-
-    def _fit_bucket(self, scheduled: list[ScheduledSeq], num_tokens: int) -> int:
-        """``step_cost.fit_bucket`` with this scheduler's buckets and step overhead."""
-        return fit_bucket(scheduled, num_tokens, self.config.token_buckets,
-                          self.config.step_overhead_tokens)
-
-    def _last_sample_pending(self, seq: SeqState) -> bool:
-        """The sequence's in-flight sample is its last (``max_tokens`` or ``max_model_len``):
-        nothing is planned after it (async scheduling)."""
-        n = seq.num_output_placeholders
-        return n > 0 and (seq.num_output_tokens + n >= seq.max_tokens
-                          or len(seq.token_ids) + n >= self.config.max_model_len)
-
-    def _decodes(self, seq: SeqState, start: int) -> bool:
-        """The sequence has outputs and its chunk from ``start`` is its one next token."""
-        num_tokens = len(seq.token_ids) + seq.num_output_placeholders
-        return num_tokens - start == 1 and num_tokens > seq.num_prompt_tokens
-
-    def _itl_prefill_budget(self) -> int:
-        """Prompt tokens this step may take within the ITL target beside the running
-        sequences that decode (all of ``max_num_batched_tokens`` when none does)."""
-        cfg, model = self.config, self.step_cost
-        rows = context = prefill_start = prompts = 0
-        for seq in self.running:
-            start = seq.num_computed_tokens + seq.num_inflight_tokens
-            if self._decodes(seq, start):
-                if not self._last_sample_pending(seq):
-                    rows += 1
-                    context += start + 1
-            else:  # its chunk's attention reads what it has computed: count the furthest
-                prefill_start = max(prefill_start, start)
-                prompts += 1
-        if not rows:
-            return cfg.max_num_batched_tokens
-        assert model is not None
-        # the automatic rule scales with the batch the queued prompts will join: streams see
-        # that batch's decode step once they are in, and a queue of prompts is not held to
-        # the step of the few that decode already (each assumed at the decodes' mean context)
-        batch = min(cfg.max_num_seqs, rows + prompts + len(self.waiting)) \
-            if cfg.itl_decode_ratio > 0 else rows
-        target = itl_target_s(model, cfg.itl_target_s, cfg.itl_decode_ratio, batch,
-                              context * batch // rows, cfg.token_buckets)
-        return prefill_token_budget(model, target, rows, context, cfg.max_num_batched_tokens,
-                                    cfg.token_buckets, prefill_start=prefill_start)
 
     def _chunk(self, seq: SeqState, start: int, budget: int) -> int:
         """How many tokens from ``start`` the sequence gets with ``budget`` left."""
@@ -471,7 +432,7 @@ class Scheduler:
     def _pick_victim(self, planned: set[str]) -> SeqState:
         """The victim among the running sequences not yet planned this step (one always is:
         the sequence asking for blocks)."""
-        free = [(j, s) for j, s in enumerate(self.running) if s.request_id not in planned]
+        free = [(j, s) for j, s in enumerate(self.running) if s.seq_id not in planned]
         if self.config.preemption_policy == "newest":
             return free[-1][1]
         return min(free, key=lambda js: (js[1].num_computed_tokens, -js[0]))[1]

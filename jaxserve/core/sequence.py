@@ -31,7 +31,7 @@ class SeqState:
     K/V is being computed), and ``num_output_placeholders`` of those steps' samples are not yet
     in ``token_ids``; both are 0 between steps of the synchronous loop."""
 
-    request_id: str
+    seq_id: str
     token_ids: list[int]
     num_prompt_tokens: int
     max_tokens: int
@@ -57,3 +57,17 @@ class SeqState:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+
+def decodes(seq: SeqState, start: int) -> bool:
+    """The sequence has outputs and its chunk from ``start`` is its one next token."""
+    num_tokens = len(seq.token_ids) + seq.num_output_placeholders
+    return num_tokens - start == 1 and num_tokens > seq.num_prompt_tokens
+
+
+def last_sample_pending(seq: SeqState, max_model_len: int) -> bool:
+    """The sequence's in-flight sample is its last (``max_tokens`` or ``max_model_len``):
+    nothing is planned after it (async scheduling)."""
+    n = seq.num_output_placeholders
+    return n > 0 and (seq.num_output_tokens + n >= seq.max_tokens
+                      or len(seq.token_ids) + n >= max_model_len)

@@ -16,7 +16,7 @@ import zlib
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxserve.core.plan import PLACEHOLDER_TOKEN, SchedulerConfig, SchedulerOutput
+from jaxserve.core.plan import PLACEHOLDER_TOKEN, SchedulerConfig, SchedulerOutput, TextStop
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import SeqState
 
@@ -49,7 +49,7 @@ class FakeDevice:
             for j, tok in enumerate(x.token_ids):
                 if tok == PLACEHOLDER_TOKEN:
                     assert j == len(x.token_ids) - 1, "only a chunk's last token is unknown"
-                    tok = self.last[x.request_id]
+                    tok = self.last[x.seq_id]
                 self.device[self.slot(x.block_ids, x.start_pos + j)] = tok
         sampled: list[int | None] = []
         for x in plan.scheduled:
@@ -58,8 +58,8 @@ class FakeDevice:
                 continue
             end = x.start_pos + len(x.token_ids)
             ctx = [self.device.get(self.slot(x.block_ids, p)) for p in range(end)]
-            sampled.append(zlib.crc32(repr((x.request_id, ctx)).encode()) % VOCAB)
-        self.last = {x.request_id: t for x, t in zip(plan.scheduled, sampled, strict=True)
+            sampled.append(zlib.crc32(repr((x.seq_id, ctx)).encode()) % VOCAB)
+        self.last = {x.seq_id: t for x, t in zip(plan.scheduled, sampled, strict=True)
                      if t is not None}
         return sampled
 
@@ -74,17 +74,17 @@ def run(config: SchedulerConfig, requests: list[tuple[int, list[int], int]],
     got: dict[str, list[int]] = {}
     ended: set[str] = set()
     inflight: tuple[SchedulerOutput, list[int | None]] | None = None
+    # the engine's text rule, as a stop string would: STRING_STOP ends a request
+    stop_check = lambda seq_id, tok: TextStop("stop-string") if tok == STRING_STOP else None
 
     def complete(plan: SchedulerOutput, sampled: list[int | None]) -> None:
-        res = sched.update(plan, sampled)
+        res = sched.update(plan, sampled, stop_check)
         for rid, tok in res.new_token_ids.items():
             assert rid not in ended, f"{rid}: a token after its end"
             got[rid].append(tok)
             if rid in res.finished:
                 ended.add(rid)
-            elif tok == STRING_STOP:
-                assert sched.finish([rid]) == [rid]
-                ended.add(rid)
+            assert (tok == STRING_STOP) <= (res.finished.get(rid) == "stop")
 
     arrivals: dict[int, list[tuple[str, list[int], int]]] = {}
     for i, (at, prompt, max_tokens) in enumerate(requests):
@@ -114,7 +114,7 @@ def run(config: SchedulerConfig, requests: list[tuple[int, list[int], int]],
     if inflight is not None:  # a step planned before its requests ended gives nothing
         assert not sched.update(*inflight).new_token_ids
     for s in (*sched.running, *sched.waiting):
-        raise AssertionError(f"{s.request_id} left over")
+        raise AssertionError(f"{s.seq_id} left over")
     pool = sched.block_pool
     assert pool.num_free_blocks == pool.num_usable_blocks
     if sched.host_pool is not None:
@@ -223,5 +223,5 @@ def test_blocks_of_a_dispatched_step_are_found_by_the_next_plan() -> None:
     first = sched.schedule()
     sched.add(SeqState("b", prompt + [5], 10, 4))
     second = sched.schedule()
-    b = next(x for x in second.scheduled if x.request_id == "b")
+    b = next(x for x in second.scheduled if x.seq_id == "b")
     assert b.start_pos == 8 and b.block_ids[:2] == first.scheduled[0].block_ids[:2]

@@ -13,7 +13,7 @@ from tests.core.test_scheduler import by_id, make_scheduler, make_seq, step
 
 def chunk_sizes(sched: Scheduler) -> dict[str, int]:
     out, _ = step(sched)
-    return {s.request_id: len(s.token_ids) for s in out.scheduled}
+    return {s.seq_id: len(s.token_ids) for s in out.scheduled}
 
 
 def long_then_short(order: str) -> Scheduler:
@@ -65,7 +65,7 @@ def test_preempted_sequences_come_back_before_shorter_prompts() -> None:
     victim = by_id(sched, "b")
     assert victim.num_preemptions >= 1 and victim in sched.waiting
     sched.add(make_seq("tiny", 2, max_tokens=1))
-    order = sched._prefill_order([])
+    order = sched.policy.prefill_order([], sched.waiting)
     assert order[0] is victim
 
 
@@ -78,15 +78,14 @@ def test_automatic_target_lets_prefill_stretch_a_long_decode_step() -> None:
     def budget(ratio: float) -> int:
         sched = make_scheduler(max_num_seqs=64, max_num_batched_tokens=256, num_blocks=256,
                                max_model_len=64)
-        sched.config = dataclasses.replace(
+        sched = Scheduler(dataclasses.replace(
             sched.config, itl_target_s=0.05, itl_decode_ratio=ratio, step_cost=cost,
-            token_buckets=(1, 4, 8, 16, 32, 48, 64, 128, 256))
-        sched.step_cost = cost
+            token_buckets=(1, 4, 8, 16, 32, 48, 64, 128, 256)))
         for i in range(40):
             sched.add(make_seq(f"d{i}", 1, max_tokens=8))
         step(sched)  # 40 one-token prompts: all decode from now on
         sched.add(SeqState("p", [5] * 60, 60, 1))
-        return sched._itl_prefill_budget()
+        return sched.policy.prefill_budget(sched.running, len(sched.waiting))
 
     assert budget(0.0) == 8  # over the fixed target already: the minimum, filling the 48 bucket
     assert budget(AUTO_ITL_DECODE_RATIO) == 256 - 40
@@ -100,16 +99,15 @@ def test_automatic_target_scales_with_the_batch_queued_prompts_will_join() -> No
     def budget(num_queued: int) -> int:
         sched = make_scheduler(max_num_seqs=64, max_num_batched_tokens=512, num_blocks=512,
                                max_model_len=64)
-        sched.config = dataclasses.replace(
+        sched = Scheduler(dataclasses.replace(
             sched.config, itl_target_s=0.05, itl_decode_ratio=AUTO_ITL_DECODE_RATIO,
-            step_cost=cost, token_buckets=(1, 4, 8, 16, 32, 64, 128, 256, 512))
-        sched.step_cost = cost
+            step_cost=cost, token_buckets=(1, 4, 8, 16, 32, 64, 128, 256, 512)))
         for i in range(4):
             sched.add(make_seq(f"d{i}", 1, max_tokens=8))
         step(sched)
         for i in range(num_queued):
             sched.add(SeqState(f"p{i}", [5] * 60, 60, 1))
-        return sched._itl_prefill_budget()
+        return sched.policy.prefill_budget(sched.running, len(sched.waiting))
 
     # 5 rows: a 128-token chunk beside them fills the 256 bucket, 291 ms; 4 decodes + 252
     # prompt tokens are predicted at 288 ms

@@ -19,7 +19,7 @@ from hypothesis.stateful import (
 )
 
 from jaxserve.config import EngineConfig
-from jaxserve.core.plan import SchedulerConfig, SchedulerOutput, UpdateResult
+from jaxserve.core.plan import SchedulerConfig, SchedulerOutput, TextStop, UpdateResult
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import SeqState, cdiv
 from jaxserve.core.step_cost import AUTO_ITL_DECODE_RATIO, StepCostModel, resolve_itl_target
@@ -65,7 +65,7 @@ def step(sched: Scheduler, token: int = 7) -> tuple[SchedulerOutput, UpdateResul
 
 
 def by_id(sched: Scheduler, rid: str) -> SeqState:
-    return next(s for s in (*sched.running, *sched.waiting) if s.request_id == rid)
+    return next(s for s in (*sched.running, *sched.waiting) if s.seq_id == rid)
 
 
 def held(sched: Scheduler) -> int:
@@ -95,7 +95,7 @@ def test_prefill_then_decode_of_several_requests() -> None:
         sched.add(make_seq(rid, n))
     assert sched.num_unfinished() == 3 and [s.arrival_index for s in sched.waiting] == [0, 1, 2]
     out = sched.schedule()
-    assert [s.request_id for s in out.scheduled] == ["a", "b", "c"]
+    assert [s.seq_id for s in out.scheduled] == ["a", "b", "c"]
     assert out.num_scheduled_tokens == 14 and out.preempted_ids == () and not out.is_empty
     for s, n in zip(out.scheduled, (5, 3, 6)):
         assert s.start_pos == 0 and s.sample and s.token_ids == tuple(range(100, 100 + n))
@@ -105,7 +105,7 @@ def test_prefill_then_decode_of_several_requests() -> None:
     assert by_id(sched, "a").output_token_ids == [11]
 
     out = sched.schedule()
-    assert [(s.request_id, s.token_ids, s.start_pos, s.sample) for s in out.scheduled] == [
+    assert [(s.seq_id, s.token_ids, s.start_pos, s.sample) for s in out.scheduled] == [
         ("a", (11,), 5, True),
         ("b", (12,), 3, True),
         ("c", (13,), 6, True),
@@ -142,11 +142,11 @@ def test_long_prefill_token_threshold_leaves_room_to_admit_others() -> None:
     sched = Scheduler(SchedulerConfig(4, 16, 4, 64, 33, long_prefill_token_threshold=6))
     sched.add(make_seq("long", 30))
     out, _ = step(sched)
-    assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [("long", 6)]
+    assert [(s.seq_id, len(s.token_ids)) for s in out.scheduled] == [("long", 6)]
     sched.add(make_seq("short", 3))
     out, _ = step(sched)
     # without the threshold "long" would take all 16 tokens and "short" would wait
-    assert [(s.request_id, len(s.token_ids), s.sample) for s in out.scheduled] == [
+    assert [(s.seq_id, len(s.token_ids), s.sample) for s in out.scheduled] == [
         ("long", 6, False), ("short", 3, True)]
 
 
@@ -156,12 +156,12 @@ def test_decode_goes_first_and_prefill_chunks_fill_the_budget() -> None:
     step(sched)
     sched.add(make_seq("b", 12))
     out, _ = step(sched)
-    assert [(s.request_id, s.start_pos, len(s.token_ids), s.sample) for s in out.scheduled] == [
+    assert [(s.seq_id, s.start_pos, len(s.token_ids), s.sample) for s in out.scheduled] == [
         ("a", 3, 1, True),
         ("b", 0, 7, False),
     ]
     out, _ = step(sched)
-    assert [(s.request_id, s.start_pos, len(s.token_ids), s.sample) for s in out.scheduled] == [
+    assert [(s.seq_id, s.start_pos, len(s.token_ids), s.sample) for s in out.scheduled] == [
         ("a", 4, 1, True),
         ("b", 7, 5, True),
     ]
@@ -207,7 +207,7 @@ def test_cut_takes_prompt_tokens_from_the_last_chunks_never_decode_rows() -> Non
     sched.add(make_seq("p", 100))
     sched.add(make_seq("q", 160))  # 3 decodes + 100 + 160 = 263 -> 256, q gives back 7
     out, _ = step(sched)
-    assert [(s.request_id, len(s.token_ids), s.sample) for s in out.scheduled] == [
+    assert [(s.seq_id, len(s.token_ids), s.sample) for s in out.scheduled] == [
         ("d0", 1, True), ("d1", 1, True), ("d2", 1, True), ("p", 100, True), ("q", 153, False)]
     assert out.num_scheduled_tokens == 256
     sched = fitting_scheduler()
@@ -223,10 +223,10 @@ def test_max_num_seqs_limits_admission() -> None:
     sched.add(make_seq("b", 4))
     sched.add(make_seq("c", 4))
     out, res = step(sched)
-    assert [s.request_id for s in out.scheduled] == ["a", "b"]
+    assert [s.seq_id for s in out.scheduled] == ["a", "b"]
     assert res.finished == {"a": "length"}
     out, _ = step(sched)
-    assert [(s.request_id, s.start_pos) for s in out.scheduled] == [("b", 4), ("c", 0)]
+    assert [(s.seq_id, s.start_pos) for s in out.scheduled] == [("b", 4), ("c", 0)]
 
 
 def test_token_budget_chunks_the_last_admitted() -> None:
@@ -235,11 +235,11 @@ def test_token_budget_chunks_the_last_admitted() -> None:
     sched.add(make_seq("b", 6))
     sched.add(make_seq("c", 6))
     out = sched.schedule()
-    assert [(s.request_id, len(s.token_ids), s.sample) for s in out.scheduled] == [
+    assert [(s.seq_id, len(s.token_ids), s.sample) for s in out.scheduled] == [
         ("a", 6, True),
         ("b", 4, False),
     ]
-    assert out.num_scheduled_tokens == 10 and [s.request_id for s in sched.waiting] == ["c"]
+    assert out.num_scheduled_tokens == 10 and [s.seq_id for s in sched.waiting] == ["c"]
 
 
 def test_head_of_line_blocks_when_the_pool_is_short() -> None:
@@ -248,8 +248,8 @@ def test_head_of_line_blocks_when_the_pool_is_short() -> None:
     sched.add(make_seq("b", 12, max_tokens=4))  # needs 3, only 2 left
     sched.add(make_seq("c", 2, max_tokens=4))  # would fit, must not skip b
     out = sched.schedule()
-    assert [s.request_id for s in out.scheduled] == ["a"]
-    assert [s.request_id for s in sched.waiting] == ["b", "c"]
+    assert [s.seq_id for s in out.scheduled] == ["a"]
+    assert [s.seq_id for s in sched.waiting] == ["b", "c"]
 
 
 def test_preempt_newest_then_it_recomputes_prompt_and_outputs() -> None:
@@ -265,10 +265,10 @@ def test_preempt_newest_then_it_recomputes_prompt_and_outputs() -> None:
             break
     # both hold 2 blocks after 8 computed tokens; a's position 8 needs a 3rd block
     assert preempted_at == 5 and out.preempted_ids == ("b",)
-    assert [s.request_id for s in out.scheduled] == ["a"]
-    assert [s.request_id for s in sched.waiting] == ["b", "c"]  # b goes to the front
+    assert [s.seq_id for s in out.scheduled] == ["a"]
+    assert [s.seq_id for s in sched.waiting] == ["b", "c"]  # b goes to the front
     b = sched.waiting[0]
-    assert (b.request_id, b.num_computed_tokens, b.block_ids, b.num_preemptions) == ("b", 0, [], 1)
+    assert (b.seq_id, b.num_computed_tokens, b.block_ids, b.num_preemptions) == ("b", 0, [], 1)
     b_tokens = list(b.token_ids)
     assert b_tokens == [100, 101, 102, 103, 50, 51, 52, 53, 54]
     assert sched.num_preemptions_total == 1 and held(sched) == 3
@@ -279,11 +279,11 @@ def test_preempt_newest_then_it_recomputes_prompt_and_outputs() -> None:
         out, res = step(sched, token=60)
         if "a" in res.finished:
             break
-        assert [s.request_id for s in out.scheduled] == ["a"]
+        assert [s.seq_id for s in out.scheduled] == ["a"]
     assert res.finished == {"a": "length"} and held(sched) == 0
     out, res = step(sched, token=61)
     s = out.scheduled[0]
-    assert (s.request_id, s.start_pos, s.token_ids, s.sample) == ("b", 0, tuple(b_tokens), True)
+    assert (s.seq_id, s.start_pos, s.token_ids, s.sample) == ("b", 0, tuple(b_tokens), True)
     assert res.new_token_ids == {"b": 61, "c": 61}
     while sched.has_unfinished():
         _, res = step(sched, token=62)
@@ -314,8 +314,8 @@ def test_request_being_scheduled_preempts_itself_when_newest() -> None:
         assert not out.preempted_ids
     # a takes the last free block; b (the newest) then has none and preempts itself
     out, _ = step(sched)
-    assert out.preempted_ids == ("b",) and [s.request_id for s in out.scheduled] == ["a"]
-    assert [s.request_id for s in sched.running] == ["a"]
+    assert out.preempted_ids == ("b",) and [s.seq_id for s in out.scheduled] == ["a"]
+    assert [s.seq_id for s in sched.running] == ["a"]
     assert by_id(sched, "b").num_computed_tokens == 0
 
 
@@ -326,7 +326,7 @@ def test_stop_token_finishes_and_frees_at_once() -> None:
     out = sched.schedule()
     res = sched.update(out, [STOP, STOP])
     assert res.finished == {"a": "stop"} and res.new_token_ids == {"a": STOP, "b": STOP}
-    assert [s.request_id for s in sched.running] == ["b"] and held(sched) == 2
+    assert [s.seq_id for s in sched.running] == ["b"] and held(sched) == 2
 
 
 def test_length_at_max_model_len() -> None:
@@ -353,13 +353,28 @@ def test_abort_waiting_and_running() -> None:
     assert res == UpdateResult() and not sched.has_unfinished()
 
 
-def test_finish_frees_blocks() -> None:
+def test_a_text_stop_finishes_in_update_and_frees_blocks() -> None:
+    """The engine's stop check (a stop string) finishes a sequence inside ``update``, with its
+    reason; a stop id wins over it and is not shown to it; the length limit yields to it."""
     sched = make_scheduler()
     sched.add(make_seq("a", 9))
     sched.add(make_seq("b", 9))
-    step(sched)
-    assert sched.finish(["a", "nope"]) == ["a"]
-    assert [s.request_id for s in sched.running] == ["b"] and held(sched) == 3
+    sched.add(make_seq("c", 9, max_tokens=1))
+    seen: list[tuple[str, int]] = []
+
+    def stop_check(seq_id: str, token: int) -> TextStop | None:
+        seen.append((seq_id, token))
+        return TextStop("the end") if seq_id in ("a", "c") else None
+
+    plan = sched.schedule()
+    res = sched.update(plan, [5, 6, 7], stop_check)
+    assert seen == [("a", 5), ("b", 6), ("c", 7)]
+    assert res.finished == {"a": "stop", "c": "stop"}
+    assert res.stop_reasons == {"a": "the end", "c": "the end"}
+    assert [s.seq_id for s in sched.running] == ["b"] and held(sched) == 3
+    res = sched.update(sched.schedule(), [STOP], stop_check)
+    assert seen[-1] == ("c", 7) and res.finished == {"b": "stop"}
+    assert res.stop_reasons == {"b": STOP} and held(sched) == 0
 
 
 def test_add_asserts_what_the_engine_validated() -> None:
@@ -410,7 +425,7 @@ def test_prefix_hit_shares_full_blocks_and_counts_tokens() -> None:
     sched.add(make_seq("b", 11))  # same first 10 tokens
     out = sched.schedule()
     b = out.scheduled[1]
-    assert (b.request_id, b.start_pos, b.token_ids) == ("b", 8, (108, 109, 110))
+    assert (b.seq_id, b.start_pos, b.token_ids) == ("b", 8, (108, 109, 110))
     assert b.block_ids[:2] == a_blocks[:2] and b.block_ids[2] not in a_blocks
     pool = sched.block_pool
     assert [pool.refcount(x) for x in a_blocks] == [2, 2, 1]
@@ -505,7 +520,7 @@ def test_preempted_request_is_swapped_and_resumes_where_it_stopped() -> None:
         out, _ = step(sched, token=60)
     out = sched.schedule()
     (x,) = out.scheduled
-    assert (x.request_id, x.start_pos, x.token_ids) == ("b", 8, (50,))
+    assert (x.seq_id, x.start_pos, x.token_ids) == ("b", 8, (50,))
     assert [h for h, _ in out.loads] and [d for _, d in out.loads] == list(x.block_ids[:2])
     sched.update(out, [61])
     run_to_end(sched)
@@ -594,12 +609,12 @@ def check_invariants(sched: Scheduler) -> None:
     for s in sched.waiting:
         assert s.block_ids == []
         assert len(s.host_block_ids) == cdiv(s.num_computed_tokens, cfg.block_size)
-    ids = [s.request_id for s in (*sched.running, *sched.waiting)]
+    ids = [s.seq_id for s in (*sched.running, *sched.waiting)]
     assert len(ids) == len(set(ids))
 
 
 def running_prompt_len(sched: Scheduler, rid: str) -> int:
-    return next(s.num_prompt_tokens for s in sched.running if s.request_id == rid)
+    return next(s.num_prompt_tokens for s in sched.running if s.seq_id == rid)
 
 
 def check_plan(sched: Scheduler, out: SchedulerOutput) -> None:
@@ -607,17 +622,17 @@ def check_plan(sched: Scheduler, out: SchedulerOutput) -> None:
     assert out.num_scheduled_tokens == sum(len(s.token_ids) for s in out.scheduled)
     assert 0 <= out.num_scheduled_tokens <= cfg.max_num_batched_tokens
     assert len(out.scheduled) <= cfg.max_num_seqs
-    running = {s.request_id: s for s in sched.running}
+    running = {s.seq_id: s for s in sched.running}
     # batch order: the decodes in running order first, then the prompt chunks (prefill
     # order; a sequence swapped back in may be down to its last token, decode-like)
-    order = {s.request_id: j for j, s in enumerate(sched.running)}
+    order = {s.seq_id: j for j, s in enumerate(sched.running)}
     kinds = [len(x.token_ids) == 1 and x.sample  # a decode: the one token left, past the prompt
-             and x.start_pos >= running_prompt_len(sched, x.request_id) for x in out.scheduled]
-    decodes = [order[x.request_id] for x, k in zip(out.scheduled, kinds, strict=True) if k]
+             and x.start_pos >= running_prompt_len(sched, x.seq_id) for x in out.scheduled]
+    decodes = [order[x.seq_id] for x, k in zip(out.scheduled, kinds, strict=True) if k]
     assert decodes == sorted(decodes)
-    assert len({x.request_id for x in out.scheduled}) == len(out.scheduled)
+    assert len({x.seq_id for x in out.scheduled}) == len(out.scheduled)
     for x in out.scheduled:
-        seq = running[x.request_id]
+        seq = running[x.seq_id]
         end = x.start_pos + len(x.token_ids)
         assert len(x.token_ids) >= 1 and x.start_pos == seq.num_computed_tokens
         assert x.token_ids == tuple(seq.token_ids[x.start_pos : end])
@@ -628,7 +643,7 @@ def check_plan(sched: Scheduler, out: SchedulerOutput) -> None:
         assert rid not in running
     # each victim is pushed to the front: the last one preempted is first
     k = len(out.preempted_ids)
-    assert tuple(s.request_id for s in list(sched.waiting)[:k]) == out.preempted_ids[::-1]
+    assert tuple(s.seq_id for s in list(sched.waiting)[:k]) == out.preempted_ids[::-1]
     # copies: one writer per destination in each batch
     assert len({h for _, h in out.offloads}) == len(out.offloads)
     assert len({d for _, d in out.loads}) == len(out.loads)
@@ -654,14 +669,14 @@ class KVContentModel:
         for h, d in out.loads:
             for o in range(bs):
                 self.device[d, o] = self.host.get((h, o), ())
-        seqs = {s.request_id: s for s in sched.running}
+        seqs = {s.seq_id: s for s in sched.running}
         for x in out.scheduled:
-            tokens = seqs[x.request_id].token_ids
+            tokens = seqs[x.seq_id].token_ids
             for p in range(x.start_pos):
                 got = self.device.get((x.block_ids[p // bs], p % bs))
-                assert got == tuple(tokens[: p + 1]), f"{x.request_id} reads wrong K/V at {p}"
+                assert got == tuple(tokens[: p + 1]), f"{x.seq_id} reads wrong K/V at {p}"
         for x in out.scheduled:
-            tokens = seqs[x.request_id].token_ids
+            tokens = seqs[x.seq_id].token_ids
             for p in range(x.start_pos, x.start_pos + len(x.token_ids)):
                 self.device[x.block_ids[p // bs], p % bs] = tuple(tokens[: p + 1])
 
@@ -708,9 +723,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             long_prefill, caching, num_host_blocks, policy, order, max_skips,
         )
         if fit is not None:  # plan to the engine's buckets, the step overhead 0 or 2 tokens
-            self.sched.config = dataclasses.replace(
+            self.sched = Scheduler(dataclasses.replace(
                 self.sched.config, token_buckets=tuple(token_buckets(max_num_batched_tokens)),
-                step_overhead_tokens=fit)
+                step_overhead_tokens=fit))
         self.rng = random.Random(seed)
         self.content = KVContentModel(block_size)
         self.expected: dict[str, list[int]] = {}  # live request -> its token ids
@@ -751,7 +766,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.sched.add(seq)
             return
         self.sched.add(seq)
-        self.expected[seq.request_id] = list(seq.token_ids)
+        self.expected[seq.seq_id] = list(seq.token_ids)
 
     @rule(abort_between=st.booleans())
     def step(self, abort_between: bool) -> None:
@@ -762,19 +777,19 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert not out.is_empty, "nothing scheduled while requests are pending"
         aborted: set[str] = set()
         if abort_between and out.scheduled:
-            victim = self.rng.choice(out.scheduled).request_id
+            victim = self.rng.choice(out.scheduled).seq_id
             ids = self.sched.abort([victim])
             assert ids == [victim]
             aborted.add(victim)
             del self.expected[victim]
         sampled = [self.rng.randrange(0, 12) if s.sample else None for s in out.scheduled]
         res = self.sched.update(out, sampled)
-        want = {s.request_id: t for s, t in zip(out.scheduled, sampled) if s.sample}
+        want = {s.seq_id: t for s, t in zip(out.scheduled, sampled) if s.sample}
         want = {r: t for r, t in want.items() if r not in aborted}
         assert res.new_token_ids == want
         for rid, t in want.items():
             self.expected[rid].append(t)
-        live = {s.request_id: s for s in (*self.sched.running, *self.sched.waiting)}
+        live = {s.seq_id: s for s in (*self.sched.running, *self.sched.waiting)}
         for rid, reason in res.finished.items():
             assert rid not in live and reason in ("stop", "length")
             del self.expected[rid]
@@ -804,7 +819,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not hasattr(self, "sched"):
             return
         if self.rng.random() < 0.5:
-            ids = [s.request_id for s in (*self.sched.running, *self.sched.waiting)]
+            ids = [s.seq_id for s in (*self.sched.running, *self.sched.waiting)]
             self.sched.abort(ids)
         else:
             # every live token computed (again, after a preemption) at one token per step
@@ -890,7 +905,7 @@ def test_liveness_every_request_finishes(
         finished |= res.finished.keys()
         steps += 1
         assert steps <= last_arrival + total + 1, "scheduler made no progress"
-    assert finished == {s.request_id for seqs in arrivals.values() for s in seqs}
+    assert finished == {s.seq_id for seqs in arrivals.values() for s in seqs}
     assert sched.block_pool.num_free_blocks == sched.block_pool.num_usable_blocks
 
 
@@ -913,10 +928,10 @@ def test_itl_target_cuts_prefill_beside_decodes_to_a_bucket() -> None:
     step(sched)  # nothing decodes: the whole prompt
     sched.add(make_seq("p", 1000))
     out, _ = step(sched)
-    assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [("d", 1), ("p", 63)]
+    assert [(s.seq_id, len(s.token_ids)) for s in out.scheduled] == [("d", 1), ("p", 63)]
     assert out.num_scheduled_tokens == 64
     out, _ = step(sched)  # the running prompt's next chunk is cut too
-    assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [("d", 1), ("p", 63)]
+    assert [(s.seq_id, len(s.token_ids)) for s in out.scheduled] == [("d", 1), ("p", 63)]
     tight = itl_scheduler(0.001)  # below a step's fixed cost: 8 tokens, filling the 16 bucket
     tight.add(make_seq("d", 10, max_tokens=50, stop=False))
     step(tight)
@@ -1017,7 +1032,7 @@ def test_itl_target_bounds_predicted_steps_and_every_prompt_finishes(
             finished |= res.finished.keys()
         steps += 1
         assert steps <= last_arrival + total + 2, "scheduler made no progress"
-    assert finished == {s.request_id for seqs in arrivals.values() for s in seqs}
+    assert finished == {s.seq_id for seqs in arrivals.values() for s in seqs}
 
 
 def test_itl_slo_ms_maps_to_the_target_and_needs_a_cost_model() -> None:
