@@ -121,15 +121,11 @@ def run(ns: argparse.Namespace, engine: Any = None) -> dict[str, Any]:
     if engine is None:
         engine = LLM(ns.model, load_format=ns.load_format,
                      **{**SERVING, **ns.engine_args}).engine
-    usable = engine.runner.packer.usable
-    if ns.ready_buckets_only:
-        from jaxserve.device.buckets import ready_buckets
-
-        engine.runner.packer.usable = ready_buckets(engine.runner.buckets)
+    engine.use_ready_buckets_only(ns.ready_buckets_only)
     try:
         return _matrix(ns, engine, other)
     finally:
-        engine.runner.packer.usable = usable
+        engine.use_ready_buckets_only(False)
 
 
 def _matrix(ns: argparse.Namespace, engine: Any, other: dict | None) -> dict[str, Any]:
@@ -164,16 +160,16 @@ def _matrix(ns: argparse.Namespace, engine: Any, other: dict | None) -> dict[str
         scenarios[name] = {"differ": _differences(ns.lens, ref, ids),
                            "logprobs_differ": [n for n, a, b in zip(ns.lens, ref_lp, lps)
                                                if a != b],
-                           "preemptions": engine.scheduler.num_preemptions_total
+                           "preemptions": engine.num_preemptions_total
                            - preempted_before}
 
-    before = engine.scheduler.num_preemptions_total
+    before = engine.num_preemptions_total
     record("again", each_alone("again"), before)
     for size in ns.batches:
-        before = engine.scheduler.num_preemptions_total
+        before = engine.num_preemptions_total
         got = _run(engine, probes + others(size - len(probes)), f"batch{size}", greedy)
         record(f"batch{size}", got, before)
-    before = engine.scheduler.num_preemptions_total
+    before = engine.num_preemptions_total
     long_running = SamplingParams(max_tokens=4 * ns.max_tokens, temperature=0.0,
                                   ignore_eos=True)
     for i, p in enumerate(others(24)):
@@ -181,7 +177,7 @@ def _matrix(ns: argparse.Namespace, engine: Any, other: dict | None) -> dict[str
     for _ in range(6):
         engine.step()
     record("staggered", _run(engine, probes, "staggered", greedy), before)
-    before = engine.scheduler.num_preemptions_total
+    before = engine.num_preemptions_total
     long_prompts = [cut(min(900, engine.max_model_len - ns.max_tokens - 1)) for _ in range(3)]
     for i, p in enumerate(long_prompts):
         engine.add_request(f"doomed-{i}", p, greedy)

@@ -90,7 +90,7 @@ def idle_engine(engine):
     slot back and async scheduling on. Leftover requests are aborted first, so that one
     failure does not cascade into the following tests."""
     yield engine
-    unfinished = [*engine.groups]
+    unfinished = engine.request_ids()
     if unfinished:
         engine.abort_request(unfinished)
     engine.set_async_scheduling(True)

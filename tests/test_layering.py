@@ -195,3 +195,66 @@ def test_only_the_platform_layer_asks_which_backend_runs() -> None:
         text = path.read_text(encoding="utf-8")
         bad += [f"{path.relative_to(REPO_ROOT)}: {q}" for q in BACKEND_QUESTIONS if q in text]
     assert not bad, "\n".join(bad)
+
+
+# -- the tools on top: benchmarks/ and scripts/ use the public API only -------------------------
+# What they may import of ours: the API the README and docs/ name for users and tools, the
+# ``jaxserve bench`` commands' modules, and the kernels with their references (kernel harnesses
+# time them). Nothing else of ``jaxserve``'s insides.
+PUBLIC_MODULES = ("jaxserve", "jaxserve.config", "jaxserve.sampling_params", "jaxserve.outputs",
+                  "jaxserve.engine.llm_engine", "jaxserve.engine.step_report",
+                  "jaxserve.tokenizer", "jaxserve.loading.model_files", "jaxserve.eval.inputs",
+                  "models.config")
+PUBLIC_PACKAGES = ("jaxserve.bench", "pallas_kernels", "cpu_kernels")  # every module in them
+# the GPU machine's check runs where the server's packages (msgspec, starlette, tokenizers,
+# llguidance) are not installed, so it builds the model runner itself, below the engine
+DEVICE_HARNESSES = {"scripts/gpu_check.py": (
+    "jaxserve.device.buckets", "jaxserve.device.runner", "jaxserve.device.step_buffer",
+    "jaxserve.platform", "jaxserve.platform.base", "models.llama", "models.loader")}
+# an engine's parts: a harness asks the engine (its public methods), never reaches into them
+ENGINE_PARTS = ("scheduler", "runner", "packer", "dispatcher", "reporter", "grammars", "slots")
+TOOL_DIRS = ("benchmarks", "scripts")
+
+
+def _public(module: str, extra: tuple[str, ...] = ()) -> bool:
+    return module in PUBLIC_MODULES or module in extra or any(
+        module == p or module.startswith(p + ".") for p in PUBLIC_PACKAGES)
+
+
+def tool_violations(path: Path, graph: dict[str, set[str]]) -> list[str]:
+    """What a harness does past the public API: imports of other modules of ours, private
+    names imported, attributes of an engine's parts or private attributes of other objects."""
+    rel = path.relative_to(REPO_ROOT).as_posix() if path.is_relative_to(REPO_ROOT) else path.name
+    extra = DEVICE_HARNESSES.get(rel, ())
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    bad = [f"{rel} imports {target}" for name in sorted(imports_of(path, "tool"))
+           if (target := internal(graph, name)) is not None and not _public(target, extra)]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PACKAGES:
+            bad += [f"{rel}:{node.lineno} imports private {a.name}" for a in node.names
+                    if a.name.startswith("_")]
+        elif isinstance(node, ast.Attribute):
+            owner = node.value.id if isinstance(node.value, ast.Name) else None
+            if node.attr in ENGINE_PARTS or (
+                    node.attr.startswith("_") and not node.attr.startswith("__")
+                    and owner not in ("self", "cls", "sys", "os")):
+                bad.append(f"{rel}:{node.lineno} reads .{node.attr}")
+    return bad
+
+
+def test_benchmarks_and_scripts_use_the_public_api_only() -> None:
+    graph = import_graph()
+    bad = [v for d in TOOL_DIRS for path in sorted((REPO_ROOT / d).rglob("*.py"))
+           for v in tool_violations(path, graph)]
+    assert not bad, "\n".join(bad)
+
+
+def test_public_api_check_catches_a_harness_reaching_inside(tmp_path: Path) -> None:
+    graph = import_graph()
+    p = _write(tmp_path, "from jaxserve.core.scheduler import Scheduler\n"
+                         "from jaxserve import LLM\nllm = LLM()\n"
+                         "n = llm.engine.scheduler.num_preemptions_total\nx = llm._engine\n")
+    bad = tool_violations(p, graph)
+    assert any("imports jaxserve.core.scheduler" in b for b in bad)
+    assert any("reads .scheduler" in b for b in bad) and any("reads ._engine" in b for b in bad)
+    assert not any("jaxserve\n" in b or b.endswith("imports jaxserve") for b in bad)

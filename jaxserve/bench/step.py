@@ -6,22 +6,20 @@
 One in-process ``LLMEngine`` (loaded and compiled once, any engine flags). For each sampling
 mode and batch size, ``batch`` requests of ``--context`` random prompt ids (fixed seed, EOS
 ignored) are prefilled, then ``--num-steps`` decode steps (one token per sequence) are timed
-after two untimed ones. Each ``engine.step()`` is split into:
-  device  ``ModelRunner.execute``: the compiled step program and the sampled ids back on the host;
+after two untimed ones. Each ``engine.step()`` is split, from the engine's step report
+(``LLMEngine.add_step_listener``), into:
+  device  from the step's dispatch to its sampled ids on the host: the compiled program;
   host    the rest of the step: scheduling, packing the inputs, updating the requests.
   cpu     the process's CPU seconds over the step (every thread: XLA's, the engine's), which a
           busy shared machine disturbs less than the wall time.
-The timer waits for each step's ids inside ``execute``, so steps run one after the other even
-with async scheduling on: ``host`` is the part that async scheduling overlaps with the device
-(measure the overlap itself with ``--step-trace``).
+The engine runs the synchronous loop here (async scheduling is switched off after start-up), so
+that each step reads its own ids and its whole time is its own: ``host`` is the part that async
+scheduling overlaps with the device (measure the overlap itself with ``--step-trace``).
 Prefill steps are reported per bucket (the padded shape ``tokens x seqs`` the program ran at).
 With an ITL target (the default on a CPU; ``--itl-slo-ms``), ``pred ms`` is what the engine's
 step-cost model (``jaxserve.core.step_cost``, as refitted up to that step) predicted for each
 step, beside the measured step time: the model the scheduler sizes prefill chunks with. It is
-calibrated at start-up (``LLMEngine.probe``) and refitted from the engine's own step timings;
-with async scheduling those of this benchmark are skewed by its wait inside ``execute`` (a
-step's ids are taken at the next step), so ``--no-async-scheduling`` shows the model a server
-would learn more faithfully.
+calibrated at start-up (``LLMEngine.probe``) and refitted from the engine's own step timings.
 Modes: ``greedy`` (temperature 0), ``sampled`` (temperature 1, top_p 0.9), ``top_p`` (temperature
 0.7, top_p 0.95), ``top_k`` (temperature 1, top_k 200), ``min_p`` (temperature 1, min_p 0.05),
 ``logprobs``
@@ -46,9 +44,10 @@ import numpy as np
 from jaxserve.bench.common import add_model_flags, write_json
 from jaxserve.config import LoadConfig
 from jaxserve.config_args import add_engine_args, engine_config_from_args
-from jaxserve.core.step_cost import AUTO_ITL_MIN_CHUNK_TOKENS, StepCostModel
+from jaxserve.core.step_cost import AUTO_ITL_MIN_CHUNK_TOKENS
 from jaxserve.device.buckets import MIN_TOKEN_BUCKET, pick_bucket
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.step_report import StepReport
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 MODES: dict[str, tuple[dict[str, Any], int]] = {  # SamplingParams fields, choices per request
@@ -107,79 +106,23 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)  # its --seed also seeds the prompts
 
 
-class _MaskTimer:
-    """Stands in for an engine's ``grammars.fill_masks``: keeps the seconds of each call."""
-
-    def __init__(self, engine: LLMEngine) -> None:
-        self._fill = engine.grammars.fill_masks
-        self.calls: list[float] = []
-        engine.grammars.fill_masks = self
-
-    def __call__(self, *args: Any) -> None:
-        t0 = time.perf_counter()
-        self._fill(*args)
-        self.calls.append(time.perf_counter() - t0)
-
-
-class _PlanSpy:
-    """Stands in for a scheduler's ``schedule``: keeps the model an ITL target plans with (None
-    without a target) and the plan of the last call, for the step's predicted seconds."""
-
-    def __init__(self, engine: LLMEngine) -> None:
-        self._engine = engine
-        self._schedule = engine.scheduler.schedule
-        self.model: StepCostModel | None = None
-        self.plan: Any = None
-        engine.scheduler.schedule = self
-
-    def __call__(self) -> Any:
-        cost = self._engine.step_cost
-        self.model = cost.model if cost is not None else None
-        self.plan = self._schedule()
-        return self.plan
-
-    def predicted_s(self, bucket: Any) -> float | None:
-        """The planned step's predicted seconds at ``bucket`` (None without an ITL target)."""
-        if self.model is None:
-            return None
-        p = self.plan
-        return self.model.predict(bucket.num_tokens, p.num_decode_rows, p.num_context_tokens,
-                                  p.num_prefill_pairs)
-
-
-class _ExecuteTimer:
-    """Stands in for a runner's ``execute``: keeps the bucket and seconds of each call."""
-
-    def __init__(self, runner: Any) -> None:
-        self._execute = runner.execute
-        self.calls: list[tuple[Any, float]] = []
-        runner.execute = self
-
-    def __call__(self, bucket: Any, packed: np.ndarray, allowed: np.ndarray | None = None
-                 ) -> Any:
-        t0 = time.perf_counter()
-        out = self._execute(bucket, packed, allowed)
-        out.ids  # noqa: B018 (waits for the step: the device part ends with the ids on the host)
-        self.calls.append((bucket, time.perf_counter() - t0))
-        return out
-
-
 # bucket, step s, device s, mask s, CPU s, predicted s (None without an ITL target)
 Step = tuple[Any, float, float, float, float, float | None]
 
 
-def _timed_step(engine: LLMEngine, timer: _ExecuteTimer, masks: _MaskTimer, plans: _PlanSpy
-                ) -> Step:
-    """One engine step: (its bucket, its seconds, the device part of them, the mask part, the
-    process CPU seconds over it, the step-cost model's prediction of its seconds)."""
-    n, m = len(timer.calls), len(masks.calls)
+def _timed_step(engine: LLMEngine, reports: list[StepReport]) -> Step:
+    """One engine step (synchronous: it reads its own ids): (its bucket, its seconds, the
+    device part of them, the mask part, the process CPU seconds over it, the step-cost model's
+    prediction of its seconds), from the engine's step report (``add_step_listener``)."""
+    n = len(reports)
     c0, t0 = time.process_time(), time.perf_counter()
     engine.step()
     step_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
-    if len(timer.calls) != n + 1:
+    done = reports[-1].dispatched if len(reports) == n + 1 else None
+    if done is None or done.t_ready is None:
         raise RuntimeError("an engine step ran no device program; nothing was scheduled")
-    bucket, device_s = timer.calls[-1]
-    return bucket, step_s, device_s, sum(masks.calls[m:]), cpu_s, plans.predicted_s(bucket)
+    return (done.bucket, step_s, done.t_ready - done.t_dispatch, done.mask_s, cpu_s,
+            done.predicted_s)
 
 
 def _summary(steps: list[Step], num_seqs: int | None = None) -> dict[str, Any]:
@@ -203,9 +146,8 @@ def _summary(steps: list[Step], num_seqs: int | None = None) -> dict[str, Any]:
     return out
 
 
-def measure(engine: LLMEngine, timer: _ExecuteTimer, masks: _MaskTimer, plans: _PlanSpy,
-            mode: str, batch: int, context: int, num_steps: int, rng: np.random.Generator
-            ) -> dict[str, Any]:
+def measure(engine: LLMEngine, reports: list[StepReport], mode: str, batch: int, context: int,
+            num_steps: int, rng: np.random.Generator) -> dict[str, Any]:
     """Prefill ``batch`` sequences of ``context`` tokens, then time ``num_steps`` decode steps.
 
     Returns the decode summary and one summary per prefill bucket (``prefill``).
@@ -229,15 +171,12 @@ def measure(engine: LLMEngine, timer: _ExecuteTimer, masks: _MaskTimer, plans: _
                            constrained if i < num_constrained else params)
     decode_bucket = pick_bucket(engine.runner.buckets, batch, batch)
     prefill: dict[Any, list] = {}
-    sched = engine.scheduler
-    while sched.waiting or any(  # until every prompt token has run (or is running: async)
-            s.num_computed_tokens + s.num_inflight_tokens < s.num_prompt_tokens
-            for s in sched.running):
-        step = _timed_step(engine, timer, masks, plans)
+    while engine.scheduler.num_tokens_pending()[0]:  # until every prompt token has run
+        step = _timed_step(engine, reports)
         prefill.setdefault(step[0], []).append(step)
     for _ in range(NUM_UNTIMED_STEPS - 1):
-        _timed_step(engine, timer, masks, plans)
-    decode = [_timed_step(engine, timer, masks, plans) for _ in range(num_steps)]
+        _timed_step(engine, reports)
+    decode = [_timed_step(engine, reports) for _ in range(num_steps)]
     if any(b != decode_bucket for b, *_ in decode):
         raise RuntimeError(f"a timed decode step ran at another shape than {decode_bucket} "
                            f"({[b for b, *_ in decode]}); were other requests in the engine, or did rows "
@@ -282,9 +221,11 @@ def run(ns: argparse.Namespace) -> int:
     engine = LLMEngine(cfg, LoadConfig(ns.model, ns.load_format))
     warm = engine.warmup(progress=False)
     engine.probe()  # as a server's start-up does: calibrates the step-cost model
-    timer, masks, plans = _ExecuteTimer(engine.runner), _MaskTimer(engine), _PlanSpy(engine)
+    engine.set_async_scheduling(False)  # each step reads its own ids: its whole time is its own
+    reports: list[StepReport] = []
+    engine.add_step_listener(reports.append)
     rng = np.random.default_rng(cfg.seed)
-    rows = [measure(engine, timer, masks, plans, mode, b, ns.context, ns.num_steps, rng)
+    rows = [measure(engine, reports, mode, b, ns.context, ns.num_steps, rng)
             for mode in ns.modes for b in ns.batch_sizes]
     result = {"model": engine.model_name, "dtype": str(engine.dtype), "context": ns.context, "num_steps": ns.num_steps,
               "seed": cfg.seed, "engine_config": {k: getattr(cfg, k)

@@ -57,7 +57,7 @@ def start_engine(cfg: EngineConfig, load: LoadConfig, out: typing.TextIO) -> Asy
     engine = LLMEngine(cfg, load, metrics=EngineMetrics(served_name(load)))
     print(f"loaded {engine.model_name} in {engine.load_s:.1f} s ({engine.weights_summary()}, "
           f"{engine.num_blocks} KV blocks of {cfg.block_size} tokens "
-          f"({engine.kv_cache_summary()}), max_model_len "
+          f"({engine.kv_layout.summary()}), max_model_len "
           f"{engine.max_model_len}, {attention_summary(engine)})", file=out, flush=True)
     aeng = AsyncEngine(engine)
     aeng.start(warmup=True, progress=True)
@@ -179,7 +179,7 @@ def _load(cfg: EngineConfig, load: LoadConfig, ns: argparse.Namespace, name: str
         aeng = AsyncEngine(engine)
     print(f"loaded {engine.model_name} in {engine.load_s:.1f} s ({engine.weights_summary()}, "
           f"{engine.num_blocks} KV blocks of {cfg.block_size} tokens "
-          f"({engine.kv_cache_summary()}), max_model_len "
+          f"({engine.kv_layout.summary()}), max_model_len "
           f"{engine.max_model_len}, {attention_summary(engine)}, "
           f"{ns.data_parallel_size} replica(s) x "
           f"{cfg.tensor_parallel_size} device(s))", flush=True)

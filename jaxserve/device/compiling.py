@@ -110,9 +110,30 @@ class ProgramCompiler:
                 todo.append(lambda b=b: self._compile_sampler(b))
         return todo
 
-    def _publish_usable(self) -> None:
-        self.packer.usable = [b for b in self.buckets if b in self.compiled
-                              and self.layouts[b].sampler_rows in self.samplers]
+    @property
+    def usable_buckets(self) -> list[Bucket]:
+        """The buckets steps may be packed into now, ascending (``StepPacker.usable``); a new
+        list (not changed in place) whenever more are compiled or ``restrict_buckets`` runs."""
+        return self.packer.usable
+
+    def restrict_buckets(self, buckets: Sequence[Bucket] | None) -> None:
+        """Pack steps into the compiled ones of ``buckets`` only (None: every compiled
+        bucket), until the next bucket a compile publishes.
+
+        Raises:
+          ValueError: ``buckets`` without the largest compiled one (a step of every size
+            must fit).
+        """
+        self._publish_usable(None if buckets is None else set(buckets))
+
+    def _publish_usable(self, only: set[Bucket] | None = None) -> None:
+        usable = [b for b in self.buckets if b in self.compiled
+                  and self.layouts[b].sampler_rows in self.samplers
+                  and (only is None or b in only)]
+        if only is not None and (not usable or usable[-1] != self.packer.usable[-1]):
+            raise ValueError(f"restrict_buckets: {sorted(only)} must hold the largest compiled "
+                             f"bucket, {self.packer.usable[-1]}")
+        self.packer.usable = usable
 
     def _compile_set_bias(self) -> None:
         st = self.penalty_state

@@ -2,7 +2,7 @@
 (what they compute: ``jaxserve.device.step_programs``; compiling them, before and after ready:
 ``jaxserve.device.compiling`` and ``jaxserve.device.warmup``).
 
-Per step:
+Per step, one call from the engine (``run``):
   ``SchedulerOutput`` -> ``pack_step`` (numpy, into a preallocated ``i32`` buffer of the bucket's
   layout, floats bit-cast) -> one host-to-device transfer -> the bucket's model program
   ``model_step(params, kv_cache, penalty_state, packed, prev_ids) -> (kv_cache, penalty_state,
@@ -21,10 +21,11 @@ known on the host) is packed with that row in ``src_row``; the program reads it 
 round trip). Every program takes and returns the ids at the largest bucket's row count, so any
 bucket can follow any other.
 ``allowed`` (``i32[S, ceil(V / 32)]``) is each row's allowed-token bitmask (constrained
-decoding, ``jaxserve/engine/structured_output.py``): a step with a constrained row fills
-``mask_buffer(bucket)`` on the host and sends it, with a flag that makes the program read it;
-any other step passes the bucket's all-ones mask, which stays on the device, and the program
-skips it, so it costs no transfer, no host work and no device work.
+decoding, ``jaxserve/engine/structured_output.py``): a step with a constrained row comes with
+its rows' masks (``run``'s ``masks``, computed by the grammar layer), which the runner pads to
+the bucket's rows and sends, with a flag that makes the program read it; any other step passes
+the bucket's all-ones mask, which stays on the device, and the program skips it, so it costs
+no transfer, no host work and no device work.
 Every bucket's model program and every row count's sampler program are compiled once by
 ``warmup``, plus one small program that writes a logit_bias row into the penalty state;
 ``execute`` only looks programs up, so serving never compiles (``num_compiles`` counts, and a test checks the jax compile events too).
@@ -76,7 +77,10 @@ class StepOutput:
     """
 
     def __init__(self, ids: jax.Array | np.ndarray, logprobs: Logprobs,
-                 prompt_logprobs: Logprobs) -> None:
+                 prompt_logprobs: Logprobs, bucket: Bucket | None = None,
+                 t_dispatch: float = 0.0) -> None:
+        self.bucket = bucket  # the step's shape
+        self.t_dispatch = t_dispatch  # time.perf_counter() when its programs were started
         self._ids = ids
         self._host_ids: np.ndarray | None = None
         self._lp = logprobs
@@ -167,7 +171,7 @@ class ModelRunner(ProgramCompiler):
             out_shardings=self._replicated)()
         self.num_mask_words = -(-model.cfg.vocab_size // 32)
         self._all_allowed: dict[Bucket, jax.Array] = {}  # i32[S, num_mask_words], all bits set
-        self._mask_buffers: dict[Bucket, np.ndarray] = {}
+        self._masks: dict[Bucket, np.ndarray] = {}  # host staging of ``run``'s masks
         self.compiled: dict[Bucket, jax.stages.Compiled] = {}  # model programs
         self.samplers: dict[int, jax.stages.Compiled] = {}  # by row count (Layout.sampler_rows)
         self.max_bucket_seqs = max(self.layouts[b].sampler_rows for b in self.buckets)
@@ -217,14 +221,19 @@ class ModelRunner(ProgramCompiler):
                                                 lambda idx: host[idx])
         return jax.device_put(host, self._replicated)
 
-    def mask_buffer(self, bucket: Bucket) -> np.ndarray:
-        """The bucket's host allowed-token mask ``i32[S, num_mask_words]``, every bit set
-        (reused: fill it, pass it to ``execute``, and ask again for the next step)."""
-        buf = self._mask_buffers.get(bucket)
+    def _padded_masks(self, bucket: Bucket, masks: np.ndarray) -> np.ndarray:
+        """``masks`` (``i32[n, num_mask_words]``, the step's first ``n`` rows) in the bucket's
+        ``i32[S, num_mask_words]`` host buffer, the other rows all allowed (reused)."""
+        buf = self._masks.get(bucket)
         if buf is None:
-            buf = self._mask_buffers[bucket] = np.empty(
+            buf = self._masks[bucket] = np.empty(
                 (self.layouts[bucket].sampler_rows, self.num_mask_words), np.int32)
-        buf.fill(-1)
+        n = masks.shape[0]
+        if masks.ndim != 2 or masks.shape[1] != self.num_mask_words or n > buf.shape[0]:
+            raise ValueError(f"masks must be i32[n <= {buf.shape[0]}, {self.num_mask_words}], "
+                             f"got {list(masks.shape)}")
+        buf[:n] = masks
+        buf[n:] = -1
         return buf
 
     def set_logit_bias(self, slot: int, bias: dict[int, float]) -> None:
@@ -243,6 +252,23 @@ class ModelRunner(ProgramCompiler):
         self.penalty_state = self._set_bias(self.penalty_state, np.int32(slot), row)
 
     # -- host side -----------------------------------------------------------------------------
+    def run(self, chunks: Sequence[StepChunk], rows: Sequence[RowParams], *,
+            want_logprobs: bool = False, src_rows: Sequence[int] | None = None,
+            masks: np.ndarray | None = None) -> StepOutput:
+        """Pack one ragged step into its bucket and start it (``pack_step``, then ``execute``):
+        the engine's one hand-off per step. Returns at dispatch; ``StepOutput.ids`` waits.
+
+        Args:
+          chunks, rows, want_logprobs, src_rows: as ``pack_step`` (``StepPacker.pack``).
+          masks: ``i32[n, num_mask_words]``, the allowed-token bitmasks of the step's first
+            ``n`` rows (the others allow every token); None: every row allows every token.
+        Raises:
+          ValueError, RuntimeError: as ``pack_step`` and ``execute``.
+        """
+        bucket, packed = self.pack_step(chunks, rows, want_logprobs=want_logprobs,
+                                        src_rows=src_rows)
+        return self.execute(bucket, packed, masks)
+
     def pack_step(self, chunks: Sequence[StepChunk], rows: Sequence[RowParams], *,
                   sample_index: Sequence[int] | None = None, want_logprobs: bool = False,
                   src_rows: Sequence[int] | None = None) -> tuple[Bucket, np.ndarray]:
@@ -252,16 +278,16 @@ class ModelRunner(ProgramCompiler):
                                 want_logprobs=want_logprobs, src_rows=src_rows)
 
     def execute(self, bucket: Bucket, packed: np.ndarray,
-                allowed: np.ndarray | None = None) -> StepOutput:
+                masks: np.ndarray | None = None) -> StepOutput:
         """Dispatch one step and return at once; its ``StepOutput.ids`` wait for it.
 
         Args:
           bucket, packed: as ``pack_step`` returned them (``packed``'s mask flag is set here).
-          allowed: the rows' allowed-token masks (``mask_buffer(bucket)``, filled), or None:
-            every token allowed (the device-resident mask; nothing is sent).
+          masks: the first rows' allowed-token masks (as ``run``), or None: every token
+            allowed (the device-resident mask; nothing is sent).
         Raises:
           RuntimeError: if the bucket was not compiled by warmup (serving never compiles).
-          ValueError: a mask when one model spans several processes.
+          ValueError: a mask when one model spans several processes, or of the wrong shape.
         """
         prog = self.compiled.get(bucket)
         sampler = self.samplers.get(self.layouts[bucket].sampler_rows)
@@ -269,22 +295,23 @@ class ModelRunner(ProgramCompiler):
             raise RuntimeError(f"bucket {bucket} was not compiled; call warmup() first")
         flags = self.layouts[bucket].slices["flags"]
         packed[flags] = (packed[flags] & ~self.FLAG_ALLOWED) | (
-            self.FLAG_ALLOWED if allowed is not None else 0)
+            self.FLAG_ALLOWED if masks is not None else 0)
+        t_dispatch = time.perf_counter()
         if self._multiprocess:  # process 0 drives; the followers run the same program
-            if allowed is not None:
+            if masks is not None:
                 raise ValueError("token masks are not supported when one model spans several "
                                  "processes")
             multihost_utils.broadcast_one_to_all(
                 np.array([self.buckets.index(bucket)], np.int32))
             packed = multihost_utils.broadcast_one_to_all(packed)
-            return self._run_global(bucket, packed)
-        mask = self._all_allowed[bucket] if allowed is None else allowed
+            return self._run_global(bucket, packed, t_dispatch)
+        mask = self._all_allowed[bucket] if masks is None else self._padded_masks(bucket, masks)
         self.kv_cache, self.penalty_state, logits, plp, inputs = prog(
             self.params, self.kv_cache, self.penalty_state, packed, self._last_ids)
         ids, lp = sampler(logits, self.penalty_state, inputs, mask)
         self._last_ids = ids
         ids.copy_to_host_async()
-        return StepOutput(ids, lp, plp)
+        return StepOutput(ids, lp, plp, bucket, t_dispatch)
 
     # -- several processes (jax.distributed): process 0 schedules, the others follow ----------
     @property
@@ -292,7 +319,8 @@ class ModelRunner(ProgramCompiler):
         """True when the mesh spans several processes (see jaxserve.cli.multihost)."""
         return self._multiprocess
 
-    def _run_global(self, bucket: Bucket, packed: np.ndarray) -> StepOutput:
+    def _run_global(self, bucket: Bucket, packed: np.ndarray, t_dispatch: float = 0.0
+                    ) -> StepOutput:
         arr = self._to_device(np.asarray(packed))
         self.kv_cache, self.penalty_state, logits, plp, inputs = self.compiled[bucket](
             self.params, self.kv_cache, self.penalty_state, arr, self._last_ids)
@@ -300,7 +328,8 @@ class ModelRunner(ProgramCompiler):
             logits, self.penalty_state, inputs, self._all_allowed[bucket])
         self._last_ids = ids
         local = lambda tree: jax.tree_util.tree_map(lambda x: x.addressable_data(0), tree)
-        return StepOutput(np.asarray(ids.addressable_data(0)), local(lp), local(plp))
+        return StepOutput(np.asarray(ids.addressable_data(0)), local(lp), local(plp), bucket,
+                          t_dispatch)
 
     def follow(self) -> int:
         """On processes other than 0: run every step process 0 broadcasts, until it calls

@@ -229,7 +229,7 @@ class AsyncEngine:
                 outputs = eng.step()
             except Exception as e:  # keep serving: fail the requests in flight, not the engine
                 log.exception("engine step failed; aborting the requests in flight")
-                ids = list(eng.groups)
+                ids = eng.request_ids()
                 eng.abort_request(ids)
                 for rid in ids:
                     self._deliver(rid, RuntimeError(f"engine step failed: {e}"))

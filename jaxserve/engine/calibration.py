@@ -20,7 +20,7 @@ def calibrate(runner: ModelRunner, prior: StepCostModel, max_model_len: int,
     64 then, on the CPU's ready buckets).
     """
     most = min(max(b.num_tokens for b in runner.buckets), max_model_len - 1)
-    usable = [b.num_tokens for b in runner.packer.usable]
+    usable = [b.num_tokens for b in runner.usable_buckets]
     sizes = {max([t for t in usable if t <= n], default=n)
              for n in (max(1, min(n, most)) for n in sizes)}
     samples = []

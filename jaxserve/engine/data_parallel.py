@@ -141,7 +141,7 @@ class DataParallelEngine:
     def _pick(self) -> int:
         def load(i: int) -> tuple[int, float]:
             r = self.replicas[i]
-            return r.num_unfinished(), r.engine.scheduler.block_pool.usage
+            return r.num_unfinished(), r.engine.kv_cache_usage
 
         return min(range(len(self.replicas)), key=load)
 

@@ -50,5 +50,5 @@ class PenaltySlots:
 
     def release_all_but(self, running: Container[str]) -> None:
         """Give back the slots of the holders whose sequence id is not in ``running``."""
-        for choice in [c for c in self.holders.values() if c.request_id not in running]:
+        for choice in [c for c in self.holders.values() if c.seq_id not in running]:
             self.release(choice)

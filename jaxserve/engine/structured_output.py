@@ -6,10 +6,11 @@ A request with ``SamplingParams.structured_outputs`` goes:
   offline caller) -> a ``Grammar``: an llguidance matcher in its start state, built in the
   compiler's own threads under ``timeout_s`` and cached by ``spec.key``;
   ``add_request``: each choice takes ``grammar.start()``, its own ``GrammarState``;
-  every step: each row that samples under a grammar gets its allowed-token bitmask written into
-  the step's mask buffer by ``fill_masks`` (``i32[S, ceil(V / 32)]``, token ``t`` is bit
-  ``t & 31`` of word ``t >> 5``; rows without a grammar keep all bits set), which the step
-  program applies before sampling (``jaxserve/device/sampler.py:suppress_tokens``);
+  every step: each row that samples under a grammar gets its allowed-token bitmask from
+  ``masks`` (the compiler's own ``i32[n, ceil(V / 32)]`` buffer, token ``t`` is bit ``t & 31``
+  of word ``t >> 5``; rows without a grammar keep all bits set), which the step's dispatcher
+  hands to the runner with the step, and the step program applies before sampling
+  (``jaxserve/device/sampler.py:suppress_tokens``);
   after the step: ``state.advance(token)`` for each sampled token.
 A grammar allows the EOS ids only where the output so far is complete, and nothing else once
 it can go no further, so a constrained output ends exactly where its constraint does. A state
@@ -129,6 +130,7 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="jaxserve-grammar")
         self._lltok: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
+        self._masks = np.empty((0, mask_words(vocab_size)), np.int32)  # ``masks``' buffer
         self.num_compiled = 0  # grammars built (cache misses)
 
     def prepare(self) -> Future[llguidance.LLTokenizer]:
@@ -179,6 +181,18 @@ class GrammarCompiler:
         with self._lock:
             self.num_compiled += 1
         return Grammar(matcher, kind)
+
+    def masks(self, rows: Sequence[tuple[GrammarState, int, Collection[int]]], num_rows: int
+              ) -> np.ndarray:
+        """The allowed-token bitmasks of a step's first ``num_rows`` rows, ``i32[num_rows,
+        mask_words(vocab_size)]``: ``rows`` as ``fill_masks`` takes them, every other row all
+        allowed. The buffer is the compiler's, reused by the next call (engine thread only)."""
+        if self._masks.shape[0] < num_rows:
+            self._masks = np.empty((num_rows, self._masks.shape[1]), np.int32)
+        out = self._masks[:num_rows]
+        out.fill(-1)
+        self.fill_masks(rows, out)
+        return out
 
     def fill_masks(self, rows: Sequence[tuple[GrammarState, int, Collection[int]]],
                    out: np.ndarray) -> None:

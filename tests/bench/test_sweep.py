@@ -173,9 +173,7 @@ def test_sweep_real_server_real_model(engine, tmp_path: Path) -> None:  # type: 
     from jaxserve.server.routes import build_app
     from tests.support.http_server import serve_app
 
-    metrics = EngineMetrics(engine.model_name)
-    metrics.set_batch_limits(engine.config.max_num_seqs, engine.config.max_num_batched_tokens)
-    engine.metrics = metrics
+    engine.set_metrics(EngineMetrics(engine.model_name))
     aeng = AsyncEngine(engine)
     aeng.start(warmup=False)
     out = tmp_path / "sw"
@@ -185,7 +183,7 @@ def test_sweep_real_server_real_model(engine, tmp_path: Path) -> None:  # type: 
                          "--max-concurrency-limit", "4")
     finally:
         aeng.shutdown()
-        engine.metrics = None
+        engine.set_metrics(None)
     (c,) = res["configs"]
     assert [s["concurrency"] for s in c["steps"]] == [1, 2, 4]
     for s in c["steps"]:

@@ -76,7 +76,7 @@ def test_deferred_warmup_pads_up_then_compile_pending_adds_the_rest(tmp_path) ->
     used: list[Bucket] = []
     before = _run(eng, used)
     assert set(used) <= set(READY) and Bucket(32, 4) in used  # the 14-token prefill padded up
-    assert eng.scheduler.config.token_buckets == (1, 4, 32)  # it plans for what is compiled
+    assert eng.scheduler.token_buckets == (1, 4, 32)  # it plans for what is compiled
     calls: list[int] = []
     probe = eng.runner.probe
     eng.runner.probe = lambda n=1: calls.append(n) or probe(n)
@@ -86,7 +86,7 @@ def test_deferred_warmup_pads_up_then_compile_pending_adds_the_rest(tmp_path) ->
     assert eng.runner.packer.usable == ALL and eng.runner.compile_pending() == 0
     used.clear()
     assert _run(eng, used) == before  # the same tokens, in the buckets that fit
-    assert eng.scheduler.config.token_buckets == (1, 4, 8, 16, 32)
+    assert eng.scheduler.token_buckets == (1, 4, 8, 16, 32)
     assert Bucket(32, 4) not in used and Bucket(16, 4) in used
 
 

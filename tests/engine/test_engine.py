@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from jaxserve.core.step_cost import AUTO_ITL_DECODE_RATIO, OnlineStepCost, StepCostModel
+from jaxserve.core.step_policy import StepPolicy
 from jaxserve.device.buckets import Bucket
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
@@ -164,7 +165,7 @@ def test_greedy_batched_matches_golden(llm: LLMEngine, goldens: dict) -> None:
     steps_with_golden_running = []
 
     def on_step(i: int) -> None:
-        running = {s.request_id for s in llm.scheduler.running}
+        running = {s.seq_id for s in llm.scheduler.running}
         if running & set(GOLDEN_NAMES) and len(running) > 1:
             steps_with_golden_running.append(i)
 
@@ -202,15 +203,17 @@ def test_itl_target_keeps_goldens_and_compiles_nothing(
     cfg = dataclasses.replace(llm.scheduler.config, itl_target_s=0.03, step_cost=prior,
                               itl_decode_ratio=AUTO_ITL_DECODE_RATIO if auto else 0.0,
                               prefill_order="shortest-first" if auto else "fcfs")
+    policy = StepPolicy(cfg)
+    # the policy's own online model (fixed without ``auto``: no refit in the test's steps)
+    online = OnlineStepCost(prior, refit_every=4) if auto else \
+        OnlineStepCost(prior, refit_every=10**9, refit_after_s=1e9)
+    monkeypatch.setattr(policy, "_cost", online)
     monkeypatch.setattr(llm.scheduler, "config", cfg)
-    monkeypatch.setattr(llm.scheduler, "step_cost", prior)
-    online = OnlineStepCost(prior, refit_every=4)
-    if auto:
-        monkeypatch.setattr(llm, "step_cost", online)
+    monkeypatch.setattr(llm.scheduler, "policy", policy)
     budgets: list[int] = []  # prefill tokens each step may take
-    budget_of = llm.scheduler._itl_prefill_budget
-    monkeypatch.setattr(llm.scheduler, "_itl_prefill_budget",
-                        lambda: budgets.append(budget_of()) or budgets[-1])
+    budget_of = policy.prefill_budget
+    monkeypatch.setattr(policy, "prefill_budget",
+                        lambda *a: budgets.append(budget_of(*a)) or budgets[-1])
     compiles_before = llm.runner.num_compiles
     test_greedy_batched_matches_golden(llm, goldens)
     assert llm.runner.num_compiles == compiles_before
@@ -228,8 +231,7 @@ def test_start_up_calibration_fits_the_step_cost_and_compiles_nothing(
     are refused."""
     prior = StepCostModel.prior(32, 0.75e-3)
     online = OnlineStepCost(prior)
-    monkeypatch.setattr(llm, "step_cost", online)
-    monkeypatch.setattr(llm.scheduler, "step_cost", prior)
+    monkeypatch.setattr(llm.scheduler.policy, "_cost", online)
     compiles_before = llm.runner.num_compiles
     assert llm.probe() > 0
     model = llm.scheduler.step_cost
@@ -360,7 +362,7 @@ def test_preemption_keeps_goldens_and_frees_blocks(llm: LLMEngine, goldens: dict
     for i in range(4):  # 4 x 35 prompt blocks, growing to 38 each
         llm.add_request(f"long-{i}", rng.integers(0, vocab, 560).tolist(), _greedy(40))
     llm.add_request("golden", p["prompt_token_ids"], _greedy(len(p["greedy_token_ids"])))
-    seq = llm.requests["golden"].seq
+    seq = llm.requests.choice("golden").seq
     done = _drive(llm)
     assert llm.scheduler.num_preemptions_total > preemptions_before
     assert seq.num_preemptions >= 1, "the golden request was never preempted"

@@ -21,7 +21,7 @@ class FakeRunner:
 
 
 def _choice(rid: str, **kw):
-    return SimpleNamespace(request_id=rid, slot=-1, params=SamplingParams(**kw))
+    return SimpleNamespace(seq_id=rid, slot=-1, params=SamplingParams(**kw))
 
 
 def test_slots_are_lent_and_bias_rows_kept_clean() -> None:

@@ -27,7 +27,7 @@ def llm(engine: LLMEngine) -> LLM:
 @pytest.fixture(autouse=True)
 def _engine_left_idle(engine: LLMEngine):
     yield
-    assert not engine.has_unfinished_requests() and not engine.requests and not engine.groups
+    assert not engine.has_unfinished_requests() and not engine.requests
     pool = engine.scheduler.block_pool
     assert pool.num_free_blocks == pool.num_usable_blocks
     assert not engine.slots.holders and len(engine.slots.free) == engine.runner.num_penalty_slots

@@ -281,4 +281,4 @@ def test_an_invalid_constraint_is_refused_before_anything_is_queued(llm: LLMEngi
     with pytest.raises(InvalidRequest) as e:
         llm.add_request("bad", [1, 2, 3], bad)
     assert e.value.param == "structured_outputs"
-    assert not llm.has_unfinished_requests() and "bad" not in llm.groups
+    assert not llm.has_unfinished_requests() and "bad" not in llm.requests

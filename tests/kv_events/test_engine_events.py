@@ -82,8 +82,8 @@ def drive(eng: LLMEngine, rid: str, prompt: list[int]) -> list[int]:
 def test_a_scripted_run_streams_stored_removed_and_cleared(engine: LLMEngine) -> None:
     ctx = zmq.Context()
     try:
-        sub = subscriber(ctx, engine.kv_events.endpoint, b"kv")
-        wait_subscribed(engine.kv_events, sub)
+        sub = subscriber(ctx, engine.reporter.kv_events.endpoint, b"kv")
+        wait_subscribed(engine.reporter.kv_events, sub)
         base = [(7 * i) % 500 + 1 for i in range(48)]  # 3 full blocks shared
         prompts = [base + [600 + i] * 20 for i in range(2)]
         prompts += [[(31 * i + 13 * k) % 900 + 1 for i in range(70)] for k in range(1, 6)]
@@ -131,11 +131,11 @@ def test_a_scripted_run_streams_stored_removed_and_cleared(engine: LLMEngine) ->
     assert view == indexed and len(indexed) > 0
     assert engine.scheduler.kv.stats.num_evicted_blocks == sum(len(e.block_hashes) for e in removed)
     # the counter on /metrics: every event the subscriber got (the last step's included)
-    engine._record_step()
+    engine.reporter.record_gauges()
     got = engine.metrics.registry.get_sample_value(
         "jaxserve:kv_events_published_total", {"model_name": "tiny"}
     )
-    assert got == engine.kv_events.num_events_published >= len(events)
+    assert got == engine.reporter.kv_events.num_events_published >= len(events)
     assert (
         engine.metrics.registry.get_sample_value(
             "jaxserve:kv_events_dropped_total", {"model_name": "tiny"}
@@ -165,9 +165,9 @@ def test_a_data_parallel_replica_stamps_its_rank_on_its_own_endpoint() -> None:
     )
     eng = LLMEngine(cfg, LoadConfig(model="tiny", load_format="dummy"), data_parallel_rank=1)
     try:
-        assert eng.kv_events.endpoint == "inproc://kv-dp_dp1"
-        sub = subscriber(zmq.Context.instance(), eng.kv_events.endpoint)  # inproc: one context
-        wait_subscribed(eng.kv_events, sub)
+        assert eng.reporter.kv_events.endpoint == "inproc://kv-dp_dp1"
+        sub = subscriber(zmq.Context.instance(), eng.reporter.kv_events.endpoint)  # inproc: one context
+        wait_subscribed(eng.reporter.kv_events, sub)
         eng.warmup(progress=False)
         drive(eng, "a", list(range(1, 40)))
         _, _, payload = sub.recv_multipart()
@@ -189,7 +189,7 @@ def test_a_salted_request_does_not_share_an_unsalted_prefix(engine: LLMEngine) -
     drive(engine, "plain", prompt)
     salted = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, cache_salt="abc")
     engine.add_request("salted", prompt, salted)
-    seq = engine.requests["salted"].seq
+    seq = engine.requests.choice("salted").seq
     assert seq.cache_salt == "abc"
     engine.step()
     assert seq.block_hashes and int.from_bytes(seq.block_hashes[0][-8:], "big") \

@@ -1,0 +1,124 @@
+"""What one engine step reports, and to whom.
+
+``LLMEngine.step`` ends with one ``StepReporter.report(StepReport)``: the step's clock, its
+plan, the step it dispatched and the steps whose sampled ids it read. The reporter hands the
+KV manager's prefix-cache changes to the events publisher (never waiting on it), brings the
+metrics up to date (gauges from the scheduler's state, counters from the report), writes the
+step trace line (``--step-trace``) and calls the listeners registered with
+``LLMEngine.add_step_listener``: the engine's timing hook, which ``jaxserve bench step`` reads
+instead of wrapping the engine's parts. A call that ran nothing (``report_idle``) updates the
+gauges and events only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from jaxserve.config import EngineConfig
+from jaxserve.core.plan import SchedulerOutput
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.engine.step_inputs import InflightStep
+from jaxserve.engine.step_trace import StepTimes, StepTrace
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One ``LLMEngine.step`` call that ran something.
+
+    Fields:
+      times: the call's clock (``StepTimes``, ``time.perf_counter`` seconds).
+      plan: the scheduler's plan of this call (empty when it only read the step in flight).
+      dispatched: the step this call started (None: nothing planned); with async scheduling it
+        may still be running on the device (``t_ready`` None).
+      completed: the steps whose sampled ids this call read, in order: the one in flight
+        before it, and this call's own when it ran synchronously.
+      num_generated: tokens those steps added to the requests.
+      num_preemptions: sequences preempted while planning.
+    """
+
+    times: StepTimes
+    plan: SchedulerOutput
+    dispatched: InflightStep | None
+    completed: tuple[InflightStep, ...]
+    num_generated: int
+    num_preemptions: int
+
+
+StepListener = Callable[[StepReport], None]
+
+
+class StepReporter:
+    """Hands each step's report to the metrics, the KV-cache events publisher, the step trace
+    and the listeners (module docstring); each of the first three may be None (off).
+
+    Args:
+      scheduler: read for the gauges; its KV-cache events are taken from it.
+      metrics: an ``EngineMetrics`` or None.
+      kv_events: the events publisher (``jaxserve.kv_events``) or None.
+      step_trace_file: where to append the step trace's lines (``StepTrace``); None: no trace.
+    """
+
+    def __init__(self, scheduler: Scheduler, metrics=None, kv_events=None,
+                 step_trace_file: str | None = None) -> None:
+        self.scheduler, self.metrics, self.kv_events = scheduler, metrics, kv_events
+        self.step_trace = StepTrace(step_trace_file) if step_trace_file else None
+        self.listeners: list[StepListener] = []
+
+    def report(self, r: StepReport) -> None:
+        """One step that ran something."""
+        self.publish_kv_events()
+        self.record_gauges(r.plan, r.dispatched.num_prompt_tokens if r.dispatched else 0,
+                           r.num_generated, r.num_preemptions)
+        if self.step_trace is not None:
+            self.step_trace.record(r.times, r.plan, r.dispatched,
+                                   r.completed[0] if r.completed else None)
+        for listener in self.listeners:
+            listener(r)
+
+    def report_idle(self, plan: SchedulerOutput) -> None:
+        """A step call with nothing to run or read."""
+        self.publish_kv_events()
+        self.record_gauges(plan)
+
+    def publish_kv_events(self) -> None:
+        """Hand the prefix-cache changes since the last call to the publisher (never waits)."""
+        if self.kv_events is not None:
+            records = self.scheduler.take_kv_events()
+            if records:
+                self.kv_events.publish(records)
+
+    def record_gauges(self, plan: SchedulerOutput | None = None, num_prompt_tokens: int = 0,
+                      num_generation_tokens: int = 0, num_preemptions: int = 0) -> None:
+        """The metrics after a step (or an abort: ``plan`` None), from the scheduler's state."""
+        m, sched = self.metrics, self.scheduler
+        if m is None:
+            return
+        m.record_step(len(sched.running), len(sched.waiting), sched.block_pool.usage,
+                      num_prompt_tokens, num_generation_tokens, num_preemptions)
+        if plan is not None:  # batch occupancy of the step that ran (0, 0 when idle)
+            m.record_batch(len(plan.scheduled), plan.num_scheduled_tokens)
+        m.record_tokens_pending(*sched.num_tokens_pending())
+        host = sched.host_pool
+        m.record_kv_stats(sched.kv_stats, None if host is None else
+                          1 - host.num_free_blocks / host.num_usable_blocks)
+        if self.kv_events is not None:
+            m.record_kv_events(self.kv_events.num_events_published,
+                               self.kv_events.num_events_dropped)
+
+    def close(self) -> None:
+        """Publish what is left and stop the events publisher (the engine keeps working)."""
+        if self.kv_events is not None:
+            self.publish_kv_events()
+            self.kv_events.shutdown()
+            self.kv_events = None
+
+
+def start_kv_events(config: EngineConfig, data_parallel_rank: int):
+    """The KV-cache events publisher of ``config.kv_events``, started. Imported here, not at the
+    top: msgspec and pyzmq are needed only with events on (the engine core imports with jax,
+    flax and numpy alone)."""
+    from jaxserve.kv_events.publisher import start_publisher
+
+    return start_publisher(config.kv_events, config.block_size, data_parallel_rank,
+                           config.prefix_caching_hash_algo)
