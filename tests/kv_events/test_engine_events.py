@@ -24,7 +24,7 @@ from tests.support.vllm_wheel import block_hashes, run_full_vllm
 BS = 16
 SEED = "0"
 HOST_BLOCKS = 6
-BLOCK_BYTES = 2 * 2 * BS * 4 * 16 * 4  # K and V, 2 layers, 4 kv heads of 16 float32
+BLOCK_BYTES = 2 * 2 * BS * 4 * 16 * 2  # K and V, 2 layers, 4 kv heads of 16 (bfloat16 here)
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,7 @@ def engine(tmp_path_factory):
         cfg, LoadConfig(model="tiny", load_format="dummy"), metrics=EngineMetrics("tiny")
     )
     mp.undo()
+    assert eng.scheduler.kv.num_host_blocks == HOST_BLOCKS + 1
     eng.warmup(progress=False)
     yield eng
     eng.close()
