@@ -81,7 +81,8 @@ class EngineConfig:
         "help": "KV-cache events for cache-aware routers, as vLLM's flag: a JSON object of "
                 "vLLM's KVEventsConfig fields (enable_kv_cache_events, publisher zmq|null, "
                 "endpoint [tcp://*:5557], replay_endpoint, buffer_steps, hwm, max_queue_size, "
-                "topic), e.g. '{\"enable_kv_cache_events\": true}' (default: no events)"})
+                "topic), plus jaxserve's event_encoding (map [vLLM 0.32's], array [older "
+                "readers']), e.g. '{\"enable_kv_cache_events\": true}' (default: no events)"})
     kv_offloading_size: float | None = field(default=None, metadata={
         "help": "GiB of pinned host memory for a second KV tier: evicted cached blocks go there "
                 "and are found again; preempted requests swap there (default: no host tier)"})

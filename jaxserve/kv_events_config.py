@@ -11,13 +11,15 @@ import typing
 from dataclasses import dataclass
 
 KV_EVENT_PUBLISHERS = ("null", "zmq")
+EVENT_ENCODINGS = ("map", "array")  # jaxserve.kv_events.events.EVENT_ENCODINGS
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
 @dataclass(frozen=True)
 class KVEventsConfig:
     """KV-cache event publishing: vLLM's ``KVEventsConfig`` (``vllm/config/kv_events.py``),
-    the same fields, defaults and JSON (``--kv-events-config``). Events are
+    the same fields, defaults and JSON (``--kv-events-config``), plus jaxserve's
+    ``event_encoding`` (``jaxserve.kv_events.events``). Events are
     ``jaxserve.kv_events``'s; the endpoints of data-parallel replica ``i`` get ``i`` added to
     their tcp port (``inproc`` ones a ``_dp{i}`` suffix), as vLLM's.
 
@@ -33,6 +35,9 @@ class KVEventsConfig:
     hwm: int = 100_000  # the PUB socket's high-water mark (batches per slow subscriber)
     max_queue_size: int = 100_000  # batches queued for the publisher thread; more are dropped
     topic: str = ""  # the first frame of every message
+    # jaxserve's own field (vLLM sends one encoding per release): "map", the tagged-map events
+    # of vLLM 0.32; "array", the tagged arrays of the releases before it
+    event_encoding: str = "map"
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(KVEventsConfig)
@@ -50,6 +55,9 @@ class KVEventsConfig:
         if self.publisher not in KV_EVENT_PUBLISHERS:
             raise ValueError(f"kv_events_config field 'publisher' must be one of "
                              f"{KV_EVENT_PUBLISHERS}, got {self.publisher!r}")
+        if self.event_encoding not in EVENT_ENCODINGS:
+            raise ValueError(f"kv_events_config field 'event_encoding' must be one of "
+                             f"{EVENT_ENCODINGS}, got {self.event_encoding!r}")
         for name in ("endpoint", "replay_endpoint"):
             value = getattr(self, name)
             if value is not None and not value.startswith(ENDPOINT_SCHEMES):

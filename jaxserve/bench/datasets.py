@@ -14,7 +14,7 @@ every length clipped below at 1.
 prompts cut from real English text.
 ``prefix``: ``num_prefixes`` distinct shared prefixes, each followed by fresh random suffixes
 (vLLM's ``prefix_repetition``); requests are spread evenly over the prefixes and shuffled.
-``trace``: a JSONL file replayed, one request a line (``trace_dataset``).
+``trace``: a trace file replayed (``traces.py``: Mooncake-style JSONL, Azure CSV).
 
 Prompts are token ids for ``/v1/completions`` (exact lengths: the server takes token-id prompts
 as they are) and text for ``/v1/chat/completions``. ``random`` and ``prefix`` text prompts are one
@@ -31,7 +31,6 @@ end (SmolLM2: 0-16) or high end (Llama 3: >= 128000) of a vocabulary.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -334,73 +333,3 @@ def sharegpt_like_dataset(
     in_lens, out_lens = sharegpt_like_lengths(num_prompts, rng)
     return [SampleRequest(corpus.prompt(rng, n, chat), n, m)
             for n, m in zip(in_lens.tolist(), out_lens.tolist())]
-
-
-# -- trace ----------------------------------------------------------------------------------------
-
-
-def trace_dataset(
-    path: str, num_prompts: int | None, seed: int, chat: bool, corpus: TextCorpus
-) -> tuple[list[SampleRequest], np.ndarray]:
-    """Requests and their send times (s after the first arrival, ``float64[n]``) from a JSONL
-    trace, sorted by arrival; the first ``num_prompts`` (None: all).
-
-    One JSON object a line: the arrival, ``arrival_time`` (s) or ``timestamp`` (ms, as the
-    Mooncake traces); the prompt, ``prompt`` (text, sent as it is) or ``input_length`` (tokens:
-    a window of ``corpus``); and ``output_length`` (tokens). Blank lines are skipped.
-
-    Raises:
-      ValueError: naming the line and the field: bad JSON, a missing or negative field, both or
-        neither of a pair, or an empty trace.
-    """
-    rows: list[tuple[float, SampleRequest]] = []
-    rng = np.random.default_rng(seed)
-    with open(path, encoding="utf-8") as fh:
-        for k, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"trace {path} line {k}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"{where}: must be a JSON object")
-            t = _one_of(obj, where, "arrival_time", "timestamp")
-            at = float(_number(obj, where, t)) * (1e-3 if t == "timestamp" else 1.0)
-            out_len = int(_number(obj, where, "output_length", integer=True))
-            if out_len < 1:
-                raise ValueError(f"{where}: output_length must be >= 1, got {out_len}")
-            if _one_of(obj, where, "prompt", "input_length") == "prompt":
-                text = obj["prompt"]
-                if not isinstance(text, str) or not text:
-                    raise ValueError(f"{where}: prompt must be a non-empty string")
-                n = len(corpus.tokenizer.encode(text, add_special_tokens=False).ids)
-                sample = SampleRequest(text, n, out_len)
-            else:
-                n = int(_number(obj, where, "input_length", integer=True))
-                if n < 1:
-                    raise ValueError(f"{where}: input_length must be >= 1, got {n}")
-                sample = SampleRequest(corpus.prompt(rng, n, chat), n, out_len)
-            rows.append((at, sample))
-    if not rows:
-        raise ValueError(f"trace {path} holds no request")
-    rows.sort(key=lambda r: r[0])
-    rows = rows[:num_prompts] if num_prompts is not None else rows
-    times = np.array([r[0] for r in rows], np.float64)
-    return [r[1] for r in rows], times - times[0]
-
-
-def _one_of(obj: dict, where: str, a: str, b: str) -> str:
-    if (a in obj) == (b in obj):
-        raise ValueError(f"{where}: give exactly one of {a!r} and {b!r}")
-    return a if a in obj else b
-
-
-def _number(obj: dict, where: str, key: str, integer: bool = False) -> float:
-    v = obj.get(key)
-    kinds = (int,) if integer else (int, float)
-    if isinstance(v, bool) or not isinstance(v, kinds) or v < 0:
-        kind = "a non-negative integer" if integer else "a non-negative number"
-        raise ValueError(f"{where}: {key} must be {kind}, got {v!r}")
-    return v

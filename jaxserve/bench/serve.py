@@ -45,7 +45,6 @@ from jaxserve.bench.datasets import (
     prefix_dataset,
     random_dataset,
     sharegpt_like_dataset,
-    trace_dataset,
 )
 from jaxserve.bench.metrics import (
     METRICS,
@@ -62,6 +61,7 @@ from jaxserve.bench.profiles import (
     default_burstiness,
     profile_dataset,
 )
+from jaxserve.bench.traces import DEFAULT_BLOCK_SIZE, read_trace
 from jaxserve.extras import require
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
@@ -75,11 +75,15 @@ def add_dataset_args(p: argparse.ArgumentParser, num_prompts: int = 1000) -> Non
       help="workload: random lengths; sharegpt-like (published ShareGPT length statistics, "
            "real text); chat-like, code-like, mixed-system-prompt (lengths and burstiness of "
            "the Azure LLM inference trace 2023, real text; jaxserve only); shared prefixes "
-           "(prefix_repetition: the same); trace (--dataset-path JSONL replayed at its own "
+           "(prefix_repetition: the same); trace (--dataset-path replayed at its own "
            "arrival times)")
     a("--dataset-path", default=None,
-      help="the trace file of --dataset-name trace: JSONL of arrival_time (s) or timestamp "
-           "(ms), prompt or input_length, output_length")
+      help="the trace file of --dataset-name trace: Mooncake-style JSONL (timestamp ms or "
+           "arrival_time s; prompt, or input_length with hash_ids; output_length) or the "
+           "Azure LLM inference trace's CSV (TIMESTAMP,ContextTokens,GeneratedTokens)")
+    a("--trace-block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+      help="tokens per hash id of a JSONL trace: requests sharing leading hash_ids share that "
+           "prompt prefix (512: Mooncake's traces and AIPerf; vLLM's timed_trace uses 16)")
     a("--tokenizer", default=None,
       help="tokenizer that cuts sharegpt-like and trace prompts from real text: a .gguf file, "
            "a tokenizer.json or a folder holding one (default: SmolLM2-135M-Instruct's)")
@@ -182,13 +186,14 @@ def build_workload(ns: argparse.Namespace, chat: bool
                               ns.prefix_repetition_output_len, ns.seed, chat, rng_range), None
     if name == "trace":
         if not ns.dataset_path:
-            raise ValueError("--dataset-name trace needs --dataset-path FILE.jsonl")
+            raise ValueError("--dataset-name trace needs --dataset-path FILE (.jsonl or .csv)")
         if not math.isinf(getattr(ns, "request_rate", math.inf)):
             raise ValueError("--request-rate does not apply to a trace (it sets its own arrival "
                              "times); leave it at inf")
     corpus = TextCorpus(load_tokenizer(ns.tokenizer))
     if name == "trace":
-        return trace_dataset(ns.dataset_path, ns.num_prompts, ns.seed, chat, corpus)
+        return read_trace(ns.dataset_path, ns.num_prompts, ns.seed, chat, corpus,
+                          ns.trace_block_size)
     if name in PROFILES:
         return profile_dataset(name, ns.num_prompts, ns.seed, chat, corpus, ns.profile_max_len,
                                ns.profile_system_prompt_len), None

@@ -14,7 +14,8 @@ its extra keys: whatever else changes its K/V. jaxserve's only extra key is a re
   ``vllm/utils/hashing.py`` ``sha256_cbor``): SHA-256 over the canonical CBOR encoding of
   ``(parent_hash, tuple(token_ids), extra_keys)``, where the first block's parent is
   ``NONE_HASH = sha256_cbor(seed)``, the seed being ``$PYTHONHASHSEED`` when set, else vLLM's
-  fixed ``"vllm-none-hash"``, and ``extra_keys`` is None or ``(cache_salt,)``. A router that
+  fixed ``"vllm-none-hash"``, and ``extra_keys`` is None or ``(("cache_salt", salt),)`` (as
+  vLLM 0.31 and 0.32; KV events publish the salt untagged, ``(salt,)``). A router that
   knows the block size and the seed recomputes these from token ids (llm-d's kv-cache indexer
   does), so they are the hashes to publish KV events with.
 
@@ -77,8 +78,10 @@ class BlockHasher:
                 return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
 
             none_hash = self.none_hash = sha256_cbor(none_hash_seed() if seed is None else seed)
+            # vLLM tags each extra key with its source: ("cache_salt", salt)
             self._hash = lambda parent, tokens, extra: sha256_cbor(
-                (parent or none_hash, tuple(tokens), extra)
+                (parent or none_hash, tuple(tokens),
+                 tuple(("cache_salt", k) for k in extra) if extra else None)
             )
         else:
             self._hash = lambda parent, tokens, extra: hash_block_tokens(

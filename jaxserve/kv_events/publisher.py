@@ -5,7 +5,8 @@ Wire protocol (vLLM's ``ZmqEventPublisher`` in ``vllm/distributed/kv_events.py``
 - a PUB socket at ``endpoint`` sends each batch as the multipart message
   ``(topic, seq, payload)``: ``topic`` the config's topic in UTF-8, ``seq`` the batch's
   sequence number (0, 1, 2, ... per publisher) as 8 bytes big-endian, ``payload`` the msgpack
-  ``KVEventBatch`` (``events.py``);
+  ``KVEventBatch`` (``events.py``: vLLM 0.32's tagged-map events, or with ``event_encoding``
+  "array" the tagged arrays of earlier releases);
 - a ROUTER socket at ``replay_endpoint`` (optional) answers a request
   ``(identity, b"", start_seq as 8 bytes big-endian)`` with ``(identity, b"", seq, payload)``
   for every batch still buffered (the last ``buffer_steps``) with ``seq >= start_seq``, then
@@ -32,7 +33,7 @@ import msgspec
 
 from jaxserve.config import KVEventsConfig
 from jaxserve.core.cache_events import CacheEvent
-from jaxserve.kv_events.events import KVEventBatch, int_block_hashes, to_wire
+from jaxserve.kv_events.events import EventEncoder, KVEventBatch, int_block_hashes
 
 log = logging.getLogger(__name__)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -159,6 +160,7 @@ class ZmqEventPublisher:
 
     def _run(self) -> None:
         encode = msgspec.msgpack.Encoder().encode
+        events = EventEncoder(self.block_size, self._as_int, self.config.event_encoding)
         seq = 0
         while not self._stop.is_set():
             if self._replay is not None and self._replay.poll(0):
@@ -174,16 +176,14 @@ class ZmqEventPublisher:
                 return
             ts, records = item
             try:
-                batch = KVEventBatch(
-                    ts, to_wire(records, self.block_size, self._as_int), self.data_parallel_rank
-                )
+                batch = KVEventBatch(ts, events.encode(records), self.data_parallel_rank)
                 payload = encode(batch)
                 self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
             except Exception:
                 log.exception("KV events: a batch could not be sent")
                 continue
             self._buffer.append((seq, payload))
-            self.num_events_published += len(records)
+            self.num_events_published += len(batch.events)
             seq += 1
 
     def _serve_replay(self) -> None:

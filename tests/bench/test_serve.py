@@ -31,7 +31,6 @@ from jaxserve.bench.datasets import (
     sample_lengths,
     sharegpt_like_dataset,
     sharegpt_like_lengths,
-    trace_dataset,
 )
 from jaxserve.bench.metrics import (
     RequestResult,
@@ -408,32 +407,6 @@ def test_sharegpt_like_prompts_are_real_text(tokenizer) -> None:  # type: ignore
     chat = sharegpt_like_dataset(20, seed=3, chat=True, corpus=corpus)
     assert [r.prompt_len for r in chat] == [r.prompt_len for r in reqs]
     assert chat[0].prompt == text
-
-
-def test_trace_dataset(tmp_path: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
-    corpus = TextCorpus(tokenizer.backend)
-    p = tmp_path / "t.jsonl"
-    p.write_text('{"timestamp": 2500, "input_length": 12, "output_length": 3}\n\n'
-                 '{"timestamp": 1000, "prompt": "It is a truth", "output_length": 5}\n'
-                 '{"timestamp": 1200, "input_length": 7, "output_length": 1}\n')
-    reqs, times = trace_dataset(str(p), None, 0, chat=False, corpus=corpus)
-    np.testing.assert_allclose(times, [0.0, 0.2, 1.5])
-    assert reqs[0].prompt == "It is a truth" and reqs[0].expected_output_len == 5
-    assert reqs[0].prompt_len == len(tokenizer.encode("It is a truth", add_special_tokens=False))
-    assert [(len(r.prompt), r.expected_output_len) for r in reqs[1:]] == [(7, 1), (12, 3)]
-    first, t = trace_dataset(str(p), 2, 0, chat=False, corpus=corpus)
-    assert len(first) == 2 and t.tolist() == pytest.approx([0.0, 0.2])
-    for bad, field in (('{"arrival_time": 1, "output_length": 2}', "prompt"),
-                       (('{"arrival_time": 1, "timestamp": 3, "input_length": 2, '
-                         '"output_length": 2}'), "arrival_time"),
-                       ('{"arrival_time": -1, "input_length": 2, "output_length": 2}',
-                        "arrival_time"),
-                       ('{"arrival_time": 0, "input_length": 2, "output_length": 0}',
-                        "output_length"),
-                       ("[1]", "object"), ("{", "JSON")):
-        p.write_text(bad + "\n")
-        with pytest.raises(ValueError, match=field):
-            trace_dataset(str(p), None, 0, chat=False, corpus=corpus)
 
 
 def test_trace_end_to_end_keeps_arrival_times(tmp_path: Path) -> None:

@@ -1,6 +1,8 @@
 """Block hashes by algorithm: ``sha256`` keeps jaxserve's hashes; ``sha256_cbor`` equals a
 reference written here from vLLM's definition (SHA-256 of canonical CBOR of
-``(parent, tuple(tokens), extra_keys)``, the first parent ``sha256_cbor(seed)``)."""
+``(parent, tuple(tokens), extra_keys)``, the first parent ``sha256_cbor(seed)``, the salt tagged
+``("cache_salt", salt)`` as vLLM 0.31+). tests/kv_events/test_engine_events.py checks the same
+hashes against vLLM's own hasher, from its released wheel."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ def ref_chain(blocks: list[list[int]], seed: str, salt: str | None = None) -> li
     parent = ref_sha256_cbor(seed)  # vLLM's NONE_HASH
     out = []
     for i, tokens in enumerate(blocks):
-        extra = (salt,) if salt and i == 0 else None
+        extra = (("cache_salt", salt),) if salt and i == 0 else None
         parent = ref_sha256_cbor((parent, tuple(tokens), extra))
         out.append(parent)
     return out

@@ -27,7 +27,8 @@ def test_vllms_defaults_and_publisher_rule() -> None:
         "--prefix-caching-hash-algo",
         "sha256_cbor",
     ).kv_events
-    assert cfg == KVEventsConfig(True, "zmq", "tcp://*:5557", None, 10_000, 100_000, 100_000, "")
+    assert cfg == KVEventsConfig(True, "zmq", "tcp://*:5557", None, 10_000, 100_000, 100_000, "",
+                                 "map")
     assert cfg.publishing
     assert KVEventsConfig().publisher == "null" and not KVEventsConfig().publishing
     assert EngineConfig().kv_events is None and not EngineConfig().kv_events_enabled
@@ -40,6 +41,7 @@ def test_vllms_defaults_and_publisher_rule() -> None:
         ('{"enable_kv_cache_events": "yes"}', "'enable_kv_cache_events' must be bool"),
         ('{"buffer_steps": 0}', "'buffer_steps' must be >= 1"),
         ('{"publisher": "kafka"}', "'publisher' must be one of"),
+        ('{"event_encoding": "json"}', "'event_encoding' must be one of"),
         ('{"endpoint": "localhost:5557"}', "'endpoint' must start with"),
         ('{"topic": 1}', "'topic' must be str"),
         ('{"enable_kv_cache_events": true', "not valid JSON"),

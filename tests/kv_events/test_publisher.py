@@ -1,13 +1,12 @@
-"""The ZMQ publisher against a subscriber that decodes with vLLM's structs, written here
-independently from ``vllm/distributed/kv_events.py`` (the last release that sent events as
-arrays): message framing, sequence numbers, replay over the ROUTER socket, data-parallel
-endpoints, and that a stuck publisher never makes ``publish`` wait."""
+"""The ZMQ publisher against a subscriber that decodes with vLLM 0.32's own structs (the
+``vllm`` fixture: the released wheel's ``vllm/distributed/kv_events.py``): message framing,
+both encodings, sequence numbers, replay over the ROUTER socket, data-parallel endpoints, and
+that a stuck publisher never makes ``publish`` wait."""
 
 from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any
 
 import msgspec
 import pytest
@@ -18,46 +17,6 @@ from jaxserve.core.cache_events import BlocksRemoved, BlocksStored, CacheCleared
 from jaxserve.kv_events import events as wire
 from jaxserve.kv_events.publisher import END_SEQ, ZmqEventPublisher, offset_endpoint
 
-# -- vLLM's schema, copied from vllm/distributed/kv_events.py --------------------------------
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[bytes | int]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-DECODE = msgspec.msgpack.Decoder(KVEventBatch).decode
 H1, H2 = bytes(range(32)), bytes(range(100, 132))
 
 
@@ -111,7 +70,10 @@ def make(tmp_path, **kw) -> ZmqEventPublisher:
     return ZmqEventPublisher(cfg, block_size=16)
 
 
-def test_messages_decode_with_vllms_schema(tmp_path, ctx) -> None:
+def test_messages_decode_with_vllms_decoder(tmp_path, ctx, vllm) -> None:
+    """vLLM 0.32's subscriber (``Decoder(KVEventBatch)``) reads every event with its fields; the
+    raw layout is an array-like batch of tagged maps, as vLLM 0.32 sends."""
+    v = vllm.kv_events
     pub = make(tmp_path, topic="kv@pod-0")
     try:
         sub = subscriber(ctx, pub.endpoint, b"kv@pod-0")
@@ -127,29 +89,70 @@ def test_messages_decode_with_vllms_schema(tmp_path, ctx) -> None:
         )
         topic, seq, payload = sub.recv_multipart()
         assert topic == b"kv@pod-0" and len(seq) == 8
-        batch = DECODE(payload)
+        batch = msgspec.msgpack.Decoder(v.KVEventBatch).decode(payload)
         assert batch.data_parallel_rank == 0 and batch.ts > 1.7e9
         assert batch.events == [
-            BlockStored(
-                [low64(H1), low64(H2)], None, list(tokens), 16, None, "GPU", None, [("salt",), None]
+            v.BlockStored(
+                [low64(H1), low64(H2)], None, list(tokens), 16, None, "GPU", None,
+                [("salt",), None], group_idx=0, kv_cache_spec_kind="full_attention",
             ),
-            BlockRemoved([low64(H2)], "GPU"),
-            BlockStored([low64(H2)], None, [], 16, None, "CPU", None),
-            AllBlocksCleared(),
+            v.BlockRemoved([low64(H2)], "GPU", group_idx=0),
+            # the host tier's copy of H2: its tokens and parent, though the record had none
+            v.BlockStored([low64(H2)], low64(H1), list(tokens[16:]), 16, None, "CPU", None,
+                          group_idx=0, kv_cache_spec_kind="full_attention"),
+            v.AllBlocksCleared(),
         ]
-        # the raw layout: a tagged array per event
         raw = msgspec.msgpack.decode(payload)
-        assert raw[1][1] == ["BlockRemoved", [low64(H2)], "GPU", None]
+        assert isinstance(raw, list) and len(raw) == 3
+        assert raw[1][1] == {"type": "BlockRemoved", "block_hashes": [low64(H2)],
+                             "medium": "GPU", "group_idx": 0}
     finally:
         pub.shutdown()
 
 
-def test_bytes_hashes_when_vllms_switch_says_so(monkeypatch) -> None:
-    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
-    assert not wire.int_block_hashes()
-    (ev,) = wire.to_wire([BlocksStored((H1,), H2, (1,) * 16, "GPU")], 16, as_int=False)
-    assert ev.block_hashes == [H1] and ev.parent_block_hash == H2
-    assert wire.external_hash(H1, True) == low64(H1)
+def test_the_array_encoding_is_the_older_releases_tagged_arrays(tmp_path, ctx) -> None:
+    """``event_encoding: "array"``: events as tagged arrays, every field written (what llm-d's
+    kv-cache indexer up to v0.8 reads; tests/kv_events/test_dynamo_indexer.py has a real
+    reader of it)."""
+    pub = make(tmp_path, event_encoding="array")
+    try:
+        sub = subscriber(ctx, pub.endpoint)
+        wait_subscribed(pub, sub)
+        pub.publish([BlocksStored((H1,), None, tuple(range(16)), "GPU"),
+                     BlocksRemoved((H1,), "GPU"), CacheCleared()])
+        raw = msgspec.msgpack.decode(sub.recv_multipart()[2])
+        assert raw[1] == [
+            ["BlockStored", [low64(H1)], None, list(range(16)), 16, None, "GPU", None, None,
+             None],
+            ["BlockRemoved", [low64(H1)], "GPU", None],
+            ["AllBlocksCleared"],
+        ]
+    finally:
+        pub.shutdown()
+
+
+def test_offloaded_blocks_go_out_as_chains_parent_first() -> None:
+    """An offload record lists evicted blocks in eviction order (a sequence's last block
+    first, blocks of several sequences mixed); the host-tier events are parent-to-child
+    chains, each after the one holding its parent, so a router can place every block."""
+    enc = wire.EventEncoder(4, as_int=False)
+    a = [bytes([i]) * 32 for i in range(1, 4)]  # one sequence's three blocks
+    b = bytes([9]) * 32  # another sequence's block, a child of a[0]
+    enc.encode([BlocksStored(tuple(a), None, tuple(range(12)), "GPU"),
+                BlocksStored((b,), a[0], (7, 7, 7, 7), "GPU")])
+    out = enc.encode([BlocksRemoved((a[2], b, a[1], a[0]), "GPU"),
+                      BlocksStored((a[2], b, a[1], a[0]), None, (), "CPU")])
+    stored = out[1:]
+    assert [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in stored] == [
+        ([a[0], b], None, [0, 1, 2, 3, 7, 7, 7, 7]),  # a[0]'s first child in the record
+        ([a[1], a[2]], a[0], list(range(4, 12))),
+    ]
+    # blocks in no tier are forgotten: a later host store of them has no tokens
+    enc.encode([BlocksRemoved((a[0],), "CPU")])
+    (late,) = enc.encode([BlocksStored((a[0],), None, (), "CPU")])
+    assert late.token_ids == [] and late.kv_cache_spec_kind is None
+    with pytest.raises(ValueError, match="event_encoding"):
+        wire.EventEncoder(4, as_int=True, encoding="json")
 
 
 def test_sequence_numbers_rise_and_replay_fills_a_gap(tmp_path, ctx) -> None:
@@ -190,14 +193,14 @@ def test_a_stuck_publisher_never_blocks_publish(tmp_path, ctx, monkeypatch) -> N
     one subscriber never reads: every ``publish`` still returns at once, the queue takes
     ``max_queue_size`` batches and the rest are dropped and counted."""
     release, entered = threading.Event(), threading.Event()
-    real = wire.to_wire
+    real = wire.EventEncoder.encode
 
     def stalled(*args):
         entered.set()
         release.wait(30)
         return real(*args)
 
-    monkeypatch.setattr("jaxserve.kv_events.publisher.to_wire", stalled)
+    monkeypatch.setattr(wire.EventEncoder, "encode", stalled)
     pub = make(tmp_path, max_queue_size=3, hwm=1)
     subscriber(ctx, pub.endpoint)  # never reads
     try:
