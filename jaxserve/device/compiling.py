@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.device.buckets import Bucket
-from jaxserve.device.sampler import set_bias_row
+from jaxserve.device.penalties import set_bias_row
 from jaxserve.device.step_programs import model_program, sampler_program
 from jaxserve.device.warmup import run_compiles
 from jaxserve.sampling_params import MAX_LOGPROBS, MAX_MIN_TOKENS_STOP_IDS

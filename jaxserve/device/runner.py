@@ -49,11 +49,8 @@ from jaxserve.device.buckets import Bucket, make_buckets
 from jaxserve.device.compiling import ProgramCompiler
 from jaxserve.device.executable_cache import ExecutableCache
 from jaxserve.device.host_tier import HostKVTier
-from jaxserve.device.sampler import (
-    Logprobs,
-    PenaltyState,
-    new_penalty_state,
-)
+from jaxserve.device.penalties import PenaltyState, new_penalty_state
+from jaxserve.device.sampler import Logprobs
 from jaxserve.device.step_buffer import (
     FLAG_ALLOWED,
     FLAG_LOGPROBS,

@@ -13,10 +13,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxserve.device.penalties import PenaltyState, feed_tokens
 from jaxserve.device.sampler import (
-    PenaltyState,
     RowInputs,
-    feed_tokens,
     logprobs_of,
     sample,
     suppress_tokens,

@@ -115,7 +115,7 @@ def _ref_penalties(logits, prompt, output, rep, pres, freq, bias):
 
 
 def test_penalties_and_bias_match_the_reference() -> None:
-    from jaxserve.device.sampler import (
+    from jaxserve.device.penalties import (
         apply_penalties,
         feed_tokens,
         new_penalty_state,
