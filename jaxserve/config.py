@@ -24,8 +24,16 @@ ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas-interpret")
 QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8")
 CPU_KERNELS = ("auto", "on", "off")
 BATCH_INVARIANT = ("auto", "on", "off")
-# the order in which prompts get a step's prefill budget (core.scheduler.Scheduler.schedule)
-PREFILL_ORDERS = ("fcfs", "shortest-first")
+# the order in which prompts get a step's prefill budget (core.step_policy.StepPolicy)
+PREFILL_ORDERS = ("fcfs", "shortest-first", "slo")
+# the default service objectives (ms) by platform: (first token, largest gap between tokens);
+# why these: docs/configuration.md#slos. jaxserve.platform reads them from here.
+DEFAULT_SLOS_MS = {"cpu": (2000.0, 300.0), "gpu": (1000.0, 100.0)}
+# prompt tokens a step gives prefill at least while streams decode (core.step_cost)
+MIN_PREFILL_TOKENS = 8
+# shortest-first (and slo without a first-token objective): steps a prompt may be bypassed
+# before it goes by arrival (core.step_policy)
+MAX_PREFILL_SKIPS = 64
 # copies of core.block_hash.HASH_ALGOS / UNSUPPORTED_HASH_ALGOS (tests/core/test_block_hash.py)
 PREFIX_CACHING_HASH_ALGOS = ("sha256", "sha256_cbor")
 UNSUPPORTED_HASH_ALGOS = ("xxhash", "xxhash_cbor")
@@ -52,18 +60,26 @@ class EngineConfig:
     long_prefill_token_threshold: int = field(default=0, metadata={
         "help": "when > 0, the most prompt tokens one request computes in a step, leaving budget "
                 "to admit others behind a long prompt; 0: off"})
+    ttft_slo_ms: float | None = field(default=None, metadata={
+        "help": "time-to-first-token objective in ms: the scheduler orders prompts so that the "
+                "most requests get their first token within it of arrival (--prefill-order "
+                "slo), none starving; 0: none (default: "
+                f"{DEFAULT_SLOS_MS['cpu'][0]:g} on a CPU, {DEFAULT_SLOS_MS['gpu'][0]:g} on a "
+                "GPU)"})
     itl_slo_ms: float | None = field(default=None, metadata={
-        "help": "inter-token latency target in ms: while a request decodes, prompt chunks are cut "
-                "so the step's predicted time (a cost model fitted to measured steps) stays "
-                "within it (stall-free batching); prefill still gets at least 8 tokens a step; "
-                "0: off (default: the platform's rule, on a CPU the largest of 150 ms, twice "
-                "the predicted decode step of the batch the queued prompts will form, and that "
-                "step with a 128-token prompt chunk; off where the platform has no step-cost "
-                "model)"})
-    prefill_order: str = field(default="shortest-first", metadata={
-        "help": "which prompts get a step's prefill budget first: shortest-first (fewest prompt "
-                "tokens left; a prompt bypassed 64 steps then goes by arrival) or fcfs (arrival "
-                "order, prompts already chunking first)"})
+        "help": "inter-token latency objective in ms, the largest gap between two tokens of a "
+                "stream: while streams decode, prompt chunks are cut so the step's predicted "
+                "time (a cost model fitted to measured steps) stays within it (stall-free "
+                f"batching); prefill still gets at least {MIN_PREFILL_TOKENS} tokens a step; 0: "
+                f"none (default: {DEFAULT_SLOS_MS['cpu'][1]:g} on a CPU, "
+                f"{DEFAULT_SLOS_MS['gpu'][1]:g} on a GPU; both objectives need the platform's "
+                "step-cost model)"})
+    prefill_order: str = field(default="slo", metadata={
+        "help": "which prompts get a step's prefill budget first: slo (those that can still "
+                "meet --ttft-slo-ms, shortest first where all still do; then the others, none "
+                f"starving), shortest-first (fewest prompt tokens left; a prompt bypassed "
+                f"{MAX_PREFILL_SKIPS} steps then goes by arrival) or fcfs (arrival order, "
+                "prompts already chunking first)"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "context window, prompt + output tokens (default: the model's)"})
     enable_prefix_caching: bool = field(default=True, metadata={
@@ -180,9 +196,11 @@ class EngineConfig:
             )
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"{self.long_prefill_token_threshold=} must be >= 0 (0: off)")
-        if self.itl_slo_ms is not None and not self.itl_slo_ms >= 0:
-            raise ValueError(f"{self.itl_slo_ms=} must be >= 0 (0: off; None: the platform's "
-                             "rule)")
+        for name in ("ttft_slo_ms", "itl_slo_ms"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ValueError(f"{name}={value} must be >= 0 (0: none; None: the platform's "
+                                 "default)")
         if self.prefill_order not in PREFILL_ORDERS:
             raise ValueError(f"{self.prefill_order=} must be one of {PREFILL_ORDERS}")
         if self.prefix_caching_hash_algo in UNSUPPORTED_HASH_ALGOS:

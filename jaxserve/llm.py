@@ -59,8 +59,9 @@ class LLM:
                  gpu_memory_utilization: float | None = None, enforce_eager: bool = False,
                  trust_remote_code: bool = False, **engine_args: object) -> None:
         configure_process()  # XLA flags, allocator and malloc settings, as `jaxserve serve`
-        # offline runs want throughput: no ITL target unless asked for (the server's default
-        # is the platform's interactive rule, EngineConfig.itl_slo_ms)
+        # offline runs want throughput: no service objectives unless asked for (the server's
+        # default is the platform's interactive ones, EngineConfig.ttft_slo_ms / itl_slo_ms)
+        engine_args.setdefault("ttft_slo_ms", 0.0)
         engine_args.setdefault("itl_slo_ms", 0.0)
         config = _engine_config(engine_args, gpu_memory_utilization)
         ignored = []

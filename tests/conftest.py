@@ -72,10 +72,11 @@ def engine():
             max_num_batched_tokens=512,  # tests/engine/test_engine.py fills buckets 8 .. 512
             num_kv_blocks=ENGINE_NUM_KV_BLOCKS,
             compilation_cache_dir=str(REPO_ROOT / ".jax_cache"),
-            # plans that do not depend on measured step times (the ITL target's model is
+            # plans that do not depend on measured step times (the objectives' model is
             # refitted from them), in arrival order (the preemption scenarios of
             # test_engine.py are worked out for it); test_engine.py runs the serving
-            # defaults on their own (test_itl_target_keeps_goldens_and_compiles_nothing)
+            # defaults on their own (test_objectives_keep_goldens_and_compile_nothing)
+            ttft_slo_ms=0,
             itl_slo_ms=0,
             prefill_order="fcfs",
         )

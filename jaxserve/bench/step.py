@@ -42,9 +42,8 @@ from typing import Any
 import numpy as np
 
 from jaxserve.bench.common import add_model_flags, write_json
-from jaxserve.config import LoadConfig
+from jaxserve.config import MIN_PREFILL_TOKENS, LoadConfig
 from jaxserve.config_args import add_engine_args, engine_config_from_args
-from jaxserve.core.step_cost import AUTO_ITL_MIN_CHUNK_TOKENS
 from jaxserve.device.buckets import MIN_TOKEN_BUCKET, pick_bucket
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.step_report import StepReport
@@ -211,8 +210,8 @@ def run(ns: argparse.Namespace) -> int:
     cfg = engine_config_from_args(ns)
     if fit_model_len:  # also the tokens the first rows decode while the last ones prefill
         budget = max(1, cfg.max_num_batched_tokens - max(ns.batch_sizes))
-        if cfg.itl_slo_ms is None or cfg.itl_slo_ms > 0:  # an ITL target: smaller chunks
-            budget = min(budget, AUTO_ITL_MIN_CHUNK_TOKENS)
+        if cfg.itl_slo_ms is None or cfg.itl_slo_ms > 0:  # a gap objective: chunks down to
+            budget = min(budget, MIN_PREFILL_TOKENS)  # the minimum a prompt gets per step
         prefill_steps = 2 * -(-max(ns.batch_sizes) * ns.context // budget)
         cfg = dataclasses.replace(cfg, max_model_len=cfg.max_model_len + prefill_steps)
     if max(ns.batch_sizes) > cfg.max_num_seqs:

@@ -31,6 +31,7 @@ import argparse
 import sys
 
 from jaxserve.autoscaling import command as plan_cmd
+from jaxserve.bench import replay as replay_cmd
 from jaxserve.bench import serve as bench_serve_cmd
 from jaxserve.bench import startup
 from jaxserve.bench import step_trace as step_trace_cmd
@@ -123,7 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
             ("prefix-cache", prefix_cache, ("requests sharing a long system prompt with prefix "
                                            "caching off and on: prefill tokens and TTFT")),
             ("step-trace", step_trace_cmd, ("where the steps of a --step-trace file spent "
-                                            "their time, per bucket and phase"))):
+                                            "their time, per bucket and phase")),
+            ("replay", replay_cmd, ("a workload through the real scheduler on a machine "
+                                    "modelled from a step trace (or declared): bench serve's "
+                                    "table in seconds"))):
         module.add_cli_args(bsub.add_parser(
             name, help=text, formatter_class=HelpFormatter))
     sweep_cmd.add_cli_args(sub.add_parser(
@@ -171,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             return throughput.run(ns)
         elif ns.command == "bench":
             runs = {"step": step.run, "startup": startup.run, "prefix-cache": prefix_cache.run,
-                    "step-trace": step_trace_cmd.run}
+                    "step-trace": step_trace_cmd.run, "replay": replay_cmd.run}
             return runs[ns.bench_command](ns)
         elif ns.command == "sweep":
             return sweep_cmd.run(ns)

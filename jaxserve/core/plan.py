@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from jaxserve.config import PREFILL_ORDERS, EngineConfig
+from jaxserve.config import MAX_PREFILL_SKIPS, PREFILL_ORDERS, EngineConfig
 from jaxserve.core.step_cost import StepCostModel
 
 PREEMPTION_POLICIES = ("newest", "least_progress")
@@ -38,14 +38,14 @@ class SchedulerConfig:
     # the fixed cost of one step (weights read, dispatch, host work) in prompt tokens of compute
     step_overhead_tokens: int = 32
     async_scheduling: bool = False  # plans may run one step ahead of update (module docstring)
-    # while anything decodes, prefill is cut so step_cost predicts the step within a target
-    # (core/step_cost.py: itl_target_s): itl_target_s, or itl_decode_ratio times the predicted
-    # decode step when that is longer; both 0: off, prefill gets what the decodes leave
-    itl_target_s: float = 0.0
-    itl_decode_ratio: float = 0.0
+    # the service objectives (s; 0: none): a request's first token within ttft_slo_s of its
+    # arrival, no gap between its tokens over itl_slo_s (core/step_policy.py plans for both:
+    # while streams decode, prefill is cut so the model predicts the step within itl_slo_s)
+    ttft_slo_s: float = 0.0
+    itl_slo_s: float = 0.0
     step_cost: StepCostModel | None = None  # the model to start from (Scheduler.step_cost)
     prefill_order: str = "fcfs"  # PREFILL_ORDERS
-    max_prefill_skips: int = 64  # "shortest-first": steps a prompt may be bypassed, then FCFS
+    max_prefill_skips: int = MAX_PREFILL_SKIPS  # then a bypassed prompt goes by arrival
     prefix_caching_hash_algo: str = "sha256"  # block_hash.HASH_ALGOS
     record_kv_events: bool = False  # the KV manager records prefix-cache changes (cache_events)
 
@@ -58,30 +58,23 @@ class SchedulerConfig:
         if self.preemption_policy not in PREEMPTION_POLICIES:
             raise ValueError(f"SchedulerConfig.{self.preemption_policy=} must be one of "
                              f"{PREEMPTION_POLICIES}")
-        if self.itl_target_s < 0 or self.itl_decode_ratio < 0 or (
-                self.itl_on and self.step_cost is None):
-            raise ValueError(f"SchedulerConfig.{self.itl_target_s=} and "
-                             f"{self.itl_decode_ratio=} must be >= 0, and either > 0 only with "
-                             "a step_cost model")
+        if min(self.ttft_slo_s, self.itl_slo_s) < 0 or (
+                max(self.ttft_slo_s, self.itl_slo_s) > 0 and self.step_cost is None):
+            raise ValueError(f"SchedulerConfig.{self.ttft_slo_s=} and {self.itl_slo_s=} must be "
+                             ">= 0, and > 0 only with a step_cost model")
         if self.prefill_order not in PREFILL_ORDERS:
             raise ValueError(f"SchedulerConfig.{self.prefill_order=} must be one of "
                              f"{PREFILL_ORDERS}")
         if self.max_prefill_skips < 0:
             raise ValueError(f"SchedulerConfig.{self.max_prefill_skips=} must be >= 0")
 
-    @property
-    def itl_on(self) -> bool:
-        """Whether prefill is cut to a step-time target while anything decodes."""
-        return self.itl_target_s > 0 or self.itl_decode_ratio > 0
-
     @classmethod
     def from_engine_config(
         cls, cfg: EngineConfig, num_blocks: int, max_model_len: int, num_host_blocks: int = 0,
-        step_cost: StepCostModel | None = None, itl_target_s: float = 0.0,
-        itl_decode_ratio: float = 0.0,
+        step_cost: StepCostModel | None = None, ttft_slo_s: float = 0.0, itl_slo_s: float = 0.0,
     ) -> SchedulerConfig:
-        """The scheduler's settings from the engine's; the ITL target as resolved by the
-        caller (``EngineConfig.itl_slo_ms`` None means a platform's automatic rule)."""
+        """The scheduler's settings from the engine's; the service objectives as resolved by
+        the caller (``EngineConfig.ttft_slo_ms`` / ``itl_slo_ms`` None mean the platform's)."""
         return cls(
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -94,8 +87,8 @@ class SchedulerConfig:
             prefix_caching_hash_algo=cfg.prefix_caching_hash_algo,
             record_kv_events=cfg.kv_events_enabled,
             async_scheduling=cfg.async_scheduling,
-            itl_target_s=itl_target_s,
-            itl_decode_ratio=itl_decode_ratio,
+            ttft_slo_s=ttft_slo_s,
+            itl_slo_s=itl_slo_s,
             step_cost=step_cost,
             prefill_order=cfg.prefill_order,
         )

@@ -41,6 +41,7 @@ known. Without the flag (the synchronous loop), every ``schedule`` is followed b
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Iterable, Sequence
 
@@ -128,6 +129,16 @@ class Scheduler:
         """The prefix-cache changes since the last call, oldest first (``KVManager``)."""
         return self.kv.take_events()
 
+    def describe(self) -> dict[str, object]:
+        """The settings it plans with now, as plain data (JSON-ready): ``SchedulerConfig``'s
+        fields, the token buckets and the step-cost model (its coefficients, or None)."""
+        out: dict[str, object] = {f.name: getattr(self.config, f.name)
+                                  for f in dataclasses.fields(self.config)}
+        cost = self.step_cost
+        out.update(token_buckets=list(self.token_buckets), async_scheduling=self._async,
+                   step_cost=None if cost is None else dataclasses.asdict(cost))
+        return out
+
     def predict_step_s(self, plan: SchedulerOutput, num_tokens: int) -> float | None:
         """The step-cost model's seconds for ``plan`` run padded to ``num_tokens`` tokens (None
         without an ITL target)."""
@@ -195,7 +206,7 @@ class Scheduler:
         self._next_arrival_index += 1
         self.waiting.append(seq)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now: float = 0.0) -> SchedulerOutput:
         """Plan one step: allocate its blocks, admit and preempt sequences; returns the plan.
 
         Each scheduled sequence gets ``num_new = min(len(token_ids) - num_computed_tokens,
@@ -224,7 +235,7 @@ class Scheduler:
         offered to the prefix cache first (module docstring).
         """
         step = PlanBuilder(self.config.max_num_batched_tokens,
-                           self.policy.prefill_budget(self.running, len(self.waiting)))
+                           self.policy.prefill_budget(self.running, now))
         for seq in self.running:  # blocks the dispatched steps fill: as if update had run
             if seq.num_inflight_tokens:
                 self.kv.cache_computed_blocks(seq, seq.num_computed_tokens
@@ -236,7 +247,7 @@ class Scheduler:
                     seq, seq.num_computed_tokens + seq.num_inflight_tokens):
                 self._run_chunk(step, seq, step.budget)
         pending = [s for s in self.running if s.seq_id not in step.planned]
-        self._plan_prefill(step, pending)
+        self._plan_prefill(step, pending, now)
         if step.num_prefill_chunks:  # prompts got prefill this step: the others were bypassed
             for seq in (*pending, *self.waiting):
                 if seq.seq_id not in step.planned and seq.seq_id not in step.preempted:
@@ -250,12 +261,12 @@ class Scheduler:
                 seq.num_output_placeholders += chunk.sample
         return step.build(num_tokens, *self.kv.take_transfers())
 
-    def _plan_prefill(self, step: PlanBuilder, pending: list[SeqState]) -> None:
+    def _plan_prefill(self, step: PlanBuilder, pending: list[SeqState], now: float) -> None:
         """``schedule``'s step 2: the running sequences ``pending`` a prompt chunk and the
         waiting ones, in the policy's order, while the step's budgets last."""
         pending_ids = {s.seq_id for s in pending}
         admitting = not step.preempted
-        for seq in self.policy.prefill_order(pending, self.waiting):
+        for seq in self.policy.prefill_order(pending, self.waiting, now):
             if step.budget <= 0:
                 break
             if seq.seq_id in pending_ids:  # running: its next prompt chunk
@@ -323,7 +334,7 @@ class Scheduler:
         return num_new
 
     def update(self, plan: SchedulerOutput, sampled: Sequence[int | None],
-               stop_check: StopCheck | None = None) -> UpdateResult:
+               stop_check: StopCheck | None = None, now: float = 0.0) -> UpdateResult:
         """Advance each chunk, append sampled tokens, finish and free: the one place where a
         sequence finishes.
 
@@ -343,6 +354,8 @@ class Scheduler:
           sampled: per ``plan.scheduled`` entry, the token sampled for it (ignored where
             ``sample`` is False).
           stop_check: the engine's text rule (None: none).
+          now: when the sampled ids reached the host (the engine's clock, s): each appended
+            token's time, for the service objectives (``SeqState.record_token_time``).
 
         Raises:
           ValueError: ``len(sampled) != len(plan.scheduled)``, or a sampled token is None where
@@ -380,6 +393,7 @@ class Scheduler:
                     continue
             assert token is not None
             seq.token_ids.append(token)
+            seq.record_token_time(now)
             result.new_token_ids[seq.seq_id] = token
             if self._finish(seq, token, stop_check, result):
                 done.append(seq)

@@ -49,6 +49,12 @@ class SeqState:
     num_inflight_tokens: int = 0
     num_output_placeholders: int = 0
     num_prefill_skips: int = 0  # steps other prompts got prefill and this one none (its turn)
+    # the engine's clock (s, ``Scheduler.schedule(now)`` / ``update(now=...)``): when the request
+    # arrived, when its first and its latest token reached the host, and its largest gap so far
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    max_gap_s: float = 0.0
 
     @property
     def num_output_tokens(self) -> int:
@@ -57,6 +63,14 @@ class SeqState:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    def record_token_time(self, now: float) -> None:
+        """A sampled token reached the host at ``now``: the first token's time, or a gap."""
+        if self.first_token_time is None:
+            self.first_token_time = now
+        elif self.last_token_time is not None:
+            self.max_gap_s = max(self.max_gap_s, now - self.last_token_time)
+        self.last_token_time = now
 
 
 def decodes(seq: SeqState, start: int) -> bool:

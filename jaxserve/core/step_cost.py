@@ -19,10 +19,10 @@ attention (a chunk of ``c`` tokens from position ``s``: ``c * (s + (c + 1) / 2)`
 grow with a long prompt's progress: on the project's 2-core AVX2 CPU a 47-token chunk of a
 3000-token prompt took 30 ms at its start and 210 ms near its end.
 
-``Scheduler.schedule`` calls ``prefill_token_budget`` while something decodes and a target is
-set (``itl_target_s``: a fixed target, or the auto rule of ``SchedulerConfig``). The engine
-starts from the platform's prior (``StepCostModel.prior``) and keeps the model current with
-``OnlineStepCost``: every measured step is a sample, and the model is refitted over a window of
+The step policy (``core.step_policy``) calls ``prefill_token_budget`` while streams decode under
+a gap objective. The engine starts from the platform's prior (``StepCostModel.prior``) and keeps
+the model current with ``OnlineStepCost``: every measured step is a sample (and its measured /
+predicted ratio, the model's error), and the model is refitted over a window of
 recent steps by least squares pulled toward the prior (ridge regression), so a term the
 traffic has not varied yet (no decode rows, one bucket) keeps its prior value instead of
 making the fit singular. ``fit_bucket`` weighs a padded step against a second one, in prompt
@@ -38,12 +38,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from jaxserve.config import MIN_PREFILL_TOKENS
+
 NUM_TERMS = 5  # fixed, per token, per decode row, per context token, per prefill pair
-# the automatic ITL target (``--itl-slo-ms`` not given): prefill may stretch a step to this many
-# times the predicted decode step, and to at least the platform's ``auto_itl_floor_s``
-AUTO_ITL_DECODE_RATIO = 2.0
-# ... and to at least a step with this many prompt tokens beside the decodes (``itl_target_s``)
-AUTO_ITL_MIN_CHUNK_TOKENS = 128
 # a typical size of each term's variable (1, tokens, decode rows, context tokens): the ridge
 # penalty of a fit toward a prior is measured in these units, so it weighs the terms alike
 TERM_SCALES = (1.0, 128.0, 8.0, 2048.0, 128.0 * 2048.0)
@@ -248,6 +245,8 @@ class OnlineStepCost:
                              f"{refit_after_s=} > 0")
         self.prior = self.model = prior
         self.samples: deque[StepSample] = deque(maxlen=window)
+        # measured / predicted seconds of the recent steps, each against the model of its time
+        self.ratios: deque[float] = deque(maxlen=window)
         self.refit_every = refit_every
         self.refit_after_s = refit_after_s
         self.num_observed = 0
@@ -258,6 +257,10 @@ class OnlineStepCost:
         fit, else None. Samples with ``seconds <= 0`` are ignored."""
         if not sample.seconds > 0:
             return None
+        predicted = self.model.predict(sample.num_tokens, sample.num_decode_rows,
+                                       sample.num_context_tokens, sample.num_prefill_pairs)
+        if predicted > 0:
+            self.ratios.append(sample.seconds / predicted)
         self.samples.append(sample)
         self.num_observed += 1
         n, s = self._since_fit
@@ -270,46 +273,19 @@ class OnlineStepCost:
         return self.model
 
 
-def resolve_itl_target(itl_slo_ms: float | None, auto_floor_s: float | None
-                       ) -> tuple[float, float]:
-    """``(SchedulerConfig.itl_target_s, itl_decode_ratio)`` for ``EngineConfig.itl_slo_ms``:
-    a given target is fixed (0: off); None takes the platform's automatic rule, the larger of
-    ``auto_floor_s`` and ``AUTO_ITL_DECODE_RATIO`` times the predicted decode step (off when
-    the platform has none)."""
-    if itl_slo_ms is not None:
-        return itl_slo_ms / 1000, 0.0
-    return (0.0, 0.0) if auto_floor_s is None else (auto_floor_s, AUTO_ITL_DECODE_RATIO)
-
-
-def itl_target_s(model: StepCostModel, floor_s: float, decode_ratio: float,
-                 num_decode_rows: int, num_context_tokens: int,
-                 token_buckets: Sequence[int] = ()) -> float:
-    """The step-time target (s) of a step with these decode rows.
-
-    ``decode_ratio`` 0: ``floor_s``. Else (the automatic rule) the largest of ``floor_s``,
-    ``decode_ratio`` times the predicted time of the decodes alone, and the predicted time of
-    the decodes plus an ``AUTO_ITL_MIN_CHUNK_TOKENS``-token prompt chunk from position 0 (each
-    padded to its bucket): prefill may stretch a step to twice the decode step at any batch
-    size, and on a slow machine still gets chunks large enough that a step's fixed cost stays
-    a small part of it.
-    """
-    if decode_ratio <= 0:
-        return floor_s
-
-    def padded(n: int) -> int:
-        i = bisect.bisect_left(token_buckets, n)
-        return token_buckets[i] if i < len(token_buckets) else n
-
-    decode_s = model.predict(padded(num_decode_rows), num_decode_rows, num_context_tokens)
-    chunk = AUTO_ITL_MIN_CHUNK_TOKENS
-    chunk_s = model.predict(padded(num_decode_rows + chunk), num_decode_rows,
-                            num_context_tokens, prefill_pairs(chunk, 0))
-    return max(floor_s, decode_ratio * decode_s, chunk_s)
+    def error_quantile(self, q: float, min_samples: int = 32) -> float:
+        """The ``q`` quantile of recent steps' measured / predicted seconds (how much longer
+        than predicted a step takes, that often or less); 1.0 before ``min_samples`` steps."""
+        if len(self.ratios) < min_samples:
+            return 1.0
+        ordered = sorted(self.ratios)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def prefill_token_budget(model: StepCostModel, target_s: float, num_decode_rows: int,
                          num_context_tokens: int, max_num_tokens: int,
-                         token_buckets: Sequence[int] = (), min_prefill_tokens: int = 8,
+                         token_buckets: Sequence[int] = (),
+                         min_prefill_tokens: int = MIN_PREFILL_TOKENS,
                          prefill_start: int = 0) -> int:
     """Prompt tokens a step with ``num_decode_rows`` decodes may add within ``target_s``.
 

@@ -292,7 +292,7 @@ class LLMEngine:
         times = StepTimes(time.perf_counter())
         self._plan_for_compiled_buckets()
         preempted_before = self.scheduler.num_preemptions_total
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(time.monotonic())
         self.runner.copy_blocks(plan.offloads, plan.loads)
         times.t_sched = time.perf_counter()
         prev, self._inflight = self._inflight, None

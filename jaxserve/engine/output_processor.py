@@ -61,11 +61,11 @@ class OutputProcessor:
                                    lp_rows, out.prompt_logprobs())
         lp = out.logprobs() if step.want_lp else None
         sampled = [int(out.ids[i]) if s.sample else None for i, s in enumerate(plan.scheduled)]
-        result = self.scheduler.update(plan, sampled, self._stop_check)
+        now = time.monotonic()
+        result = self.scheduler.update(plan, sampled, self._stop_check, now)
         if self.metrics is not None:  # the ids are on the host: the step's device work is done
             self.metrics.record_prefill_rate(step.num_prompt_tokens,
                                              step.t_ready - step.t_dispatch)
-        now = time.monotonic()
         touched: dict[str, RequestGroup] = {}
         for sid, tok in result.new_token_ids.items():
             choice = self.requests.choice(sid)

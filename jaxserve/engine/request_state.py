@@ -172,7 +172,7 @@ def open_request(request_id: str, seq_ids: list[str], seeds: list[int], prompt: 
         seq = SeqState(
             seq_id=sid, token_ids=list(prompt_token_ids),
             num_prompt_tokens=len(prompt_token_ids), max_tokens=max_tokens,
-            stop_token_ids=stop_ids, cache_salt=params.cache_salt,
+            stop_token_ids=stop_ids, cache_salt=params.cache_salt, arrival_time=arrival_time,
             skip_prefix_cache=params.uses_penalty_state or (
                 i == 0 and params.prompt_logprobs is not None))
         detok = IncrementalDetokenizer(

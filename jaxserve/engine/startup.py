@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jaxserve import sharding
 from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.core.plan import SchedulerConfig
-from jaxserve.core.step_cost import StepCostModel, resolve_itl_target
+from jaxserve.core.step_cost import StepCostModel
 from jaxserve.device.executable_cache import ExecutableCache
 from jaxserve.device.host_tier import HostKVTier
 from jaxserve.device.runner import ModelRunner
@@ -80,6 +80,22 @@ class EngineParts:
     bounds: RequestBounds
     scheduler_config: SchedulerConfig
     startup_s: dict[str, float]
+
+
+def resolve_slos_ms(config: EngineConfig, platform: Platform) -> tuple[float, float]:
+    """The service objectives ``(ttft_ms, itl_ms)`` the scheduler plans for (0: none):
+    ``config.ttft_slo_ms`` / ``itl_slo_ms`` where given, else the platform's defaults.
+
+    Raises:
+      ValueError: an objective on a platform without a step-cost model (nothing to plan with).
+    """
+    default = platform.default_slos_ms or (0.0, 0.0)
+    ttft = default[0] if config.ttft_slo_ms is None else config.ttft_slo_ms
+    itl = default[1] if config.itl_slo_ms is None else config.itl_slo_ms
+    if (ttft or itl) and platform.prompt_token_s is None:
+        raise ValueError(f"ttft_slo_ms={ttft:g} and itl_slo_ms={itl:g} need a step-cost model, "
+                         f"which the {platform.name!r} platform does not have; set both to 0")
+    return ttft, itl
 
 
 def assemble(config: EngineConfig, load: LoadConfig, devices: Sequence[jax.Device] | None = None,
@@ -175,18 +191,15 @@ def assemble(config: EngineConfig, load: LoadConfig, devices: Sequence[jax.Devic
                          "on process 0 alone")
     bounds = RequestBounds(tokenizer.vocab_size, max_model_len, kv_layout.num_blocks,
                            config.block_size, runner.multiprocess, tokenizer.eos_token_ids)
-    step_cost, itl = None, (0.0, 0.0)  # the target's floor (s) and decode ratio
-    if platform.prompt_token_s is not None:  # the prior; the engine refits it as steps run
+    ttft_ms, itl_ms = resolve_slos_ms(config, platform)
+    step_cost = None  # the prior; the scheduler refits it as steps run
+    if ttft_ms or itl_ms:
         step_cost = StepCostModel.prior(platform.step_overhead_tokens, platform.prompt_token_s,
                                         platform.prefill_pair_s)
-        itl = resolve_itl_target(config.itl_slo_ms, platform.auto_itl_floor_s)
-    elif config.itl_slo_ms:
-        raise ValueError(f"itl_slo_ms={config.itl_slo_ms} needs a step-cost model, which the "
-                         f"{platform.name!r} platform does not have yet (measured on CPUs only)")
     sched_config = dataclasses.replace(
         SchedulerConfig.from_engine_config(config, kv_layout.num_blocks, max_model_len,
                                            host_kv.num_blocks if host_kv is not None else 0,
-                                           step_cost, *itl),
+                                           step_cost, ttft_ms / 1000, itl_ms / 1000),
         token_buckets=tuple(b.num_tokens for b in runner.buckets),
         step_overhead_tokens=platform.step_overhead_tokens,
         # one model over several processes: the followers replay the steps (runner.follow)

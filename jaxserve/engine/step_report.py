@@ -62,7 +62,8 @@ class StepReporter:
     def __init__(self, scheduler: Scheduler, metrics=None, kv_events=None,
                  step_trace_file: str | None = None) -> None:
         self.scheduler, self.metrics, self.kv_events = scheduler, metrics, kv_events
-        self.step_trace = StepTrace(step_trace_file) if step_trace_file else None
+        self.step_trace = StepTrace(step_trace_file, scheduler.describe()) \
+            if step_trace_file else None
         self.listeners: list[StepListener] = []
 
     def report(self, r: StepReport) -> None:

@@ -20,9 +20,16 @@ host to this step's dispatch: the device's idle time between the two when the ho
 the ids (all host work of the synchronous loop lands in it); 0 when this step was queued
 before the ids were read.
 
-With an ITL target (``--itl-slo-ms``), ``predicted_ms`` and ``measured_ms`` are the step-cost
-model's prediction for the step this call completed (the previous one with async scheduling)
-and its measured time (``LLMEngine._observe_step``); the summary gives their median ratio.
+``done`` describes the step this call read (the previous one with async scheduling): its
+bucket and shape, the terms of the step-cost model (``bucket_tokens``, ``num_decode_rows``,
+``num_context_tokens``, ``num_prefill_pairs``), its measured time (``measured_ms``, from the
+later of its planning and the previous step's ids on the host to its own) and, with service
+objectives, the model's prediction (``predicted_ms``); ``jaxserve bench replay`` fits its
+machine to these. The summary gives the median measured / predicted ratio.
+
+The first line of a file (``"kind": "config"``) is the scheduler's settings at start-up
+(``SchedulerConfig``: token buckets, limits, objectives, the step-cost prior), so that
+``jaxserve bench replay --step-trace FILE`` plans as the server did.
 
 What happens after ``step()`` returns (the server's event loop, SSE encoding) is not in it;
 the gap between one line's ``t`` and the next line's start (``t - step_ms``) is.
@@ -60,9 +67,11 @@ class StepTimes:
 class StepTrace:
     """Appends step lines to ``path`` (line-buffered, so a killed server keeps its lines)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, config: dict[str, Any] | None = None) -> None:
         self._file: TextIO = open(path, "a", buffering=1)  # noqa: SIM115 (lives with the engine)
         self._last_dispatched: InflightStep | None = None  # for host_gap_ms
+        if config is not None:
+            self.write({"kind": "config", "t": time.time(), **config})
 
     def write(self, record: dict[str, Any]) -> None:
         """One step's line (see the module docstring for its fields)."""
@@ -91,15 +100,20 @@ class StepTrace:
             "post_ms": 1e3 * (t_end - times.t_pack - times.wait_s),
             "step_ms": 1e3 * (t_end - times.t0),
             **({} if gap is None else {"host_gap_ms": 1e3 * gap}),
-            **self._cost(new if new is not None and new.t_ready is not None else prev)})
+            **self._done(new if new is not None and new.t_ready is not None else prev)})
 
     @staticmethod
-    def _cost(done: InflightStep | None) -> dict[str, float]:
-        """The step-cost model's prediction and the measured time of the step this call
-        completed, when an ITL target runs."""
-        if done is None or done.predicted_s is None or done.measured_s is None:
+    def _done(done: InflightStep | None) -> dict[str, Any]:
+        """The shape, measured time and predicted time of the step this call read."""
+        if done is None or done.measured_s is None:
             return {}
-        return {"predicted_ms": 1e3 * done.predicted_s, "measured_ms": 1e3 * done.measured_s}
+        p = done.plan
+        record = {"bucket_tokens": done.bucket.num_tokens, "num_decode_rows": p.num_decode_rows,
+                  "num_context_tokens": p.num_context_tokens,
+                  "num_prefill_pairs": p.num_prefill_pairs, "measured_ms": 1e3 * done.measured_s}
+        if done.predicted_s is not None:
+            record["predicted_ms"] = 1e3 * done.predicted_s
+        return {"done": record}
 
     def close(self) -> None:
         self._file.close()
@@ -111,7 +125,17 @@ def read(path: str) -> list[dict[str, Any]]:
     Raises:
       ValueError: naming the line, for a line that is not a step record.
     """
-    out = []
+    return read_with_config(path)[1]
+
+
+def read_with_config(path: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """The scheduler settings of a trace file's last config line (None: none) and its step
+    lines.
+
+    Raises:
+      ValueError: naming the line, for a line that is not a step or config record.
+    """
+    out, config = [], None
     with open(path) as f:
         for i, line in enumerate(f, 1):
             if not line.strip():
@@ -120,11 +144,14 @@ def read(path: str) -> list[dict[str, Any]]:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{i}: not JSON ({e.msg})") from None
+            if isinstance(rec, dict) and rec.get("kind") == "config":
+                config = rec
+                continue
             if not isinstance(rec, dict) or any(k not in rec for k in PHASES + ("step_ms",)):
                 raise ValueError(f"{path}:{i}: not a step record (needs {', '.join(PHASES)}, "
                                  "step_ms)")
             out.append(rec)
-    return out
+    return config, out
 
 
 def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
@@ -161,8 +188,9 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
 def _cost_summary(recs: list[dict[str, Any]]) -> dict[str, float] | None:
     """Median and p90 of measured / predicted step time over the lines that have both, and
     the share of steps measured over 1.5x their prediction (None: no such lines)."""
-    ratios = sorted(r["measured_ms"] / r["predicted_ms"] for r in recs
-                    if r.get("predicted_ms", 0) > 0 and "measured_ms" in r)
+    done = [r["done"] for r in recs if "done" in r]
+    ratios = sorted(d["measured_ms"] / d["predicted_ms"] for d in done
+                    if d.get("predicted_ms", 0) > 0)
     if not ratios:
         return None
     return {"num_steps": len(ratios), "median_ratio": statistics.median(ratios),

@@ -84,10 +84,9 @@ class Platform(ABC):
     prefill_pair_s: float = 0.0
     """Seconds one query-key pair of a prompt chunk's attention costs, the prior of the
     step-cost model's pair term (a long prompt's late chunks cost more than its first)."""
-    auto_itl_floor_s: float | None = None
-    """The ITL target's floor when ``--itl-slo-ms`` is not given (the target is the larger of
-    it and ``AUTO_ITL_DECODE_RATIO`` times the predicted decode step); None: no target by
-    default."""
+    default_slos_ms: tuple[float, float] | None = None
+    """The service objectives (first token, largest gap; ms) when ``--ttft-slo-ms`` /
+    ``--itl-slo-ms`` are not given (``config.DEFAULT_SLOS_MS``); None: none by default."""
 
     @abstractmethod
     def resolve_dtype(self, name: str) -> jnp.dtype:

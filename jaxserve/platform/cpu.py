@@ -48,10 +48,8 @@ small batches far more (docs/decisions/0040-batch-invariance.md).
 
 **Step cost.** ~30 ms a step against ~0.75 ms a prompt token (SmolLM2-135M, 2 cores;
 docs/decisions/0005-bucket-fit.md): ``step_overhead_tokens`` 32, ``prompt_token_s`` 0.75 ms
-(the step-cost model's prior for ``--itl-slo-ms``; the engine refits it from measured steps).
-Without ``--itl-slo-ms`` the target is the largest of 150 ms (``auto_itl_floor_s``), twice the
-predicted decode step and the predicted step with a 128-token prompt chunk beside the decodes
-(``core.step_cost.itl_target_s``; docs/decisions/0036-itl-target-default.md).
+(the step-cost model's prior; the scheduler refits it from measured steps). The service
+objectives default to ``config.DEFAULT_SLOS_MS["cpu"]`` (docs/configuration.md#slos).
 """
 
 from __future__ import annotations
@@ -63,7 +61,7 @@ import jax.numpy as jnp
 from cpu_kernels import attention as cpu_attention
 from cpu_kernels import bf16_matmul as cpu_bf16_matmul
 from cpu_kernels import int4_matmul as cpu_int4_matmul
-from jaxserve.config import EngineConfig
+from jaxserve.config import DEFAULT_SLOS_MS, EngineConfig
 from jaxserve.platform.base import BucketSet, Platform
 from models.quant import NATIVE_INT4_MAX_ROWS, QuantTargets, use_native_int4, use_packed_bf16
 
@@ -103,7 +101,7 @@ class CpuPlatform(Platform):
     step_overhead_tokens = 32
     prompt_token_s = 0.75e-3
     prefill_pair_s = 1.0e-6
-    auto_itl_floor_s = 0.15
+    default_slos_ms = DEFAULT_SLOS_MS["cpu"]
 
     def resolve_dtype(self, name: str) -> jnp.dtype:
         if name == "auto":

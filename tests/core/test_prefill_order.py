@@ -1,13 +1,9 @@
-"""The order prompts get a step's prefill budget (``SchedulerConfig.prefill_order``), and the
-automatic ITL target's budget beside many decodes."""
+"""The order prompts get a step's prefill budget (``SchedulerConfig.prefill_order``): fcfs and
+shortest-first (the SLO order: tests/core/test_step_policy.py)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from jaxserve.core.scheduler import Scheduler
-from jaxserve.core.sequence import SeqState
-from jaxserve.core.step_cost import AUTO_ITL_DECODE_RATIO, StepCostModel
 from tests.core.test_scheduler import by_id, make_scheduler, make_seq, step
 
 
@@ -67,51 +63,3 @@ def test_preempted_sequences_come_back_before_shorter_prompts() -> None:
     sched.add(make_seq("tiny", 2, max_tokens=1))
     order = sched.policy.prefill_order([], sched.waiting)
     assert order[0] is victim
-
-
-def test_automatic_target_lets_prefill_stretch_a_long_decode_step() -> None:
-    """With 40 decodes the automatic rule lets a step grow to the 256 bucket (the decodes
-    plus a 128-token chunk pad to it: 20 + 256 ms), where a fixed 50 ms target leaves
-    prompts only their minimum chunk."""
-    cost = StepCostModel(fixed_s=0.02, per_token_s=1e-3)
-
-    def budget(ratio: float) -> int:
-        sched = make_scheduler(max_num_seqs=64, max_num_batched_tokens=256, num_blocks=256,
-                               max_model_len=64)
-        sched = Scheduler(dataclasses.replace(
-            sched.config, itl_target_s=0.05, itl_decode_ratio=ratio, step_cost=cost,
-            token_buckets=(1, 4, 8, 16, 32, 48, 64, 128, 256)))
-        for i in range(40):
-            sched.add(make_seq(f"d{i}", 1, max_tokens=8))
-        step(sched)  # 40 one-token prompts: all decode from now on
-        sched.add(SeqState("p", [5] * 60, 60, 1))
-        return sched.policy.prefill_budget(sched.running, len(sched.waiting))
-
-    assert budget(0.0) == 8  # over the fixed target already: the minimum, filling the 48 bucket
-    assert budget(AUTO_ITL_DECODE_RATIO) == 256 - 40
-
-
-def test_automatic_target_scales_with_the_batch_queued_prompts_will_join() -> None:
-    """Four streams decoding and 60 prompts queued: the target is that of the 64-row batch
-    the queue forms (the streams see its steps once the prompts are in), not of 4 rows."""
-    cost = StepCostModel(fixed_s=0.02, per_token_s=1e-3, per_row_s=3e-3)
-
-    def budget(num_queued: int) -> int:
-        sched = make_scheduler(max_num_seqs=64, max_num_batched_tokens=512, num_blocks=512,
-                               max_model_len=64)
-        sched = Scheduler(dataclasses.replace(
-            sched.config, itl_target_s=0.05, itl_decode_ratio=AUTO_ITL_DECODE_RATIO,
-            step_cost=cost, token_buckets=(1, 4, 8, 16, 32, 64, 128, 256, 512)))
-        for i in range(4):
-            sched.add(make_seq(f"d{i}", 1, max_tokens=8))
-        step(sched)
-        for i in range(num_queued):
-            sched.add(SeqState(f"p{i}", [5] * 60, 60, 1))
-        return sched.policy.prefill_budget(sched.running, len(sched.waiting))
-
-    # 5 rows: a 128-token chunk beside them fills the 256 bucket, 291 ms; 4 decodes + 252
-    # prompt tokens are predicted at 288 ms
-    assert budget(1) == 256 - 4
-    # 64 rows: twice their decode step (2 x 276 ms) lets the step reach the 512 bucket (544 ms)
-    assert budget(60) == 512 - 4
-    assert budget(200) == 512 - 4  # the batch is capped at max_num_seqs

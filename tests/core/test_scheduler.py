@@ -22,7 +22,8 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.plan import SchedulerConfig, SchedulerOutput, TextStop, UpdateResult
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import SeqState, cdiv
-from jaxserve.core.step_cost import AUTO_ITL_DECODE_RATIO, StepCostModel, resolve_itl_target
+from jaxserve.core.step_cost import StepCostModel
+from jaxserve.core.step_policy import ITL_PLAN_FRACTION
 from jaxserve.device.buckets import token_buckets
 
 STOP = 0
@@ -80,7 +81,7 @@ def test_from_engine_config() -> None:
         EngineConfig(block_size=8, max_num_seqs=3, max_num_batched_tokens=32), 100, 256
     )
     assert cfg == SchedulerConfig(3, 32, 8, 256, 100, 0, True, 0, async_scheduling=True,
-                                  prefill_order="shortest-first")
+                                  prefill_order="slo")
     cfg = SchedulerConfig.from_engine_config(EngineConfig(enable_prefix_caching=False), 9, 64, 5)
     assert (cfg.enable_prefix_caching, cfg.num_host_blocks) == (False, 5)
     with pytest.raises(ValueError, match="preemption_policy"):
@@ -909,17 +910,20 @@ def test_liveness_every_request_finishes(
     assert sched.block_pool.num_free_blocks == sched.block_pool.num_usable_blocks
 
 
-# ---------------------------------------------------------------- the ITL target (step_cost.py)
+# ------------------------------------------- the gap objective's budget (step_policy.py)
 
 COST = StepCostModel(fixed_s=0.02, per_token_s=1e-3, per_row_s=5e-4, per_context_token_s=1e-6)
 
 
 def itl_scheduler(target_s: float, max_num_batched_tokens: int = 512, buckets: bool = True,
                   **kw: object) -> Scheduler:
+    """A scheduler whose steps beside decodes are planned to ``target_s`` (its gap objective
+    is ``target_s / ITL_PLAN_FRACTION``; no step measured yet, so no error margin)."""
     return Scheduler(SchedulerConfig(
         64, max_num_batched_tokens, 16, 2048, 400, enable_prefix_caching=False,
         token_buckets=tuple(token_buckets(max_num_batched_tokens)) if buckets else (),
-        itl_target_s=target_s, step_cost=StepCostModel(fixed_s=0.02, per_token_s=1e-3), **kw))
+        itl_slo_s=target_s / ITL_PLAN_FRACTION,
+        step_cost=StepCostModel(fixed_s=0.02, per_token_s=1e-3), **kw))
 
 
 def test_itl_target_cuts_prefill_beside_decodes_to_a_bucket() -> None:
@@ -951,7 +955,7 @@ def test_itl_target_gives_prefill_the_whole_budget_when_nothing_decodes() -> Non
 
 
 def test_itl_target_off_ignores_the_cost_model() -> None:
-    """itl_target_s 0 with a cost model plans as the scheduler without one, on random
+    """itl_slo_s 0 with a cost model plans as the scheduler without one, on random
     workloads with decodes and prompts interleaved."""
     rng = random.Random(1)
     for trial in range(20):
@@ -1002,8 +1006,9 @@ def test_itl_target_bounds_predicted_steps_and_every_prompt_finishes(
     bucket_sizes = tuple(token_buckets(max_num_batched_tokens, (1, 4), 64)) if buckets else ()
     sched = Scheduler(SchedulerConfig(
         max_num_seqs, max_num_batched_tokens, 8, 512, 300, enable_prefix_caching=False,
-        token_buckets=bucket_sizes, step_overhead_tokens=8, itl_target_s=target_ms * 1e-3,
-        step_cost=COST, async_scheduling=async_scheduling))
+        token_buckets=bucket_sizes, step_overhead_tokens=8,
+        itl_slo_s=target_ms * 1e-3 / ITL_PLAN_FRACTION, step_cost=COST,
+        async_scheduling=async_scheduling))
     arrivals: dict[int, list[SeqState]] = {}
     total = 0
     for i, (at, prompt_len, max_tokens) in enumerate(requests):
@@ -1035,18 +1040,15 @@ def test_itl_target_bounds_predicted_steps_and_every_prompt_finishes(
     assert finished == {s.seq_id for seqs in arrivals.values() for s in seqs}
 
 
-def test_itl_slo_ms_maps_to_the_target_and_needs_a_cost_model() -> None:
-    assert resolve_itl_target(150, 0.2) == (0.15, 0.0)  # a given target is fixed
-    assert resolve_itl_target(0, 0.2) == (0.0, 0.0)  # 0: off
-    assert resolve_itl_target(None, 0.2) == (0.2, AUTO_ITL_DECODE_RATIO)  # the platform's rule
-    assert resolve_itl_target(None, None) == (0.0, 0.0)
-    target, ratio = resolve_itl_target(150, None)
-    cfg = SchedulerConfig.from_engine_config(EngineConfig(itl_slo_ms=150), 100, 256,
-                                             step_cost=COST, itl_target_s=target,
-                                             itl_decode_ratio=ratio)
-    assert (cfg.itl_target_s, cfg.step_cost, cfg.itl_on) == (0.15, COST, True)
-    assert not SchedulerConfig.from_engine_config(EngineConfig(), 100, 256).itl_on
+def test_objectives_need_a_cost_model() -> None:
+    cfg = SchedulerConfig.from_engine_config(EngineConfig(), 100, 256, step_cost=COST,
+                                             ttft_slo_s=2.0, itl_slo_s=0.3)
+    assert (cfg.ttft_slo_s, cfg.itl_slo_s, cfg.step_cost) == (2.0, 0.3, COST)
     with pytest.raises(ValueError, match="step_cost"):
-        SchedulerConfig.from_engine_config(EngineConfig(), 100, 256, itl_decode_ratio=2.0)
-    with pytest.raises(ValueError, match="itl_slo_ms"):
-        EngineConfig(itl_slo_ms=-1.0)
+        SchedulerConfig.from_engine_config(EngineConfig(), 100, 256, itl_slo_s=0.3)
+    with pytest.raises(ValueError, match="ttft_slo_s"):
+        SchedulerConfig.from_engine_config(EngineConfig(), 100, 256, step_cost=COST,
+                                           ttft_slo_s=-1.0)
+    for name in ("itl_slo_ms", "ttft_slo_ms"):
+        with pytest.raises(ValueError, match=name):
+            EngineConfig(**{name: -1.0})

@@ -10,15 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxserve.core.step_cost import (
-    AUTO_ITL_DECODE_RATIO,
-    AUTO_ITL_MIN_CHUNK_TOKENS,
     OnlineStepCost,
     StepCostModel,
     StepSample,
-    itl_target_s,
     prefill_pairs,
     prefill_token_budget,
-    resolve_itl_target,
 )
 from jaxserve.device.buckets import token_buckets
 
@@ -160,17 +156,17 @@ def test_online_fit_refits_every_k_steps_over_its_window() -> None:
     assert quick.observe(StepSample(1, 1, 300, 0.04)) is None  # the count starts again
 
 
-def test_itl_target_is_the_floor_or_a_multiple_of_the_decode_step() -> None:
-    m = StepCostModel(fixed_s=0.02, per_token_s=1e-3)
-    assert itl_target_s(m, 0.15, 0.0, 64, 1000, BUCKETS) == 0.15  # fixed: the floor alone
-    # automatic: 4 decodes + a 128-token chunk fill the 256 bucket: 20 + 256 ms
-    assert AUTO_ITL_MIN_CHUNK_TOKENS == 128
-    assert itl_target_s(m, 0.15, 2.0, 4, 100, BUCKETS) == pytest.approx(0.276)
-    # 200 decodes pad to 256: twice (20 + 256) ms beats 200 + 128 in the 512 bucket (532 ms)
-    assert itl_target_s(m, 0.15, 2.0, 200, 100, BUCKETS) == pytest.approx(0.552)
-    fast = StepCostModel(fixed_s=0.01, per_token_s=1e-4)  # both under the floor
-    assert itl_target_s(fast, 0.15, 2.0, 4, 100, BUCKETS) == 0.15
-    assert resolve_itl_target(None, 0.15) == (0.15, AUTO_ITL_DECODE_RATIO)
+def test_the_online_model_keeps_its_recent_error() -> None:
+    """Each observed step's measured / predicted ratio, against the model of its time: the
+    quantiles the gap objective's margin is planned with (1.0 until enough steps)."""
+    online = OnlineStepCost(MODEL, window=100, refit_every=10**6, refit_after_s=1e9)
+    assert online.error_quantile(0.95) == 1.0
+    for i in range(100):  # steps 0.8x .. 1.79x their prediction
+        predicted = MODEL.predict(64, 4, 400)
+        online.observe(StepSample(64, 4, 400, predicted * (0.8 + 0.01 * i)))
+    assert online.error_quantile(0.5) == pytest.approx(1.3)
+    assert online.error_quantile(0.95) == pytest.approx(1.75)
+    assert online.error_quantile(1.0) == pytest.approx(1.79)
 
 
 def test_a_long_prompts_later_chunks_get_fewer_tokens_and_the_fit_learns_why() -> None:

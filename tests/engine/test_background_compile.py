@@ -28,7 +28,7 @@ PROMPTS = [list(range(3, 3 + n)) for n in (3, 6, 5)]  # one prefill step of 14 t
 
 
 def _engine(tmp_path, **kw) -> LLMEngine:
-    kw = {"itl_slo_ms": 0, **kw}
+    kw = {"itl_slo_ms": 0, "ttft_slo_ms": 0, **kw}
     cfg = EngineConfig(max_model_len=128, num_kv_blocks=24, max_num_seqs=4,
                        max_num_batched_tokens=32, compilation_cache_dir=str(tmp_path / "cache"),
                        **kw)

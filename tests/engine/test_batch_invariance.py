@@ -31,7 +31,7 @@ MAX_STEPS = 3000
 def inv_engine():
     eng = LLMEngine(EngineConfig(
         dtype="bfloat16", max_model_len=512, max_num_batched_tokens=64, max_num_seqs=8,
-        num_kv_blocks=64, compilation_cache_dir=str(REPO_ROOT / ".jax_cache"), itl_slo_ms=0,
+        num_kv_blocks=64, compilation_cache_dir=str(REPO_ROOT / ".jax_cache"), itl_slo_ms=0, ttft_slo_ms=0,
         prefill_order="fcfs"))
     eng.warmup(progress=False)
     assert eng.platform.batch_invariant(eng.config)

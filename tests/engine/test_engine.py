@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.core.step_cost import AUTO_ITL_DECODE_RATIO, OnlineStepCost, StepCostModel
+from jaxserve.core.step_cost import OnlineStepCost, StepCostModel
 from jaxserve.core.step_policy import StepPolicy
 from jaxserve.device.buckets import Bucket
 from jaxserve.engine.llm_engine import LLMEngine
@@ -190,22 +190,21 @@ def test_greedy_batched_matches_golden(llm: LLMEngine, goldens: dict) -> None:
     assert len(steps_with_golden_running) >= 20  # goldens really shared steps with others
 
 
-@pytest.mark.parametrize("auto", [False, True], ids=["fixed-fcfs", "auto-shortest-first"])
-def test_itl_target_keeps_goldens_and_compiles_nothing(
-    llm: LLMEngine, goldens: dict, monkeypatch: pytest.MonkeyPatch, auto: bool
+@pytest.mark.parametrize("slo", [False, True], ids=["gap-fcfs", "both-slo-order"])
+def test_objectives_keep_goldens_and_compile_nothing(
+    llm: LLMEngine, goldens: dict, monkeypatch: pytest.MonkeyPatch, slo: bool
 ) -> None:
-    """The busy batch above under a 30 ms ITL target (the CPU prior predicts 24 ms for an
+    """The busy batch above under a 30 ms gap objective (the CPU prior predicts 24 ms for an
     empty step, so prefill beside decodes is cut to its minimum chunks): the same golden
-    tokens, and only compiled buckets run. ``auto``: the automatic rule (at least twice the
-    predicted decode step) with shortest-first prefill and the model refitted online from
-    the steps every 4 of them, as ``jaxserve serve`` runs by default."""
+    tokens, and only compiled buckets run. ``slo``: with a 1 s first-token objective too, the
+    SLO order and the model refitted online every 4 steps, as ``jaxserve serve`` runs."""
     prior = StepCostModel.prior(32, 0.75e-3)
-    cfg = dataclasses.replace(llm.scheduler.config, itl_target_s=0.03, step_cost=prior,
-                              itl_decode_ratio=AUTO_ITL_DECODE_RATIO if auto else 0.0,
-                              prefill_order="shortest-first" if auto else "fcfs")
+    cfg = dataclasses.replace(llm.scheduler.config, itl_slo_s=0.03, step_cost=prior,
+                              ttft_slo_s=1.0 if slo else 0.0,
+                              prefill_order="slo" if slo else "fcfs")
     policy = StepPolicy(cfg)
-    # the policy's own online model (fixed without ``auto``: no refit in the test's steps)
-    online = OnlineStepCost(prior, refit_every=4) if auto else \
+    # the policy's own online model (fixed without ``slo``: no refit in the test's steps)
+    online = OnlineStepCost(prior, refit_every=4) if slo else \
         OnlineStepCost(prior, refit_every=10**9, refit_after_s=1e9)
     monkeypatch.setattr(policy, "_cost", online)
     monkeypatch.setattr(llm.scheduler, "config", cfg)
@@ -218,7 +217,7 @@ def test_itl_target_keeps_goldens_and_compiles_nothing(
     test_greedy_batched_matches_golden(llm, goldens)
     assert llm.runner.num_compiles == compiles_before
     assert sum(b < cfg.max_num_batched_tokens for b in budgets) >= 20  # prefill was cut
-    if auto:  # the steps were measured and the scheduler planned with the refitted model
+    if slo:  # the steps were measured and the scheduler planned with the refitted model
         assert online.num_observed >= 20 and llm.scheduler.step_cost is online.model
         assert online.model != prior
 

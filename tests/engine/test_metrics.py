@@ -120,7 +120,7 @@ def test_tokens_in_flight_and_prefill_backlog_follow_the_engine() -> None:
     metrics = EngineMetrics("tiny")
     # arrival order and no ITL target: the counts below follow "a" then "b" in fixed chunks
     eng = LLMEngine(EngineConfig(max_model_len=128, num_kv_blocks=24, max_num_seqs=4,
-                                 max_num_batched_tokens=16, prefill_order="fcfs", itl_slo_ms=0,
+                                 max_num_batched_tokens=16, prefill_order="fcfs", itl_slo_ms=0, ttft_slo_ms=0,
                                  compilation_cache_dir=str(REPO_ROOT / ".jax_cache")),
                     LoadConfig(model="tiny", load_format="dummy"), metrics=metrics)
     eng.warmup(progress=False)

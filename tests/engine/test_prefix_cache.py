@@ -131,7 +131,7 @@ def small(engine: LLMEngine, monkeypatch_module) -> LLMEngine:
                      kv_offloading_size=SMALL_HOST_GIB,
                      # the swap and offload scenarios below are worked out for arrival order
                      # and plans that do not depend on measured step times
-                     prefill_order="fcfs", itl_slo_ms=0,
+                     prefill_order="fcfs", itl_slo_ms=0, ttft_slo_ms=0,
                      compilation_cache_dir=engine.config.compilation_cache_dir),
         metrics=EngineMetrics(engine.model_name))
     eng.warmup(progress=False)

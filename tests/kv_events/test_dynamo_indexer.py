@@ -39,7 +39,7 @@ def free_port() -> int:
 def make_engine(port: int, rank: int) -> LLMEngine:
     cfg = EngineConfig(
         max_model_len=128, num_kv_blocks=16, max_num_seqs=2, max_num_batched_tokens=64,
-        kv_offloading_size=6.5 * BLOCK_BYTES / 2**30, prefill_order="fcfs", itl_slo_ms=0,
+        kv_offloading_size=6.5 * BLOCK_BYTES / 2**30, prefill_order="fcfs", itl_slo_ms=0, ttft_slo_ms=0,
         prefix_caching_hash_algo="sha256_cbor",
         compilation_cache_dir=str(REPO_ROOT / ".jax_cache"),
         # '*': the replica binds (the indexer connects); replica 1 on the port plus one

@@ -39,7 +39,7 @@ def engine(tmp_path_factory):
         max_num_seqs=4,
         max_num_batched_tokens=64,
         prefill_order="fcfs",
-        itl_slo_ms=0,
+        itl_slo_ms=0, ttft_slo_ms=0,
         prefix_caching_hash_algo="sha256_cbor",
         compilation_cache_dir=str(REPO_ROOT / ".jax_cache"),
         kv_events_config=f'{{"enable_kv_cache_events": true, "endpoint": "ipc://{ipc}/pub", '
@@ -193,7 +193,7 @@ def test_a_data_parallel_replica_stamps_its_rank_on_its_own_endpoint(vllm) -> No
         num_kv_blocks=24,
         max_num_seqs=4,
         max_num_batched_tokens=64,
-        itl_slo_ms=0,
+        itl_slo_ms=0, ttft_slo_ms=0,
         compilation_cache_dir=str(REPO_ROOT / ".jax_cache"),
         kv_events_config='{"enable_kv_cache_events": true, "endpoint": "inproc://kv-dp"}',
     )
