@@ -10,7 +10,7 @@ under ``shard_map`` with no communication. Embedding and LM head split over the 
 With ``num_kv_heads < tp`` each kv head is replicated ``tp // num_kv_heads`` times (needs
 ``tp % num_kv_heads == 0``); query heads that do not divide by ``tp`` are refused.
 
-A ``models.quant.QuantizedWeight`` splits like the weight it replaces: ``q``, ``scale`` and
+A ``models.quant_formats.QuantizedWeight`` splits like the weight it replaces: ``q``, ``scale`` and
 ``zero`` take its spec, except a per-channel scale is replicated along the contraction axis.
 Every split axis must divide by ``tp`` (int4 row-parallel: ``in / quantization_group_size``).
 """
@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
-from models.quant import QuantizedWeight
+from models.quant_formats import QuantizedWeight
 
 TP_AXIS = "tp"
 

@@ -14,8 +14,9 @@ import pytest
 from cpu_kernels import int4_matmul as cpu_int4_matmul
 from jaxserve.config import EngineConfig
 from jaxserve.engine.kv_budget import weights_summary
-from models import quant
-from models.quant import NATIVE_INT4_MAX_ROWS, QuantizedWeight
+from models import quant, quant_formats
+from models.quant import NATIVE_INT4_MAX_ROWS
+from models.quant_formats import QuantizedWeight
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu" or not cpu_int4_matmul.available(),
@@ -39,7 +40,7 @@ def _assert_close(got: np.ndarray, x: np.ndarray, qw: QuantizedWeight) -> None:
     16) |scale|``, since ``x q s`` and ``x zero s / 16`` are summed apart and then subtracted."""
     want = _reference(x, qw)
     k = x.shape[1]
-    q = np.asarray(quant.unpack_int4(qw.q, 0), np.float64)
+    q = np.asarray(quant_formats.unpack_int4(qw.q, 0), np.float64)
     rep = lambda a: np.repeat(np.asarray(a, np.float64), k // a.shape[0], axis=0)
     terms = (q + rep(qw.zero) / 16) * np.abs(rep(qw.scale))
     bound = np.abs(np.asarray(x, np.float64)) @ terms
