@@ -52,9 +52,6 @@ class QuantizedWeight:
     zero: jax.Array | None = None  # int4: u8 of scale's shape, sixteenths of a step; else None
     # the dtype of the float weight this replaced (``qmatmul``'s narrow operands); not stored
     dot_dtype: str = field(default="float32", metadata={"static": True})
-    # int4 on XLA:CPU: up to this many rows ``models.quant.qmatmul`` runs the native kernel (0:
-    # never); set by ``models.quant.use_native_int4``, not stored
-    native_max_rows: int = field(default=0, metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -1,14 +1,15 @@
 """The package layering: imports run one way along the request path.
 
 ``cli -> server -> engine -> {core, device, loading} -> {models, cpu_kernels, pallas_kernels}``,
-with ``models -> cpu_kernels -> pallas_kernels`` (the native CPU kernels build on the Pallas
-package's jnp op and KV-cache layout, never the reverse), the shared vocabulary (the modules at
-the top of ``jaxserve/``) depending on none of the stages, and the platform layer
-(``jaxserve/platform/``, the only code that asks which backend runs) beside the kernels: the
-engine, ``LLM`` and the command ask it. The tools the command dispatches to (``bench``,
-``eval``, ``autoscaling``) sit beside ``cli``: it imports them, they import the stages below it
-but not the server, and nothing below imports them. Every
-import counts, including those inside functions and under ``TYPE_CHECKING``
+with ``models -> pallas_kernels`` and ``cpu_kernels -> pallas_kernels`` (the native CPU kernels
+build on the Pallas package's jnp op and KV-cache layout, never the reverse; the models know no
+native kernel), the shared vocabulary (the modules at the top of ``jaxserve/``) depending on none
+of the stages, and the platform layer (``jaxserve/platform/``, the only code that asks which
+backend runs) above the kernels and the models, which it joins (its CPU weights implement the
+models' ``KernelWeight`` over ``cpu_kernels``): the engine, ``LLM`` and the command ask it. The
+tools the command dispatches to (``bench``, ``eval``, ``autoscaling``) sit beside ``cli``: it
+imports them, they import the stages below it but not the server, and nothing below imports
+them. Every import counts, including those inside functions and under ``TYPE_CHECKING``
 (docs/architecture.md#imports-run-one-way).
 """
 
@@ -25,7 +26,7 @@ PACKAGES = ("jaxserve", "models", "cpu_kernels", "pallas_kernels")
 ALLOWED: dict[str, set[str]] = {
     "pallas_kernels": set(),
     "cpu_kernels": {"pallas_kernels"},
-    "models": {"cpu_kernels", "pallas_kernels"},
+    "models": {"pallas_kernels"},
     "vocabulary": {"models", "cpu_kernels", "pallas_kernels"},
     "core": {"vocabulary"},
     # KV-cache events: vLLM's wire structs over the KV manager's records, and the publisher
@@ -171,6 +172,7 @@ def test_layering_check_catches_a_bad_import(tmp_path: Path) -> None:
     assert "engine" not in ALLOWED["core"]
     assert "cpu_kernels" not in ALLOWED["pallas_kernels"] and layer_of("cpu_kernels.build") == \
         "cpu_kernels"
+    assert "cpu_kernels" not in ALLOWED["models"] and "models" not in ALLOWED["cpu_kernels"]
     assert layer_of("jaxserve.config") == "vocabulary" and layer_of("jaxserve.llm") == "llm"
     assert layer_of("jaxserve.bench.serve") == "bench" and layer_of("jaxserve.eval.quality") == "eval"
     assert not any(tool in ALLOWED[layer] for tool in ("bench", "eval", "autoscaling")

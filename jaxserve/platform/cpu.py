@@ -65,7 +65,8 @@ from cpu_kernels import bf16_matmul as cpu_bf16_matmul
 from cpu_kernels import int4_matmul as cpu_int4_matmul
 from jaxserve.config import EngineConfig
 from jaxserve.platform.base import BucketSet, Platform
-from models.quant import NATIVE_INT4_MAX_ROWS, QuantTargets, use_native_int4, use_packed_bf16
+from jaxserve.platform.cpu_weights import NATIVE_INT4_MAX_ROWS, use_native_int4, use_packed_bf16
+from models.quant import QuantTargets
 
 log = logging.getLogger(__name__)
 _AUTO_OFF_LOGGED: set[str] = set()  # the reasons "auto" left batch invariance off, logged once
@@ -132,8 +133,9 @@ class CpuPlatform(Platform):
 
     def prepare_weights(self, params, config: EngineConfig, dtype: jnp.dtype,
                         targets: QuantTargets | None):
-        """int4 weights marked for the native int4 matmul, bfloat16 weights packed for the
-        native bfloat16 one (the module docstring says where each applies).
+        """int4 weights run by the native int4 matmul, bfloat16 weights packed for the native
+        bfloat16 one (``jaxserve.platform.cpu_weights``; the module docstring says where each
+        applies).
 
         Raises:
           RuntimeError: ``cpu_kernels="on"`` where a kernel that applies cannot load.
