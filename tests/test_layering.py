@@ -185,8 +185,29 @@ def _write(tmp_path: Path, text: str) -> Path:
     return p
 
 
+# The one module that reads the CPU's flags: the kernels' build needs them without the platform
+# layer (`jaxserve build-kernels` imports only cpu_kernels), and the platform asks it.
+CPUINFO_READER = "cpu_kernels/build.py"
+
+
+def _names_cpuinfo(path: Path) -> bool:
+    return any(isinstance(node, ast.Constant) and node.value == "/proc/cpuinfo"
+               for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))))
+
+
+def test_one_module_reads_proc_cpuinfo() -> None:
+    readers = [str(path.relative_to(REPO_ROOT)) for pkg in PACKAGES
+               for path in sorted((REPO_ROOT / pkg).rglob("*.py")) if _names_cpuinfo(path)]
+    assert readers == [CPUINFO_READER]
+
+
+def test_the_cpuinfo_check_finds_a_reader(tmp_path: Path) -> None:
+    assert _names_cpuinfo(_write(tmp_path, 'open("/proc/cpuinfo").read()\n'))
+    assert not _names_cpuinfo(_write(tmp_path, '"""Flags from /proc/cpuinfo."""\n'))
+
+
 # What asks which backend runs: only jaxserve/platform/ may (the engine asks the platform).
-BACKEND_QUESTIONS = ("default_backend(", "/proc/cpuinfo", "cpu_has_bf16_dot")
+BACKEND_QUESTIONS = ("default_backend(", "cpu_flags(", "cpu_has_bf16_dot")
 
 
 def test_only_the_platform_layer_asks_which_backend_runs() -> None:
