@@ -4,7 +4,7 @@
   (``native_attention_fn``: ``pallas_kernels``' jnp op with those rows in the kernel);
 - ``bf16_matmul``: activation rows times one layer of a stacked bfloat16 weight, packed for
   AVX512-BF16 (``pack``);
-- ``int4_matmul``: a few activation rows times an int4 weight of ``models.quant``;
+- ``int4_matmul``: a few activation rows times an int4 weight (``models.quant_formats``);
 - ``build``: the shared library, built ahead of serving per ISA variant (``jaxserve
   build-kernels``) and loaded for the best variant this CPU runs.
 

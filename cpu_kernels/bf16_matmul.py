@@ -67,6 +67,17 @@ def unpack(packed: jax.Array, k: int, n: int) -> jax.Array:
     return w.reshape(*lead, 2 * kp, nb * BLOCK)[..., :k, :n]
 
 
+def unpack_columns(packed: jax.Array, cols: jax.Array, k: int) -> jax.Array:
+    """Columns ``cols`` of the packed ``[k, n]`` matrix, as rows: ``bf16[NB, KP, 32]``,
+    ``i32[C]`` -> ``bf16[C, k]`` (a tied embedding table packed as the LM head's ``[hidden,
+    vocab]`` gives its rows back so)."""
+    # column c is in block c // 16, lanes 2 (c % 16) + (0, 1) of each row pair
+    lanes = 2 * (cols % BLOCK)[:, None] + jnp.arange(2)
+    rows = packed[(cols // BLOCK)[:, None, None], jnp.arange(packed.shape[1])[None, :, None],
+                  lanes[:, None, :]]
+    return rows.reshape(cols.shape[0], -1)[:, :k]
+
+
 def cpu_bf16_matmul(x: jax.Array, packed: jax.Array, layer: jax.Array | int, n: int
                     ) -> jax.Array:
     """``x @ w[layer]`` for the packed stack ``packed = pack(w)``, ``x`` rounded to bfloat16

@@ -48,6 +48,7 @@ INFO_NAME = "build.json"
 DIR_ENV = "JAXSERVE_CPU_KERNELS_DIR"
 ISA_ENV = "JAXSERVE_CPU_ISA"
 BUILD_COMMAND = "jaxserve build-kernels"
+CPUINFO = Path("/proc/cpuinfo")  # read here only (``cpu_flags``); the platform asks this module
 # Reassociation lets the reductions vectorise. Not -ffast-math (or -funsafe-math-optimizations):
 # GCC before 13 then links crtfastmath.o even into a shared library, whose constructor turns on
 # flush-to-zero and denormals-are-zero for the whole process on load.
@@ -171,11 +172,11 @@ def build_all(directory: Path | None = None, force: bool = False,
     return {v.name: p for v, p in zip(todo, paths, strict=True)}
 
 
-def cpu_flags() -> frozenset[str] | None:
-    """The CPU's feature flags from ``/proc/cpuinfo`` (x86 "flags", arm "Features"); None where
-    they cannot be read."""
+def cpu_flags(cpuinfo: Path | str = CPUINFO) -> frozenset[str] | None:
+    """The CPU's feature flags from ``cpuinfo`` (x86 "flags", arm "Features"); None where they
+    cannot be read (not Linux)."""
     try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        lines = Path(cpuinfo).read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
         return None
     for ln in lines:

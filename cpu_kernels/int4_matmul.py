@@ -24,7 +24,7 @@ def available() -> bool:
 
 
 def cpu_int4_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, zero: jax.Array) -> jax.Array:
-    """``x @ w`` for the int4 weight ``w`` of ``models.quant`` (contracted along its rows).
+    """``x @ w`` for the int4 weight ``w`` of ``models.quant_formats`` (contracted along its rows).
 
     Args:
       x: ``[T, K]`` activations (computed in float32).

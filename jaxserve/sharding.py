@@ -4,13 +4,14 @@ Megatron-LM's layout (arXiv:1909.08053, section 3): q/k/v and gate/up are column
 slice of the output features: heads, intermediate dim), o and down row-parallel (the matching
 input slice, a partial sum), so a layer needs two all-reduces of ``[T, hidden]``, after o and
 after down. The KV cache ``[L, num_blocks, block_size, kv_heads, head_dim]`` and an 8-bit
-cache's scales ``[L, kv_heads]`` split over kv heads; attention and ``write_kv`` run per device
-under ``shard_map`` with no communication. Embedding and LM head split over the vocabulary.
+cache's scales ``[L, kv_heads]`` split over kv heads; attention runs per device under
+``shard_map`` with no communication (``shard_attention``), and XLA's partitioner splits
+``write_kv``'s scatter over the same heads. Embedding and LM head split over the vocabulary.
 
 With ``num_kv_heads < tp`` each kv head is replicated ``tp // num_kv_heads`` times (needs
 ``tp % num_kv_heads == 0``); query heads that do not divide by ``tp`` are refused.
 
-A ``models.quant.QuantizedWeight`` splits like the weight it replaces: ``q``, ``scale`` and
+A ``models.quant_formats.QuantizedWeight`` splits like the weight it replaces: ``q``, ``scale`` and
 ``zero`` take its spec, except a per-channel scale is replicated along the contraction axis.
 Every split axis must divide by ``tp`` (int4 row-parallel: ``in / quantization_group_size``).
 """
@@ -28,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
-from models.quant import QuantizedWeight
+from models.quant_formats import QuantizedWeight
 
 TP_AXIS = "tp"
 
@@ -225,28 +226,6 @@ def shard_attention(attention_fn: Callable[..., jax.Array], mesh: Mesh
             args += (k_scale, v_scale)
             specs += (kv_scale_spec(), kv_scale_spec())
         f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)
-        return f(*args)
-
-    return wrapped
-
-
-def shard_write_kv(write_fn: Callable, mesh: Mesh) -> Callable:
-    """Wrap ``write_kv`` so each device scatters its own kv heads into its cache shard."""
-    heads = P(None, TP_AXIS, None)
-    cache = kv_cache_spec()
-
-    def wrapped(k_cache, v_cache, layer, k_new, v_new, slot_mapping, k_scale=None,
-                v_scale=None):
-        args = (k_cache, v_cache, layer, k_new, v_new, slot_mapping)
-        specs = (cache, cache, P(), heads, heads, P())
-        if k_scale is None:
-            body = write_fn
-        else:
-            body = lambda *a: write_fn(*a[:-2], k_scale=a[-2], v_scale=a[-1])
-            args += (k_scale, v_scale)
-            specs += (kv_scale_spec(), kv_scale_spec())
-        f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(cache, cache),
-                          check_vma=False)
         return f(*args)
 
     return wrapped

@@ -1,8 +1,8 @@
 """The ``CausalLM`` wrapper every built-in architecture shares: a Flax module called for one
 ragged step (``module(token_ids, positions, kv_cache, md) -> (hidden, kv_cache)``) with a
-``logits(hidden)`` method, its params applied with the packed bfloat16 weights split out
-(``models.quant.split_packed``). An architecture names its module class
-(``LlamaForCausalLM``: ``LlamaModel``; ``Gemma3ForCausalLM``: ``Gemma3Model``)."""
+``logits(hidden)`` method, its params applied with the kernel-backed weights that the layer
+scan broadcasts split out (``models.quant.flax_variables``). An architecture names its module
+class (``LlamaForCausalLM``: ``LlamaModel``; ``Gemma3ForCausalLM``: ``Gemma3Model``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from models.interface import AttentionFn, AttentionMetadata, ModelConfigLike
-from models.quant import split_packed
+from models.quant import flax_variables
 from pallas_kernels import KVCache, ragged_paged_attention
 
 
@@ -37,11 +37,11 @@ class FlaxCausalLM:
     def forward(self, params, token_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
                 md: AttentionMetadata) -> tuple[jax.Array, KVCache]:
         """``(hidden [T, hidden], kv_cache)`` for one ragged step of ``T`` tokens."""
-        return self.module.apply(split_packed(params), token_ids, positions, kv_cache, md)
+        return self.module.apply(flax_variables(params), token_ids, positions, kv_cache, md)
 
     def compute_logits(self, params, hidden: jax.Array) -> jax.Array:
         """``f32[L, vocab]`` from ``hidden [L, hidden]``."""
-        return self.module.apply(split_packed(params), hidden, method=self.module_class.logits)
+        return self.module.apply(flax_variables(params), hidden, method=self.module_class.logits)
 
     def param_shapes(self):
         """The params pytree as ``jax.ShapeDtypeStruct`` leaves (nothing allocated)."""

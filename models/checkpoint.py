@@ -23,13 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.quant import (
-    INT4_FORMAT,
-    QuantConfig,
-    QuantizedWeight,
-    quantization_of,
-    quantized_shapes,
-)
+from models.quant import QuantConfig, quantization_of, quantized_shapes
+from models.quant_formats import INT4_FORMAT, QuantizedWeight
 from models.registry import get_architecture
 
 CONFIG_FILE = "config.json"

@@ -1,6 +1,7 @@
 """The interface between the engine and a model: the config fields the engine reads
-(``ModelConfigLike``), the model protocol (``CausalLM``) and the per-step attention layout
-(``AttentionMetadata``). Any Flax model that implements ``CausalLM`` and calls the paged-attention
+(``ModelConfigLike``), the model protocol (``CausalLM``), the per-step attention layout
+(``AttentionMetadata``) and the weights a kernel outside the models computes with
+(``KernelWeight``). Any Flax model that implements ``CausalLM`` and calls the paged-attention
 op it is given can be served (``models.registry``, ``examples/tiny_gpt.py``,
 docs/architecture.md#model-protocol)."""
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -81,3 +82,32 @@ class CausalLM(Protocol):
     def compute_logits(self, params, hidden: jax.Array) -> jax.Array: ...
 
     def param_shapes(self): ...
+
+
+@runtime_checkable
+class KernelWeight(Protocol):
+    """A weight in the params whose products a kernel outside the model layer computes (the CPU
+    platform's packed bfloat16 and native int4 weights, ``jaxserve.platform.cpu_weights``). The
+    layers reach it only through ``models.quant``'s ``qmatmul``, ``embed_lookup`` and ``weight``.
+    """
+
+    scan_broadcast: ClassVar[bool]
+    """Whether the layer scan broadcasts it whole (its kernel reads the layer it is bound to
+    by ``at_layer``) instead of slicing its arrays per layer as it does the params."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical shape of one layer's weight: ``(k, m)`` of ``x @ w``."""
+        ...
+
+    def matmul(self, x: jax.Array, *, transpose: bool) -> jax.Array:
+        """``x [T, k] @ w`` (``@ w.T`` with ``transpose``) -> ``[T, m]`` in ``x.dtype``."""
+        ...
+
+    def embed_rows(self, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
+        """Rows ``w[ids]`` of an embedding table: ``i32[T]`` -> ``[T, hidden]`` in ``dtype``."""
+        ...
+
+    def at_layer(self, layer: jax.Array | None) -> KernelWeight:
+        """This weight bound to the scan's layer index (``i32[]``; None outside the scan)."""
+        ...

@@ -9,10 +9,11 @@ rides in the scan *carry* with the layer index, so every layer reads and writes 
 place; passing it as scan xs/ys would slice and re-stack (copy) it. An 8-bit cache's scales
 (``f32[num_layers, num_kv_heads]`` each, static) ride with the step's constants and reach
 ``write_kv`` and the attention op as ``k_scale`` / ``v_scale`` (not passed for a float cache, so
-attention functions that know no scales keep working). Weights packed for the native CPU
-bfloat16 kernel (``models.quant.use_packed_bf16``) are, for the same reason, not scanned over:
-``forward`` passes them as the ``packed`` collection, which the scan broadcasts, and ``weight``
-binds the layer index to them.
+attention functions that know no scales keep working). Kernel-backed weights that read their
+layer from the whole stack (``models.interface.KernelWeight``, e.g. the CPU's packed bfloat16
+weights) are, for the same reason, not scanned over: ``forward`` passes them as the
+``BROADCAST`` collection, which the scan broadcasts, and ``weight`` binds the layer index to
+them.
 
 Features: GQA, optional sliding-window attention (Mistral), RoPE (rotate-half layout of HF
 transformers; GGUF q/k rows are un-permuted at load time) with theta and Llama-3 frequency scaling,
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 from models.causal_lm import FlaxCausalLM
 from models.config import ModelConfig
 from models.interface import AttentionFn, AttentionMetadata
-from models.quant import embed_lookup, qmatmul, weight
+from models.quant import BROADCAST, embed_lookup, qmatmul, weight
 from pallas_kernels import KVCache, ragged_paged_attention, write_kv
 
 
@@ -121,7 +122,7 @@ class DecoderLayer(nn.Module):
         h, nq, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         t = x.shape[0]
 
-        # float, quantised, or packed (bound to this layer)
+        # float, quantised, or kernel-backed (bound to this layer)
         w = lambda name, shape: weight(self, name, init, shape, dt, layer)
         y = RMSNorm(cfg.rms_norm_eps, dt, name="attn_norm")(x)
         q = qmatmul(y, w("wq", (h, nq * hd)))
@@ -153,12 +154,12 @@ def setup_decoder(module: nn.Module, layer: type[nn.Module], in_axes: object) ->
     """The ``setup`` every decoder here starts with, for a module with fields ``cfg``, ``dtype``
     and ``attention_fn``: ``embed [vocab, hidden]``, ``layers`` (``layer(cfg, dtype,
     attention_fn)`` under ``nn.scan`` over ``cfg.num_layers``: params stacked on axis 0, the
-    ``packed`` collection broadcast, the scanned inputs ``in_axes``) and ``final_norm``."""
+    ``BROADCAST`` collection broadcast, the scanned inputs ``in_axes``) and ``final_norm``."""
     cfg = module.cfg
     module.embed = weight(module, "embed", nn.initializers.normal(0.02),
                           (cfg.vocab_size, cfg.hidden_size), module.dtype)
     scanned = nn.scan(layer, variable_axes={"params": 0},
-                      variable_broadcast="packed", split_rngs={"params": True},
+                      variable_broadcast=BROADCAST, split_rngs={"params": True},
                       in_axes=in_axes, length=cfg.num_layers)
     module.layers = scanned(cfg, module.dtype, module.attention_fn)
     module.final_norm = RMSNorm(cfg.rms_norm_eps, module.dtype)

@@ -1,56 +1,50 @@
-"""Weight quantisation at load time; the matmul dequantises inside the jitted step.
+"""Weight quantisation at load time, and the layers' matmul and lookup over any weight they hold.
 
-Data flow: params load in the serving dtype -> ``quantize_params`` replaces each target leaf,
-one at a time on its device, by a ``QuantizedWeight`` and frees the float leaf -> layers call
-``qmatmul`` / ``embed_lookup``, which take plain arrays too. Stacked weights keep the layer axis
-first (``q [L, in, out]``, ``scale [L, G, out]``) so ``nn.scan`` slices them. A checkpoint from
-``jaxserve convert --quantization`` holds quantised leaves (``quantized_shapes`` is its restore
-target). Formats, for contraction axis ``axis`` of length ``n`` (-2 for a linear ``[in, out]``,
--1 for an embedding ``[vocab, hidden]`` used as a tied LM head):
-
-- ``int8``: symmetric per output channel, ``scale = amax / 127``, ``q`` in ``[-127, 127]``;
-  error <= amax/254. LLM.int8()'s absmax (arXiv:2208.07339) without outlier decomposition.
-- ``int4``: asymmetric, groups of ``group_size`` input rows (GPTQ/AWQ layout, arXiv:2210.17323,
-  arXiv:2306.00978). ``lo = min(min(w), 0)``, ``hi = max(max(w), 0)``; ``scale = (hi - lo) / 15``
-  as ``f16`` clipped to ``[2**-14, 65504]``; ``zero = round(-lo / scale * 16)`` as ``u8`` (in
-  sixteenths of a step); ``q = round(w / scale + zero / 16)`` in ``[0, 15]``; error <= scale/2,
-  nothing clipped. Rows ``2i`` / ``2i+1`` in the low / high nibble of a ``u8``. ``scale`` and
-  ``zero`` are ``[..., n // group_size, ...]``. A ``group_size`` not dividing ``n`` is refused
-  (ValueError). Why groups of 32: docs/quantization.md.
-- ``fp8``: ``float8_e4m3fn`` (arXiv:2209.05433) per output channel, ``scale = amax / 448``;
-  error <= ``max(|w| * 2**-4, scale * 2**-10)``.
+Data flow: params load in the serving dtype -> ``apply_quantization`` / ``quantize_params``
+replaces each target leaf (``QuantTargets``), one at a time on its device, by a
+``QuantizedWeight`` (``models.quant_formats``: the formats and their error bounds) and frees the
+float leaf -> the platform may replace leaves by kernel-backed weights
+(``models.interface.KernelWeight``) -> layers read each weight with ``weight`` and call
+``qmatmul`` / ``embed_lookup``, which take plain arrays, quantised and kernel-backed weights
+alike. A checkpoint from ``jaxserve convert --quantization`` holds quantised leaves
+(``quantized_shapes`` is its restore target).
 
 Compute: int8/fp8 ``q`` converts exactly to the dot's operand dtype, the dot runs, and the scale
 applies to the ``[T, out]`` result in float32; int4 dequantises to the operand dtype first. The
 operand dtype is the activations', except under the CPU's mixed mode (float32 activations, the
 weights' ``dot_dtype`` bfloat16) at ``NARROW_DOT_MIN_ROWS`` rows or more: there the dot takes
 bfloat16 operands and accumulates in float32, as a plain bfloat16 weight's does (``qmatmul``).
+A kernel-backed weight computes its own products (``KernelWeight.matmul``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from cpu_kernels import bf16_matmul as bf16_kernel
-from cpu_kernels.int4_matmul import available as native_int4_available
-from cpu_kernels.int4_matmul import cpu_int4_matmul
+from models.interface import KernelWeight
+from models.quant_formats import (
+    DEFAULT_GROUP_SIZE,
+    METHODS,
+    QuantizedWeight,
+    array_nbytes,
+    check_group,
+    dequantize,
+    divisor_hint,
+    quantize,
+    quantized_shape,
+)
 
-METHODS = ("none", "int8", "int4", "fp8")
-INT8_MAX = 127
-INT4_LEVELS = 15  # q in [0, 15]
-INT4_ZERO_STEPS = 16  # the zero point is stored in sixteenths of a step
-INT4_SCALE_DTYPE = jnp.float16
-INT4_FORMAT = "asym-zp16"  # the int4 layout this module writes (recorded in checkpoints)
-DEFAULT_GROUP_SIZE = 32
-FP8_DTYPE = jnp.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+BROADCAST = "broadcast"
+"""The Flax collection of the kernel-backed weights the layer scan broadcasts whole
+(``flax_variables``; ``KernelWeight.scan_broadcast``)."""
+
 # Rows (tokens) from which a quantised weight whose ``dot_dtype`` is narrower than the float32
 # activations is dequantised to that dtype for the dot. Measured on XLA:CPU (2-core Zen 5 with
 # AVX512-BF16; SmolLM2-135M's 30 layers of 7 matmuls, weights streamed from memory, best of 20;
@@ -60,14 +54,6 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # 36.4 at 32 and 40.9 against 54.8 at 64, but 24.9 against 21.2 at 16 (its nibble unpacking
 # costs more in the bfloat16 dot's smaller tiles).
 NARROW_DOT_MIN_ROWS = {"int8": 2, "fp8": 2, "int4": 32}
-# Rows up to which an int4 weight's matmul runs in the native CPU kernel (``use_native_int4``)
-# rather than as XLA:CPU's dequantise-then-dot. Measured on a 2-core Zen 3 (AVX2;
-# docs/decisions/0033-int4-native-matmul.md): SmolLM2-135M's 210 int4 matmuls in a scan, native
-# against XLA, 7.8 / 19.7 ms at 1 row, 13.4 / 30.2 at 4, 24.0 / 36.8 at 8; whole decode steps
-# (two engines interleaved in one process) 18.5 / 28.5 ms at 1 sequence, 27.2 / 36.2 at 4, and
-# at 8 in four runs 54.7 / 89.8, 59.5 / 59.9, 47.5 / 53.5 and 44.6 / 50.9. At 16 rows the
-# matmuls alone were 54.9 / 57.4 (the kernel unpacks the nibbles again for every 4-row tile).
-NATIVE_INT4_MAX_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -102,198 +88,8 @@ class QuantConfig:
             self.method != "int4" or self.group_size == other.group_size)
 
 
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class QuantizedWeight:
-    """A quantised weight of logical shape ``[..., n, m]`` or ``[..., m, n]`` (``n`` at ``axis``)."""
-
-    q: jax.Array  # i8 | f8e4m3fn logical shape; int4: u8, n halved (two nibbles per byte)
-    scale: jax.Array  # f32 (int8, fp8) | f16 (int4); n replaced by 1 | n // group_size
-    method: str = field(metadata={"static": True})  # "int8", "int4" or "fp8"
-    group_size: int = field(metadata={"static": True})  # int4's; 0 for per-channel formats
-    axis: int = field(metadata={"static": True})  # contraction axis, negative (-2 or -1)
-    zero: jax.Array | None = None  # int4: u8 of scale's shape, sixteenths of a step; else None
-    # the dtype of the float weight this replaced (``qmatmul``'s narrow operands); not stored
-    dot_dtype: str = field(default="float32", metadata={"static": True})
-    # int4 on XLA:CPU: up to this many rows ``qmatmul`` runs the native kernel (0: never);
-    # set by ``use_native_int4``, not stored
-    native_max_rows: int = field(default=0, metadata={"static": True})
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The logical (dequantised) shape."""
-        s = list(self.q.shape)
-        if self.method == "int4":
-            s[self.axis] *= 2
-        return tuple(s)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of ``q``, ``scale`` and ``zero`` together."""
-        return _nbytes(self.q) + _nbytes(self.scale) + (
-            0 if self.zero is None else _nbytes(self.zero))
-
-
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class PackedWeight:
-    """A bfloat16 ``[..., k, n]`` weight (a stack of layers' ``[L, k, n]`` in the params) in the
-    native CPU kernel's layout (``cpu_kernels.bf16_matmul.pack``), set by
-    ``use_packed_bf16``. Inside the layer scan it is not sliced per layer (the scan broadcasts
-    the ``packed`` collection, ``weight`` binds the layer index): ``qmatmul`` runs up to
-    ``max_rows`` rows in the kernel, reading the layer's weight where it lies, and more rows as
-    XLA's dot of the layer's weight unpacked."""
-
-    packed: jax.Array  # bf16[..., NB, KP, 32], ``pack`` of a [..., k, n] matrix
-    k: int = field(metadata={"static": True})
-    n: int = field(metadata={"static": True})
-    max_rows: int = field(metadata={"static": True})
-    layer: jax.Array | None = None  # i32[]: the layer of a stack, bound by ``weight``
-    # the logical weight is the [n, k] transpose of the packed matrix (a tied embedding table:
-    # ``qmatmul(..., transpose=True)`` is the LM head, ``embed_lookup`` gathers its rows)
-    transposed: bool = field(default=False, metadata={"static": True})
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The logical shape of one layer's weight: ``(k, n)``, or ``(n, k)`` transposed."""
-        return (self.n, self.k) if self.transposed else (self.k, self.n)
-
-
-def _packed_matmul(x: jax.Array, w: PackedWeight) -> jax.Array:
-    rows = math.prod(x.shape[:-1])
-    stacked = w.packed.ndim == 4
-    if stacked and w.layer is None:
-        raise ValueError("a stacked PackedWeight needs its layer bound (models.quant.weight)")
-    layer = jnp.int32(0) if w.layer is None else w.layer
-    if 0 < rows <= w.max_rows:
-        y = bf16_kernel.cpu_bf16_matmul(x.reshape(rows, w.k), w.packed, layer, w.n)
-        return y.reshape(*x.shape[:-1], w.n).astype(x.dtype)
-    one = jax.lax.dynamic_index_in_dim(w.packed, layer, keepdims=False) if stacked else w.packed
-    dims = (((x.ndim - 1,), (0,)), ((), ()))
-    return jax.lax.dot_general(x.astype(jnp.bfloat16), bf16_kernel.unpack(one, w.k, w.n), dims,
-                               preferred_element_type=jnp.float32).astype(x.dtype)
-
-
-def _nbytes(a) -> int:
-    return int(np.prod(a.shape, dtype=np.int64)) * jnp.dtype(a.dtype).itemsize
-
-
-def _check_group(n: int, group_size: int, where: str = "", hint: str | None = None) -> None:
-    if group_size < 2 or group_size % 2 or n % group_size:
-        raise ValueError(
-            f"quantization_group_size={group_size} must be even and divide the contraction "
-            f"dim {n}{where} (int4 groups input rows; choose "
-            f"{hint or f'a divisor of {n}, e.g. {_divisor_hint([n])}'})")
-
-
-def _divisor_hint(dims) -> str:
-    ds = [d for d in (128, 64, 32, 16, 8, 4, 2) if all(n % d == 0 for n in dims)]
-    return ", ".join(map(str, ds)) if ds else "none (a dim is odd)"
-
-
-def _check_groups(named_dims: list[tuple[str, tuple[int, ...], int]], group_size: int) -> None:
-    """Refuse a group size not dividing every int4 weight's contraction dim (hint: divisors).
-
-    Args:
-      named_dims: ``(param name, shape, contraction axis)`` of each weight to quantise.
-    """
-    dims = sorted({shape[axis] for _, shape, axis in named_dims})
-    hint = None if len(dims) < 2 else (
-        f"a size dividing every quantised weight's ({', '.join(map(str, dims))}), e.g. "
-        f"{_divisor_hint(dims)}")
-    for name, shape, axis in named_dims:
-        _check_group(shape[axis], group_size, f" of param {name} {tuple(shape)}", hint)
-
-
-def pack_int4(q: jax.Array, axis: int) -> jax.Array:
-    """``u8`` with ``axis`` halved: rows ``2i`` in the low nibble, ``2i+1`` in the high one.
-
-    Args:
-      q: integers in ``[0, 15]`` (or ``[-8, 7]``, two's complement), even length along ``axis``.
-    """
-    ax = axis % q.ndim
-    pairs = q.astype(jnp.uint8).reshape(*q.shape[:ax], q.shape[ax] // 2, 2, *q.shape[ax + 1:])
-    lo = jax.lax.index_in_dim(pairs, 0, ax + 1, keepdims=False)
-    hi = jax.lax.index_in_dim(pairs, 1, ax + 1, keepdims=False)
-    return (lo & jnp.uint8(0x0F)) | (hi << jnp.uint8(4))
-
-
-def unpack_int4(packed: jax.Array, axis: int) -> jax.Array:
-    """Inverse of ``pack_int4``: ``u8`` in ``[0, 15]`` with ``axis`` doubled."""
-    ax = axis % packed.ndim
-    lo = packed & jnp.uint8(0x0F)
-    hi = packed >> jnp.uint8(4)
-    out = jnp.stack([lo, hi], axis=ax + 1)
-    shape = list(packed.shape)
-    shape[ax] *= 2
-    return out.reshape(shape)
-
-
-def quantize(w: jax.Array, method: str, group_size: int = DEFAULT_GROUP_SIZE, axis: int = -2
-             ) -> QuantizedWeight:
-    """Quantise one weight (formats and error bounds: module docstring).
-
-    Args:
-      w: float weight, any leading dims (e.g. ``[L, in, out]``).
-      method: "int8", "int4" or "fp8".
-      group_size: int4's group length along ``axis`` (even, divides ``w.shape[axis]``).
-      axis: the contraction axis (-2 for ``[in, out]`` linears, -1 for embeddings).
-
-    Raises:
-      ValueError: unknown method, or (int4) a group size that is odd or does not divide.
-    """
-    if method not in METHODS[1:]:
-        raise ValueError(f"quantization={method!r} must be one of {METHODS[1:]}")
-    axis = axis - w.ndim if axis >= 0 else axis
-    ax = axis % w.ndim
-    wf = w.astype(jnp.float32)
-    if method in ("int8", "fp8"):
-        top = INT8_MAX if method == "int8" else FP8_MAX
-        amax = jnp.max(jnp.abs(wf), axis=ax, keepdims=True)
-        scale = jnp.where(amax > 0, amax / top, 1.0)
-        x = wf / scale
-        if method == "int8":
-            q = jnp.clip(jnp.round(x), -INT8_MAX, INT8_MAX).astype(jnp.int8)
-        else:
-            q = jnp.clip(x, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
-        return QuantizedWeight(q, scale, method, 0, axis, dot_dtype=_float_name(w.dtype))
-    n = w.shape[ax]
-    _check_group(n, group_size)
-    g = wf.reshape(*w.shape[:ax], n // group_size, group_size, *w.shape[ax + 1:])
-    lo = jnp.minimum(jnp.min(g, axis=ax + 1, keepdims=True), 0.0)
-    hi = jnp.maximum(jnp.max(g, axis=ax + 1, keepdims=True), 0.0)
-    f16 = jnp.finfo(INT4_SCALE_DTYPE)
-    scale = jnp.clip((hi - lo) / INT4_LEVELS, float(f16.smallest_normal), float(f16.max))
-    scale = scale.astype(INT4_SCALE_DTYPE).astype(jnp.float32)  # quantise with the stored scale
-    zero = jnp.clip(jnp.round(-lo / scale * INT4_ZERO_STEPS), 0, 255)
-    q = jnp.clip(jnp.round(g / scale + zero / INT4_ZERO_STEPS), 0, INT4_LEVELS)
-    return QuantizedWeight(pack_int4(q.astype(jnp.uint8).reshape(w.shape), ax),
-                           jnp.squeeze(scale, ax + 1).astype(INT4_SCALE_DTYPE), method,
-                           group_size, axis, jnp.squeeze(zero, ax + 1).astype(jnp.uint8),
-                           _float_name(w.dtype))
-
-
-def _float_name(dtype) -> str:
-    """``dtype``'s name if a float dtype, else "float32" (what integer sources compute in)."""
-    dtype = jnp.dtype(dtype)
-    return dtype.name if jnp.issubdtype(dtype, jnp.floating) else "float32"
-
-
-def dequantize(qw: QuantizedWeight, dtype: jnp.dtype = jnp.float32) -> jax.Array:
-    """The logical weight (``qw.shape``) in ``dtype``."""
-    ax = qw.axis % qw.q.ndim
-    if qw.method in ("int8", "fp8"):
-        return (qw.q.astype(jnp.float32) * qw.scale).astype(dtype)
-    q = unpack_int4(qw.q, ax)
-    n, gs = q.shape[ax], qw.group_size
-    g = q.reshape(*q.shape[:ax], n // gs, gs, *q.shape[ax + 1:]).astype(jnp.float32)
-    zero = jnp.expand_dims(qw.zero.astype(jnp.float32) / INT4_ZERO_STEPS, ax + 1)
-    w = (g - zero) * jnp.expand_dims(qw.scale.astype(jnp.float32), ax + 1)
-    return w.reshape(q.shape).astype(dtype)
-
-
-def qmatmul(x: jax.Array, w: jax.Array | QuantizedWeight, *, transpose: bool = False
-            ) -> jax.Array:
+def qmatmul(x: jax.Array, w: jax.Array | QuantizedWeight | KernelWeight, *,
+            transpose: bool = False) -> jax.Array:
     """``x @ w`` (``x @ w.T`` with ``transpose``) -> ``[T, m]`` in ``x.dtype``.
 
     A plain ``w`` of another dtype than ``x`` (bfloat16 weights under float32 activations on
@@ -305,23 +101,19 @@ def qmatmul(x: jax.Array, w: jax.Array | QuantizedWeight, *, transpose: bool = F
     a one-row decode step and a batch (jaxserve's outputs are not batch-invariant anyway:
     docs/architecture.md).
 
-    A ``PackedWeight`` (bfloat16, contracted along its rows) runs in the native CPU kernel up
-    to its ``max_rows`` rows, else as XLA's dot of its layer's weight unpacked.
+    A ``KernelWeight`` computes the product itself (``w.matmul``).
 
     Args:
       x: ``[T, k]`` activations.
       w: ``[k, m]`` (``[m, k]`` with ``transpose``), plain or quantised along that ``k``, or
-        packed.
+        kernel-backed.
 
     Raises:
-      ValueError: a quantised ``w`` quantised along the other axis; a ``PackedWeight``
-        contracted along the other axis or, stacked, without its layer bound.
+      ValueError: a quantised ``w`` quantised along the other axis (a ``KernelWeight``: as its
+        ``matmul`` says).
     """
-    if isinstance(w, PackedWeight):
-        if transpose != w.transposed:
-            raise ValueError(f"a PackedWeight with transposed={w.transposed} is contracted "
-                             f"with transpose={w.transposed} only")
-        return _packed_matmul(x, w)
+    if isinstance(w, KernelWeight):
+        return w.matmul(x, transpose=transpose)
     if not isinstance(w, QuantizedWeight):
         if w.dtype == x.dtype:
             return x @ (w.T if transpose else w)
@@ -338,9 +130,6 @@ def qmatmul(x: jax.Array, w: jax.Array | QuantizedWeight, *, transpose: bool = F
     op = narrow if (narrow.itemsize < jnp.dtype(x.dtype).itemsize
                     and rows >= NARROW_DOT_MIN_ROWS[w.method]) else jnp.dtype(x.dtype)
     dims = (((x.ndim - 1,), (1 if transpose else 0,)), ((), ()))
-    if w.method == "int4" and not transpose and w.q.ndim == 2 and 0 < rows <= w.native_max_rows:
-        y = cpu_int4_matmul(x.reshape(rows, x.shape[-1]), w.q, w.scale, w.zero)
-        return y.reshape(*x.shape[:-1], y.shape[-1]).astype(x.dtype)
     if w.method == "int4":
         y = jax.lax.dot_general(x.astype(op), dequantize(w, op), dims,
                                 preferred_element_type=jnp.float32)
@@ -350,111 +139,12 @@ def qmatmul(x: jax.Array, w: jax.Array | QuantizedWeight, *, transpose: bool = F
     return (y * w.scale.reshape(-1)).astype(x.dtype)
 
 
-def use_native_int4(params, max_rows: int = NATIVE_INT4_MAX_ROWS):
-    """``params`` with every int4 weight contracted along its rows (``[..., in, out]``) set to
-    run its matmuls of up to ``max_rows`` rows in the native CPU kernel
-    (``cpu_kernels.int4_matmul``); 0 turns that off. For unsharded params on XLA:CPU
-    only: the kernel is a custom call that XLA cannot partition.
-
-    Raises:
-      RuntimeError: ``max_rows > 0`` where the kernel is not available (no library built).
-    """
-    if max_rows > 0 and not native_int4_available():
-        raise RuntimeError("the native CPU int4 matmul kernel could not be built (see the "
-                           "log; set CXX to a C++17 compiler)")
-
-    def one(leaf):
-        if _is_qw(leaf) and leaf.method == "int4" and leaf.axis == -2:
-            return dataclasses.replace(leaf, native_max_rows=max_rows)
-        return leaf
-
-    return jax.tree_util.tree_map(one, params, is_leaf=_is_qw)
-
-
-# Rows up to which a packed bfloat16 weight's matmul runs in the native kernel
-# (``use_packed_bf16``); more go to XLA's dot of the layer's weight unpacked (a strided copy per
-# layer and step). Measured on a 2-core Zen 4 (docs/decisions/0029-bf16-packed-matmul.md), SmolLM2's
-# 210 matmuls in a 30-layer scan, kernel against XLA: 8.6 / 21-24 ms at 1 row, 15 / 25-33 at
-# 16, 40 / 53-56 at 64, 82 / 93-101 at 128, 151-154 / 168-188 at 256, 602-708 / 616-706 at
-# 1024; so every bucket up to this bound runs in the kernel.
-NATIVE_BF16_MAX_ROWS = 8192
-
-
-def use_packed_bf16(params, targets: QuantTargets, max_rows: int = NATIVE_BF16_MAX_ROWS):
-    """``params`` with every plain bfloat16 weight at ``targets.linear`` (``[L, in, out]``
-    stacks), and the LM head (an untied ``lm_head``, else the tied ``embed`` table, packed
-    transposed), replaced by a ``PackedWeight`` that runs its matmuls of up to ``max_rows`` rows
-    in the native CPU kernel (``cpu_kernels.bf16_matmul``). For unsharded params on XLA:CPU
-    only: the kernel is a custom call that XLA cannot partition. The models' ``forward`` passes
-    the packed leaves as the ``packed`` collection (``split_packed``).
-
-    Raises:
-      RuntimeError: the kernel is not available (no library built).
-    """
-    if not bf16_kernel.available():
-        raise RuntimeError("the native CPU bfloat16 matmul kernel could not be built (see the "
-                           "log; set CXX to a C++17 compiler)")
-    flat = _flatten(params)
-    plain = lambda v: v is not None and not isinstance(v, (QuantizedWeight, PackedWeight)) and (
-        v.dtype == jnp.bfloat16)
-    for path in targets.linear:
-        v = flat.get(path)
-        if plain(v):
-            flat[path] = PackedWeight(bf16_kernel.pack(v), k=v.shape[-2], n=v.shape[-1],
-                                      max_rows=max_rows)
-    # the LM head: an untied [hidden, vocab] one as stored; a tied embedding table [vocab,
-    # hidden] packed transposed (its rows are gathered from that layout, so no second copy)
-    head = {p: a for p, a in targets.embeddings}
-    lm_head, embed = flat.get("lm_head"), flat.get("embed")
-    if head.get("lm_head") == -2 and plain(lm_head) and lm_head.ndim == 2:
-        flat["lm_head"] = PackedWeight(bf16_kernel.pack(lm_head), k=lm_head.shape[0],
-                                       n=lm_head.shape[1], max_rows=max_rows)
-    elif head.get("embed") == -1 and "lm_head" not in flat and plain(embed) and embed.ndim == 2:
-        flat["embed"] = PackedWeight(bf16_kernel.pack(embed.T), k=embed.shape[1],
-                                     n=embed.shape[0], max_rows=max_rows, transposed=True)
-    return _unflatten(flat)
-
-
-def _flatten(params) -> dict:
-    """``{"a/b": leaf}`` of a nested dict of params (empty dicts kept for ``_unflatten``)."""
-    return traverse_util.flatten_dict(params, keep_empty_nodes=True, sep="/")
-
-
-def _unflatten(flat: dict) -> dict:
-    return traverse_util.unflatten_dict(flat, sep="/")
-
-
-def split_packed(params) -> dict:
-    """Flax variables for ``params``: ``{"params": the rest}``, plus ``{"packed": ...}`` holding
-    the ``PackedWeight`` leaves at their paths when there are any (the layer scan broadcasts
-    that collection rather than slicing it)."""
-    flat = _flatten(params)
-    packed = {p: v for p, v in flat.items() if isinstance(v, PackedWeight)}
-    if not packed:
-        return {"params": params}
-    rest = {p: v for p, v in flat.items() if p not in packed}
-    return {"params": _unflatten(rest), "packed": _unflatten(packed)}
-
-
-def embed_lookup(w: jax.Array | QuantizedWeight | PackedWeight, ids: jax.Array,
+def embed_lookup(w: jax.Array | QuantizedWeight | KernelWeight, ids: jax.Array,
                  dtype: jnp.dtype) -> jax.Array:
     """Rows ``w[ids]`` of a ``[vocab, hidden]`` table (plain, quantised with ``axis=-1``, or
-    packed transposed): ``i32[T]`` -> ``[T, hidden]`` in ``dtype``.
-
-    Raises:
-      ValueError: a ``PackedWeight`` not packed transposed.
-    """
-    if isinstance(w, PackedWeight):
-        if not w.transposed:
-            raise ValueError("embed_lookup needs a PackedWeight packed transposed (an embedding "
-                             "table)")
-        # row v of the table is column v of the packed [hidden, vocab] matrix: block v // 16,
-        # lanes 2 (v % 16) + (0, 1) of each row pair
-        p = w.packed
-        lanes = 2 * (ids % bf16_kernel.BLOCK)[:, None] + jnp.arange(2)
-        rows = p[(ids // bf16_kernel.BLOCK)[:, None, None], jnp.arange(p.shape[1])[None, :, None],
-                 lanes[:, None, :]]
-        return rows.reshape(ids.shape[0], -1)[:, :w.k].astype(dtype)
+    kernel-backed: ``w.embed_rows``): ``i32[T]`` -> ``[T, hidden]`` in ``dtype``."""
+    if isinstance(w, KernelWeight):
+        return w.embed_rows(ids, dtype)
     if not isinstance(w, QuantizedWeight):
         return w[ids].astype(dtype)
     zero = None if w.zero is None else w.zero[ids]
@@ -463,27 +153,37 @@ def embed_lookup(w: jax.Array | QuantizedWeight | PackedWeight, ids: jax.Array,
 
 def weight(module, name: str, init, shape: tuple[int, ...], dtype: jnp.dtype,
            layer: jax.Array | None = None):
-    """``module.param(name, ...)``, or the stored ``QuantizedWeight`` (which Flax's leaf-wise
-    shape check would refuse), or the ``PackedWeight`` stack of the ``packed`` collection with
-    ``layer`` (``i32[]``, the scan's layer index) bound.
+    """``module.param(name, ...)``, or the stored ``QuantizedWeight`` or ``KernelWeight`` (which
+    Flax's leaf-wise shape check would refuse); one of the ``BROADCAST`` collection comes bound
+    to ``layer`` (``i32[]``, the scan's layer index; None outside the scan).
 
     Raises:
-      ValueError: a stored quantised or packed weight of another logical shape.
+      ValueError: a stored quantised or kernel-backed weight of another logical shape.
     """
-    if module.has_variable("packed", name):
-        v = module.get_variable("packed", name)
-        if v.shape != tuple(shape):
-            raise ValueError(f"packed param {name} has shape {v.shape}, the model expects "
-                             f"{tuple(shape)}")
-        return dataclasses.replace(v, layer=layer)
-    if module.has_variable("params", name):
-        v = module.get_variable("params", name)
-        if isinstance(v, QuantizedWeight):
+    for collection in (BROADCAST, "params"):
+        if not module.has_variable(collection, name):
+            continue
+        v = module.get_variable(collection, name)
+        if isinstance(v, (QuantizedWeight, KernelWeight)):
             if v.shape != tuple(shape):
-                raise ValueError(f"quantised param {name} has shape {v.shape}, the model "
-                                 f"expects {tuple(shape)}")
-            return v
+                raise ValueError(f"param {name} ({type(v).__name__}) has shape {v.shape}, the "
+                                 f"model expects {tuple(shape)}")
+            return v.at_layer(layer) if collection == BROADCAST else v
     return module.param(name, init, shape, dtype)
+
+
+def flax_variables(params) -> dict:
+    """Flax variables for ``params``: ``{"params": the rest}``, plus ``{BROADCAST: ...}`` holding
+    the ``KernelWeight`` leaves the layer scan broadcasts (``scan_broadcast``) at their paths,
+    when there are any."""
+    flat = traverse_util.flatten_dict(params, keep_empty_nodes=True, sep="/")
+    broadcast = {p: v for p, v in flat.items()
+                 if isinstance(v, KernelWeight) and v.scan_broadcast}
+    if not broadcast:
+        return {"params": params}
+    rest = {p: v for p, v in flat.items() if p not in broadcast}
+    return {"params": traverse_util.unflatten_dict(rest, sep="/"),
+            BROADCAST: traverse_util.unflatten_dict(broadcast, sep="/")}
 
 
 # -- whole param trees ---------------------------------------------------------------------------
@@ -521,6 +221,20 @@ def path_name(path) -> str:
 
 def _is_qw(x) -> bool:
     return isinstance(x, QuantizedWeight)
+
+
+def _check_groups(named_dims: list[tuple[str, tuple[int, ...], int]], group_size: int) -> None:
+    """Refuse a group size not dividing every int4 weight's contraction dim (hint: divisors).
+
+    Args:
+      named_dims: ``(param name, shape, contraction axis)`` of each weight to quantise.
+    """
+    dims = sorted({shape[axis] for _, shape, axis in named_dims})
+    hint = None if len(dims) < 2 else (
+        f"a size dividing every quantised weight's ({', '.join(map(str, dims))}), e.g. "
+        f"{divisor_hint(dims)}")
+    for name, shape, axis in named_dims:
+        check_group(shape[axis], group_size, f" of param {name} {tuple(shape)}", hint)
 
 
 _quantize_jit = jax.jit(quantize, static_argnames=("method", "group_size", "axis"))
@@ -572,25 +286,8 @@ def quantized_shapes(shapes, targets: QuantTargets, qcfg: QuantConfig):
                       qcfg.group_size)
 
     def one(path, s):
-        name = path_name(path)
-        axis = targets.axis_of(name, qcfg.embeddings)
-        if axis is None:
-            return s
-        ax = axis % len(s.shape)
-        qs, ss = list(s.shape), list(s.shape)
-        if qcfg.method == "int4":
-            qs[ax] //= 2
-            ss[ax] //= qcfg.group_size
-            return QuantizedWeight(jax.ShapeDtypeStruct(tuple(qs), jnp.uint8),
-                                   jax.ShapeDtypeStruct(tuple(ss), INT4_SCALE_DTYPE), "int4",
-                                   qcfg.group_size, axis,
-                                   jax.ShapeDtypeStruct(tuple(ss), jnp.uint8),
-                                   _float_name(s.dtype))
-        ss[ax] = 1
-        qdt = jnp.int8 if qcfg.method == "int8" else FP8_DTYPE
-        return QuantizedWeight(jax.ShapeDtypeStruct(tuple(qs), qdt),
-                               jax.ShapeDtypeStruct(tuple(ss), jnp.float32), qcfg.method, 0,
-                               axis, dot_dtype=_float_name(s.dtype))
+        axis = targets.axis_of(path_name(path), qcfg.embeddings)
+        return s if axis is None else quantized_shape(s, qcfg.method, qcfg.group_size, axis)
 
     return jax.tree_util.tree_map_with_path(one, shapes)
 
@@ -653,7 +350,7 @@ def param_bytes(params) -> dict[str, int | float]:
             total += leaf.nbytes
             f32 += 4 * n
         else:
-            total += _nbytes(leaf)
+            total += array_nbytes(leaf)
             f32 += 4 * int(np.prod(leaf.shape, dtype=np.int64))
     return {"total_bytes": total, "quantized_bytes": qbytes, "quantized_float32_bytes": qf32,
             "quantized_ratio": qbytes / qf32 if qf32 else 0.0, "other_bytes": total - qbytes,

@@ -118,9 +118,3 @@ def get_architecture(name: str) -> Architecture:
     except KeyError:
         raise ValueError(f"unknown model architecture {name!r}; registered: "
                          f"{', '.join(sorted(_REGISTRY))}") from None
-
-
-def registered_architectures() -> list[str]:
-    """Every registered name and alias, sorted."""
-    _load_builtins()
-    return sorted(_REGISTRY)

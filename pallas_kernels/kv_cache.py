@@ -85,13 +85,6 @@ def quantize_kv(x: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return jnp.round(y).astype(dtype)
 
 
-def dequantize_kv(x_q: jax.Array, scale: jax.Array, dtype: jnp.dtype = jnp.float32
-                  ) -> jax.Array:
-    """``x_q * scale`` in ``dtype``. x_q: ``[..., num_kv_heads, head_dim]`` stored values;
-    scale: ``f32[num_kv_heads]``."""
-    return (kv_to_float(x_q) * scale[:, None]).astype(dtype)
-
-
 @jax.tree_util.register_dataclass
 @dataclass
 class KVCache:

@@ -1,14 +1,15 @@
 """The package layering: imports run one way along the request path.
 
 ``cli -> server -> engine -> {core, device, loading} -> {models, cpu_kernels, pallas_kernels}``,
-with ``models -> cpu_kernels -> pallas_kernels`` (the native CPU kernels build on the Pallas
-package's jnp op and KV-cache layout, never the reverse), the shared vocabulary (the modules at
-the top of ``jaxserve/``) depending on none of the stages, and the platform layer
-(``jaxserve/platform/``, the only code that asks which backend runs) beside the kernels: the
-engine, ``LLM`` and the command ask it. The tools the command dispatches to (``bench``,
-``eval``, ``autoscaling``) sit beside ``cli``: it imports them, they import the stages below it
-but not the server, and nothing below imports them. Every
-import counts, including those inside functions and under ``TYPE_CHECKING``
+with ``models -> pallas_kernels`` and ``cpu_kernels -> pallas_kernels`` (the native CPU kernels
+build on the Pallas package's jnp op and KV-cache layout, never the reverse; the models know no
+native kernel), the shared vocabulary (the modules at the top of ``jaxserve/``) depending on none
+of the stages, and the platform layer (``jaxserve/platform/``, the only code that asks which
+backend runs) above the kernels and the models, which it joins (its CPU weights implement the
+models' ``KernelWeight`` over ``cpu_kernels``): the engine, ``LLM`` and the command ask it. The
+tools the command dispatches to (``bench``, ``eval``, ``autoscaling``) sit beside ``cli``: it
+imports them, they import the stages below it but not the server, and nothing below imports
+them. Every import counts, including those inside functions and under ``TYPE_CHECKING``
 (docs/architecture.md#imports-run-one-way).
 """
 
@@ -25,7 +26,7 @@ PACKAGES = ("jaxserve", "models", "cpu_kernels", "pallas_kernels")
 ALLOWED: dict[str, set[str]] = {
     "pallas_kernels": set(),
     "cpu_kernels": {"pallas_kernels"},
-    "models": {"cpu_kernels", "pallas_kernels"},
+    "models": {"pallas_kernels"},
     "vocabulary": {"models", "cpu_kernels", "pallas_kernels"},
     "core": {"vocabulary"},
     # KV-cache events: vLLM's wire structs over the KV manager's records, and the publisher
@@ -171,6 +172,7 @@ def test_layering_check_catches_a_bad_import(tmp_path: Path) -> None:
     assert "engine" not in ALLOWED["core"]
     assert "cpu_kernels" not in ALLOWED["pallas_kernels"] and layer_of("cpu_kernels.build") == \
         "cpu_kernels"
+    assert "cpu_kernels" not in ALLOWED["models"] and "models" not in ALLOWED["cpu_kernels"]
     assert layer_of("jaxserve.config") == "vocabulary" and layer_of("jaxserve.llm") == "llm"
     assert layer_of("jaxserve.bench.serve") == "bench" and layer_of("jaxserve.eval.quality") == "eval"
     assert not any(tool in ALLOWED[layer] for tool in ("bench", "eval", "autoscaling")
@@ -183,8 +185,29 @@ def _write(tmp_path: Path, text: str) -> Path:
     return p
 
 
+# The one module that reads the CPU's flags: the kernels' build needs them without the platform
+# layer (`jaxserve build-kernels` imports only cpu_kernels), and the platform asks it.
+CPUINFO_READER = "cpu_kernels/build.py"
+
+
+def _names_cpuinfo(path: Path) -> bool:
+    return any(isinstance(node, ast.Constant) and node.value == "/proc/cpuinfo"
+               for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))))
+
+
+def test_one_module_reads_proc_cpuinfo() -> None:
+    readers = [str(path.relative_to(REPO_ROOT)) for pkg in PACKAGES
+               for path in sorted((REPO_ROOT / pkg).rglob("*.py")) if _names_cpuinfo(path)]
+    assert readers == [CPUINFO_READER]
+
+
+def test_the_cpuinfo_check_finds_a_reader(tmp_path: Path) -> None:
+    assert _names_cpuinfo(_write(tmp_path, 'open("/proc/cpuinfo").read()\n'))
+    assert not _names_cpuinfo(_write(tmp_path, '"""Flags from /proc/cpuinfo."""\n'))
+
+
 # What asks which backend runs: only jaxserve/platform/ may (the engine asks the platform).
-BACKEND_QUESTIONS = ("default_backend(", "/proc/cpuinfo", "cpu_has_bf16_dot")
+BACKEND_QUESTIONS = ("default_backend(", "cpu_flags(", "cpu_has_bf16_dot")
 
 
 def test_only_the_platform_layer_asks_which_backend_runs() -> None:

@@ -23,9 +23,10 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.device import kv_calibration as cal
+from jaxserve.platform.cpu_weights import NativeInt4Weight, PackedWeight
 from jaxserve.tokenizer import Tokenizer
 from models.interface import CausalLM
-from models.quant import PackedWeight, QuantizedWeight, param_bytes
+from models.quant import param_bytes
 from pallas_kernels import kv_cache_bytes_per_block
 from pallas_kernels.kv_cache import KV_FORMAT_NAMES, KV_QUANT_DTYPES
 
@@ -139,7 +140,7 @@ def weights_summary(params, config: EngineConfig, dtype: jnp.dtype,
                     compute_dtype: jnp.dtype | None = None) -> str:
     """One line for start-up logs: the weights' format and size, e.g. ``"float32 weights,
     513 MiB"``, ``"bfloat16 weights, float32 activations, 257 MiB"`` or ``"int8 weights
-    (+embeddings) computing in float32, 129 MiB"``; int4 matmuls marked for the native CPU
+    (+embeddings) computing in float32, 129 MiB"``; int4 matmuls run by the native CPU
     kernel add ``" (up to 8 rows in the native CPU kernel)"`` before the size, bfloat16
     weights packed for theirs ``" (layers' matmuls in the native CPU kernel)"``.
 
@@ -160,9 +161,9 @@ def weights_summary(params, config: EngineConfig, dtype: jnp.dtype,
         return f"{dtype} weights{acts}{kernel}, {size:.0f} MiB"
     group = f" group {c.quantization_group_size}" if c.quantization == "int4" else ""
     emb = " (+embeddings)" if c.quantize_embeddings else ""
-    rows = max((leaf.native_max_rows for leaf in jax.tree_util.tree_leaves(
-        params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
-        if isinstance(leaf, QuantizedWeight)), default=0)
+    rows = max((leaf.max_rows for leaf in jax.tree_util.tree_leaves(
+        params, is_leaf=lambda x: isinstance(x, NativeInt4Weight))
+        if isinstance(leaf, NativeInt4Weight)), default=0)
     native = f" (up to {rows} rows in the native CPU kernel)" if rows else ""
     return (f"{c.quantization}{group} weights{emb} computing in {compute}{native}, "
             f"{size:.0f} MiB")

@@ -60,7 +60,8 @@ from jaxserve.eval.inputs import (
 from jaxserve.eval.scoring import CorpusScores, greedy_tokens, memory_bytes, score_corpus
 from jaxserve.platform import current_platform
 from models import checkpoint
-from models.quant import DEFAULT_GROUP_SIZE, QuantConfig, quantized_shapes
+from models.quant import QuantConfig, quantized_shapes
+from models.quant_formats import DEFAULT_GROUP_SIZE
 from models.registry import get_architecture
 
 GIB = 1 << 30

@@ -55,21 +55,26 @@ objectives default to ``config.DEFAULT_SLOS_MS["cpu"]`` (docs/configuration.md#s
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import jax.numpy as jnp
 
 from cpu_kernels import attention as cpu_attention
 from cpu_kernels import bf16_matmul as cpu_bf16_matmul
+from cpu_kernels import build as cpu_kernels_build
 from cpu_kernels import int4_matmul as cpu_int4_matmul
 from jaxserve.config import DEFAULT_SLOS_MS, EngineConfig
 from jaxserve.platform.base import BucketSet, Platform
-from models.quant import NATIVE_INT4_MAX_ROWS, QuantTargets, use_native_int4, use_packed_bf16
+from jaxserve.platform.cpu_weights import NATIVE_INT4_MAX_ROWS, use_native_int4, use_packed_bf16
+from models.quant import QuantTargets
 
 log = logging.getLogger(__name__)
 _AUTO_OFF_LOGGED: set[str] = set()  # the reasons "auto" left batch invariance off, logged once
 
 SMALL_BUCKETS = (1, 4)  # token buckets below 8 compiled on the CPU
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+"""CPU flags (``/proc/cpuinfo``'s names) of x86 CPUs with a native bfloat16 dot (XLA:CPU's
+YNNPACK dots use it); without one a bfloat16 dot is converted to float32 and gains nothing."""
 BATCH_INVARIANT_AUTO = (jnp.dtype(jnp.bfloat16),)
 """The weight dtypes ``batch_invariant="auto"`` turns the mode on for (``batch_invariant``)."""
 DOT_ROW_FLOORS = {"bfloat16": 2, "float32": 64, "float16": 64}
@@ -77,21 +82,14 @@ DOT_ROW_FLOORS = {"bfloat16": 2, "float32": 64, "float16": 64}
 each row bit-identical results at every row count up to 1024 (2-core Zen 3, YNNPACK dots): a
 1-row bfloat16 dot (float32 accumulation) runs as a matrix-vector product; float32 dots of 2-48
 rows use other kernels than those of 64 and more (docs/decisions/0040-batch-invariance.md)."""
-"""/proc/cpuinfo flags of x86 CPUs with a native bfloat16 dot (XLA:CPU's YNNPACK dots use
-it); without one a bfloat16 dot is converted to float32 and gains nothing."""
 
 
-def cpu_has_bf16_dot(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether this CPU has a native bfloat16 dot (``CPU_BF16_FLAGS``); False where
-    ``cpuinfo`` cannot be read (not Linux)."""
-    try:
-        with open(cpuinfo, encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                if line.startswith("flags"):
-                    return bool(set(line.split(":", 1)[-1].split()) & set(CPU_BF16_FLAGS))
-    except OSError:
-        pass
-    return False
+def cpu_has_bf16_dot(cpuinfo: Path | str = cpu_kernels_build.CPUINFO) -> bool:
+    """Whether this CPU has a native bfloat16 dot (``CPU_BF16_FLAGS`` among the flags
+    ``cpu_kernels.build.cpu_flags`` reads from ``cpuinfo``); False where they cannot be read
+    (not Linux)."""
+    flags = cpu_kernels_build.cpu_flags(cpuinfo)
+    return flags is not None and not flags.isdisjoint(CPU_BF16_FLAGS)
 
 
 class CpuPlatform(Platform):
@@ -130,8 +128,9 @@ class CpuPlatform(Platform):
 
     def prepare_weights(self, params, config: EngineConfig, dtype: jnp.dtype,
                         targets: QuantTargets | None):
-        """int4 weights marked for the native int4 matmul, bfloat16 weights packed for the
-        native bfloat16 one (the module docstring says where each applies).
+        """int4 weights run by the native int4 matmul, bfloat16 weights packed for the native
+        bfloat16 one (``jaxserve.platform.cpu_weights``; the module docstring says where each
+        applies).
 
         Raises:
           RuntimeError: ``cpu_kernels="on"`` where a kernel that applies cannot load.

@@ -1,7 +1,8 @@
 """The native CPU bfloat16 matmul over packed weights (``cpu_kernels.bf16_matmul``):
-its layout against the plain weight, its sums against XLA's bfloat16 dot, ``models.quant``'s
-``PackedWeight`` in ``qmatmul`` (kernel and unpacked paths) and in a model's layer scan, and the
-engine's choice of it (``cpu_kernels``; tests/platform/test_platform.py)."""
+its layout against the plain weight, its sums against XLA's bfloat16 dot, the CPU platform's
+``PackedWeight`` (``jaxserve.platform.cpu_weights``) in ``models.quant.qmatmul`` (kernel and
+unpacked paths) and in a model's layer scan, and the engine's choice of it (``cpu_kernels``;
+tests/platform/test_platform.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ import pytest
 from cpu_kernels import bf16_matmul as kernel
 from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.platform.cpu_weights import PackedWeight, use_packed_bf16
 from jaxserve.sampling_params import SamplingParams
 from models import quant
 from models.architectures import DECODER_QUANT_TARGETS
-from models.quant import PackedWeight
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu" or not kernel.available(),
@@ -108,20 +109,21 @@ def test_qmatmul_of_a_packed_weight_in_a_scan_matches_the_plain_weight(rows: int
         quant.qmatmul(x, PackedWeight(kernel.pack(w[0]), 96, 48, 64), transpose=True)
 
 
-def test_use_packed_bf16_packs_only_bfloat16_targets_and_split_packed_separates_them() -> None:
+def test_use_packed_bf16_packs_only_bfloat16_targets_and_flax_variables_splits_them() -> None:
     params = {"embed": _w((10, 8)), "layers": {"wq": _w((2, 8, 8)), "wk": jnp.ones((2, 8, 4)),
                                                "attn_norm": {"weight": jnp.ones((2, 8))}}}
-    out = quant.use_packed_bf16(params, DECODER_QUANT_TARGETS)
+    out = use_packed_bf16(params, DECODER_QUANT_TARGETS)
     assert isinstance(out["layers"]["wq"], PackedWeight) and out["layers"]["wq"].shape == (8, 8)
     assert out["layers"]["wk"] is params["layers"]["wk"]  # float32: left alone
     assert out["embed"].transposed  # tied (no lm_head): the LM head's layout
-    variables = quant.split_packed(out)
-    assert set(variables) == {"params", "packed"}
-    assert set(variables["packed"]["layers"]) == {"wq"} and "embed" in variables["packed"]
+    variables = quant.flax_variables(out)
+    assert set(variables) == {"params", quant.BROADCAST}
+    broadcast = variables[quant.BROADCAST]
+    assert set(broadcast["layers"]) == {"wq"} and "embed" in broadcast
     assert "wq" not in variables["params"]["layers"]
     assert variables["params"]["layers"]["attn_norm"]["weight"] is params["layers"][
         "attn_norm"]["weight"]
-    assert quant.split_packed(params) == {"params": params}
+    assert quant.flax_variables(params) == {"params": params}
 
 
 def test_a_tied_embedding_packed_transposed_serves_lookup_and_lm_head() -> None:
@@ -129,7 +131,7 @@ def test_a_tied_embedding_packed_transposed_serves_lookup_and_lm_head() -> None:
     gathered from that layout exactly, and an untied ``lm_head`` is packed as stored instead
     (the table then stays plain: it only serves lookups)."""
     emb = _w((100, 24))
-    tied = quant.use_packed_bf16({"embed": emb, "layers": {}}, DECODER_QUANT_TARGETS)["embed"]
+    tied = use_packed_bf16({"embed": emb, "layers": {}}, DECODER_QUANT_TARGETS)["embed"]
     assert isinstance(tied, PackedWeight) and tied.transposed and tied.shape == (100, 24)
     ids = jnp.array([0, 5, 99, 16, 17, 31, 5])
     assert (quant.embed_lookup(tied, ids, jnp.float32) == emb[ids].astype(jnp.float32)).all()
@@ -140,8 +142,8 @@ def test_a_tied_embedding_packed_transposed_serves_lookup_and_lm_head() -> None:
     with pytest.raises(ValueError, match="with transpose=True only"):
         quant.qmatmul(x, tied)
     head = _w((24, 100))
-    untied = quant.use_packed_bf16({"embed": emb, "lm_head": head, "layers": {}},
-                                   DECODER_QUANT_TARGETS)
+    untied = use_packed_bf16({"embed": emb, "lm_head": head, "layers": {}},
+                             DECODER_QUANT_TARGETS)
     assert untied["embed"] is emb and not untied["lm_head"].transposed
     np.testing.assert_allclose(np.asarray(quant.qmatmul(x, untied["lm_head"])),
                                np.asarray(quant.qmatmul(x, head)), rtol=1e-5, atol=1e-5)

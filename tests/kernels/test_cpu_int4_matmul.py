@@ -1,10 +1,9 @@
 """The native CPU int4 matmul (``cpu_kernels.int4_matmul``) against the dequantised
-weight in float64, alone, through ``models.quant.qmatmul`` in a jitted scan, and the engine's
-choice of it (``cpu_kernels``; tests/platform/test_platform.py)."""
+weight in float64, alone, as the CPU platform's ``NativeInt4Weight`` through
+``models.quant.qmatmul`` in a jitted scan, and the engine's choice of it (``cpu_kernels``;
+tests/platform/test_platform.py)."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +13,9 @@ import pytest
 from cpu_kernels import int4_matmul as cpu_int4_matmul
 from jaxserve.config import EngineConfig
 from jaxserve.engine.kv_budget import weights_summary
-from models import quant
-from models.quant import NATIVE_INT4_MAX_ROWS, QuantizedWeight
+from jaxserve.platform.cpu_weights import NATIVE_INT4_MAX_ROWS, NativeInt4Weight, use_native_int4
+from models import quant, quant_formats
+from models.quant_formats import QuantizedWeight
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu" or not cpu_int4_matmul.available(),
@@ -39,7 +39,7 @@ def _assert_close(got: np.ndarray, x: np.ndarray, qw: QuantizedWeight) -> None:
     16) |scale|``, since ``x q s`` and ``x zero s / 16`` are summed apart and then subtracted."""
     want = _reference(x, qw)
     k = x.shape[1]
-    q = np.asarray(quant.unpack_int4(qw.q, 0), np.float64)
+    q = np.asarray(quant_formats.unpack_int4(qw.q, 0), np.float64)
     rep = lambda a: np.repeat(np.asarray(a, np.float64), k // a.shape[0], axis=0)
     terms = (q + rep(qw.zero) / 16) * np.abs(rep(qw.scale))
     bound = np.abs(np.asarray(x, np.float64)) @ terms
@@ -85,13 +85,13 @@ def test_empty_shapes() -> None:
     np.testing.assert_array_equal(np.asarray(empty), np.zeros((2, 8), np.float32))
 
 
-def test_no_rows_never_reach_the_kernel() -> None:
-    """``native_max_rows`` 0 means never, also for an empty batch."""
+def test_only_a_native_weight_with_rows_reaches_the_kernel() -> None:
+    """A plain int4 weight never reaches the kernel, nor an empty batch of a native one."""
     qw = _weight(64, 32, 32)
-    hlo = jax.jit(quant.qmatmul).lower(jnp.ones((0, 64)), qw).as_text()
-    assert "jaxserve_cpu_int4_matmul" not in hlo
-    hlo = jax.jit(quant.qmatmul).lower(jnp.ones((1, 64)), quant.use_native_int4(qw, 1)).as_text()
-    assert "jaxserve_cpu_int4_matmul" in hlo
+    lower = lambda rows, w: jax.jit(quant.qmatmul).lower(jnp.ones((rows, 64)), w).as_text()
+    assert "jaxserve_cpu_int4_matmul" not in lower(1, qw)
+    assert "jaxserve_cpu_int4_matmul" not in lower(0, use_native_int4(qw, 1))
+    assert "jaxserve_cpu_int4_matmul" in lower(1, use_native_int4(qw, 1))
 
 
 def test_bad_shapes_and_dtypes_name_the_arguments() -> None:
@@ -107,13 +107,14 @@ def test_bad_shapes_and_dtypes_name_the_arguments() -> None:
 
 def test_qmatmul_uses_it_up_to_its_rows_inside_a_jitted_scan() -> None:
     """Stacked weights sliced by a scan, as the models run them: the native rows agree with
-    the XLA path within float32 reassociation, and above ``native_max_rows`` the XLA path runs
+    the XLA path within float32 reassociation, and above ``max_rows`` the XLA path runs
     (the result is then bit-identical)."""
     layers, k, n = 3, 96, 96
     stacked = quant.quantize(jnp.asarray(np.random.default_rng(5).normal(
         0, 0.05, (layers, k, n)), jnp.float32), "int4", 32)
-    native = quant.use_native_int4(stacked, 4)
-    assert native.native_max_rows == 4 and stacked.native_max_rows == 0
+    native = use_native_int4(stacked, 4)
+    assert isinstance(native, NativeInt4Weight) and native.max_rows == 4
+    assert native.base is stacked
 
     @jax.jit
     def run(w, x):
@@ -137,21 +138,24 @@ def test_the_start_up_line_names_the_kernel() -> None:
                                    jnp.float32), "int4", 32)
     cfg = EngineConfig(quantization="int4")
     assert "native" not in weights_summary({"w": w}, cfg, jnp.dtype("float32"))
-    line = weights_summary({"w": quant.use_native_int4(w, 4)}, cfg, jnp.dtype("float32"))
+    line = weights_summary({"w": use_native_int4(w, 4)}, cfg, jnp.dtype("float32"))
     assert line.startswith("int4 group 32 weights computing in float32 (up to 4 rows in the "
                            "native CPU kernel), ")
 
 
-def test_use_native_int4_marks_int4_linears_only() -> None:
+def test_use_native_int4_wraps_int4_linears_only() -> None:
     w = jnp.asarray(np.random.default_rng(0).normal(0, 0.05, (64, 32)), jnp.float32)
     params = {"lin": quant.quantize(w, "int4", 32), "emb": quant.quantize(w, "int4", 32, axis=-1),
               "i8": quant.quantize(w, "int8"), "plain": w}
-    out = quant.use_native_int4(params, NATIVE_INT4_MAX_ROWS)
-    assert out["lin"].native_max_rows == NATIVE_INT4_MAX_ROWS
-    assert out["emb"] == params["emb"] and out["i8"] == params["i8"]
+    out = use_native_int4(params, NATIVE_INT4_MAX_ROWS)
+    assert isinstance(out["lin"], NativeInt4Weight) and out["lin"].base is params["lin"]
+    assert out["lin"].max_rows == NATIVE_INT4_MAX_ROWS
+    assert out["emb"] is params["emb"] and out["i8"] is params["i8"]
     assert out["plain"] is w
-    off = quant.use_native_int4(out, 0)
-    assert off["lin"] == dataclasses.replace(params["lin"])  # 0: back to XLA's path
+    again = use_native_int4(out, 2)["lin"]  # a native weight gets the new bound, not a wrapper
+    assert again.base is params["lin"] and again.max_rows == 2
+    with pytest.raises(ValueError, match="max_rows=0 must be >= 1"):
+        use_native_int4(params, 0)
 
 
 def test_a_model_step_of_one_row_agrees_with_the_xla_path() -> None:
@@ -167,8 +171,8 @@ def test_a_model_step_of_one_row_agrees_with_the_xla_path() -> None:
     params = jax.tree_util.tree_map(lambda a: a * 10 if a.ndim > 1 else a,
                                     dummy_params(model, 1))
     qp = quant.quantize_params(params, DECODER_QUANT_TARGETS, quant.QuantConfig("int4", 16))
-    native = quant.use_native_int4(qp, 1)
-    assert native["layers"]["wq"].native_max_rows == 1
+    native = use_native_int4(qp, 1)
+    assert native["layers"]["wq"].max_rows == 1
     (want,) = prefill_logits(model, qp, [[17]])
     (got,) = prefill_logits(model, native, [[17]])
     assert np.std(want) > 0.1

@@ -23,9 +23,9 @@ import pytest
 
 from cpu_kernels import bf16_matmul as cpu_bf16_matmul
 from jaxserve.platform.cpu import cpu_has_bf16_dot
+from jaxserve.platform.cpu_weights import PackedWeight, use_packed_bf16
 from models.architectures import DECODER_QUANT_TARGETS
 from models.interface import AttentionMetadata
-from models.quant import PackedWeight, use_packed_bf16
 from pallas_kernels import KVCache, allocate_kv_cache
 
 _T = 640  # padded tokens per call: all six prompts + 48-token continuations (624) fit

@@ -27,7 +27,7 @@ from jaxserve.config_args import engine_config_from_args
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.loading.load import load_model
-from models import checkpoint, quant
+from models import checkpoint, quant, quant_formats
 from models.architectures import DECODER_QUANT_TARGETS
 from models.config import builtin_config
 from models.interface import AttentionMetadata
@@ -155,14 +155,14 @@ def test_int4_pack_unpack_exact_on_all_nibble_pairs() -> None:
     lo, hi = np.meshgrid(vals, vals, indexing="ij")
     q = np.stack([lo.reshape(-1), hi.reshape(-1)], axis=0)  # [2, 256]: rows 0 and 1 pair up
     q = np.concatenate([q, q[::-1]], axis=0)  # [4, 256]
-    packed = quant.pack_int4(jnp.asarray(q), axis=0)
+    packed = quant_formats.pack_int4(jnp.asarray(q), axis=0)
     assert packed.dtype == jnp.uint8 and packed.shape == (2, 256)
     assert len(set(np.asarray(packed)[0].tolist())) == 256  # every byte value occurs
     assert np.array_equal(np.asarray(packed)[0], q[0] | (q[1] << 4))  # row 2i low, 2i+1 high
-    np.testing.assert_array_equal(np.asarray(quant.unpack_int4(packed, axis=0)), q)
+    np.testing.assert_array_equal(np.asarray(quant_formats.unpack_int4(packed, axis=0)), q)
     # along the last axis too (embedding layout)
-    packed_t = quant.pack_int4(jnp.asarray(q.T), axis=-1)
-    np.testing.assert_array_equal(np.asarray(quant.unpack_int4(packed_t, axis=-1)), q.T)
+    packed_t = quant_formats.pack_int4(jnp.asarray(q.T), axis=-1)
+    np.testing.assert_array_equal(np.asarray(quant_formats.unpack_int4(packed_t, axis=-1)), q.T)
 
 
 def test_odd_shapes() -> None:

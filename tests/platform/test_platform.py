@@ -14,8 +14,10 @@ from jaxserve.config import EngineConfig
 from jaxserve.device.buckets import token_buckets
 from jaxserve.platform import cpu, current_platform
 from jaxserve.platform.base import attention_fn
+from jaxserve.platform.cpu_weights import NativeInt4Weight, PackedWeight
 from jaxserve.platform.gpu import GpuPlatform
 from models.architectures import DECODER_QUANT_TARGETS
+from models.quant import QuantConfig, quantize_params
 from pallas_kernels import ragged_paged_attention, ragged_paged_attention_pallas
 
 CPU = cpu.CpuPlatform()
@@ -170,6 +172,25 @@ def test_cpu_weight_preparation(monkeypatch) -> None:
     assert _prepared(monkeypatch, quantization="int4", int4=False) == []
     assert _prepared(monkeypatch, quantization="int4", int4=False, cpu_kernels="on") == [rows]
     assert _prepared(monkeypatch, quantization="int4", cpu_kernels="off") == []
+
+
+@pytest.mark.skipif(not cpu.cpu_bf16_matmul.vectorized(),
+                    reason="bfloat16 weights are packed where the avx512bf16 build of the native "
+                           "kernels loads (a CPU with AVX512-BF16)")
+def test_this_cpu_packs_bfloat16_weights_and_runs_int4_natively() -> None:
+    """Nothing stubbed: the default settings on this CPU swap in its kernel-backed weights."""
+    layers = {"wq": jnp.ones((2, 32, 32), jnp.bfloat16), "wk": jnp.ones((2, 32, 16), jnp.bfloat16)}
+    params = {"embed": jnp.ones((64, 32), jnp.bfloat16), "layers": layers}
+    out = CPU.prepare_weights(params, EngineConfig(dtype="bfloat16"), jnp.dtype(jnp.bfloat16),
+                              DECODER_QUANT_TARGETS)
+    assert isinstance(out["layers"]["wq"], PackedWeight) and out["embed"].transposed
+    f32 = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), params)
+    q4 = quantize_params(f32, DECODER_QUANT_TARGETS, QuantConfig("int4", 16))
+    out = CPU.prepare_weights(q4, EngineConfig(quantization="int4", quantization_group_size=16),
+                              jnp.dtype(jnp.float32), DECODER_QUANT_TARGETS)
+    wq = out["layers"]["wq"]
+    assert isinstance(wq, NativeInt4Weight) and wq.base is q4["layers"]["wq"]
+    assert wq.max_rows == cpu.NATIVE_INT4_MAX_ROWS
 
 
 def test_cpu_kernels_setting_is_checked() -> None:
