@@ -41,7 +41,7 @@ CHUNK_BYTES = 1 << 20
 enough that a Llama-3.1-8B checkpoint has ~16k chunks, not millions."""
 
 
-def _orbax():
+def import_orbax():
     """``orbax.checkpoint``, imported when a checkpoint is read or written: the import takes
     ~0.25 s of every server's start-up on a 2-core CPU, and most serve a GGUF file."""
     import orbax.checkpoint as ocp
@@ -79,7 +79,7 @@ def save_checkpoint(path: str, cfg, params, dtype: jnp.dtype | None = None) -> N
             is_leaf=lambda x: isinstance(x, QuantizedWeight))
     quant = quantization_of(params)
     os.makedirs(path, exist_ok=True)
-    ocp = _orbax()
+    ocp = import_orbax()
     ckpt = ocp.StandardCheckpointer()
     chunked = jax.tree_util.tree_map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), params)
     ckpt.save(target, params, save_args=chunked)
@@ -210,7 +210,7 @@ def load_checkpoint(path: str, dtype: jnp.dtype, shardings=None):
     target = jax.tree_util.tree_map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
     params_dir = os.path.join(os.path.abspath(path), PARAMS_DIR)
-    ocp = _orbax()
+    ocp = import_orbax()
     ckpt = ocp.StandardCheckpointer()
     try:
         _check_tree(params_dir, ckpt.metadata(params_dir).item_metadata.tree, shapes)
@@ -222,7 +222,7 @@ def load_checkpoint(path: str, dtype: jnp.dtype, shardings=None):
 def stored_params(path: str):
     """The stored params as ``jax.ShapeDtypeStruct`` leaves, from the metadata alone."""
     params_dir = os.path.join(os.path.abspath(path), PARAMS_DIR)
-    ocp = _orbax()
+    ocp = import_orbax()
     ckpt = ocp.StandardCheckpointer()
     try:
         tree = ckpt.metadata(params_dir).item_metadata.tree

@@ -1,0 +1,124 @@
+"""A SentencePiece ``tokenizer.model`` (Gemma's, as the ``gemma`` library ships it) read into a
+``jaxserve.tokenizer.Tokenizer``: no hub download, no SentencePiece at serving time.
+
+The file is a ``ModelProto``, parsed with the ``sentencepiece`` package's own schema. Its pieces
+become a byte-fallback BPE of the ``tokenizers`` library the way transformers' ``GemmaConverter``
+builds one: every split of a normal piece into two pieces of the vocabulary is a merge, ranked by
+the merged piece's score (SentencePiece's BPE merges the adjacent pair whose merged piece scores
+highest), then by the longer left part; spaces are spelled "▁". Control pieces (``<bos>``,
+``<eos>``, ``<pad>``) become special added tokens, user-defined ones (``<start_of_turn>``) plain
+added tokens matched in text, as SentencePiece matches them. BOS is prepended (the library's
+``Tokenizer.encode(add_bos=True)``, which its sampler uses); ``<end_of_turn>`` ends generation
+beside EOS (its sampler's ``end_tokens``); where the vocabulary has the turn markers, the chat
+template is the library's turn format (``gm.text._template``).
+
+Only the settings Gemma's model uses are read: BPE, identity normalisation, no dummy prefix, no
+removal of extra whitespace; another file is refused with the field named. ``tests/test_tokenizer
+_spm.py`` checks the ids against ``sentencepiece`` itself.
+"""
+
+from __future__ import annotations
+
+import os
+
+import tokenizers
+from tokenizers import AddedToken, decoders, normalizers
+from tokenizers.models import BPE
+
+from jaxserve.tokenizer import Tokenizer
+
+GEMMA_TURN_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{{ '<start_of_turn>user\n' + message['content'] | trim + '\n\n' }}"
+    "{% else %}"
+    "{% if not (loop.index0 > 0 and loop.previtem['role'] == 'system') %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else 'user') + '\n' }}"
+    "{% endif %}"
+    "{{ message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+"""Gemma's turns (``<start_of_turn>user\\n...<end_of_turn>\\n<start_of_turn>model\\n``, the
+``gemma`` library's ``PROMPT`` / ``ANSWER``); a system message opens the first user turn, as the
+Gemma 3 chat template of HF transformers does."""
+
+# sentencepiece_model.proto: ModelProto.SentencePiece.Type, TrainerSpec.ModelType
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+BPE_MODEL = 2
+
+
+def load_sentencepiece(path: str, name: str = "") -> Tokenizer:
+    """The ``Tokenizer`` of a SentencePiece BPE ``.model`` file (module doc).
+
+    Args:
+      path: the ``tokenizer.model`` file.
+      name: the model's display name.
+
+    Raises:
+      ValueError: naming the file: unreadable, not a ModelProto, or a setting other than
+        Gemma's (the field named).
+    """
+    from sentencepiece import sentencepiece_model_pb2  # only when such a file is read
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    try:
+        with open(path, "rb") as fh:
+            proto.ParseFromString(fh.read())
+    except OSError as e:
+        raise ValueError(f"cannot read tokenizer file {path}: {e.strerror or e}") from None
+    except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and kin
+        raise ValueError(f"{path} is not a SentencePiece model file: {e}") from None
+    if not proto.pieces:
+        raise ValueError(f"{path} is not a SentencePiece model file (no pieces)")
+    trainer, norm = proto.trainer_spec, proto.normalizer_spec
+    for field, value, want in (
+            ("trainer_spec.model_type", trainer.model_type, BPE_MODEL),
+            ("normalizer_spec.add_dummy_prefix", norm.add_dummy_prefix, False),
+            ("normalizer_spec.remove_extra_whitespaces", norm.remove_extra_whitespaces, False),
+            ("normalizer_spec.precompiled_charsmap", bool(norm.precompiled_charsmap), False),
+            ("trainer_spec.treat_whitespace_as_suffix", trainer.treat_whitespace_as_suffix,
+             False)):
+        if value != want:
+            raise ValueError(f"{path}: {field}={value!r}; jaxserve reads SentencePiece models "
+                             f"with Gemma's settings ({field}={want!r})")
+    pieces = [p.piece for p in proto.pieces]
+    types = [p.type for p in proto.pieces]
+    backend = _bpe_backend(pieces, [p.score for p in proto.pieces], types)
+    backend.add_special_tokens([AddedToken(p, normalized=False, special=True)
+                                for p, t in zip(pieces, types) if t == CONTROL])
+    backend.add_tokens([AddedToken(p, normalized=False, special=False)
+                        for p, t in zip(pieces, types) if t == USER_DEFINED])
+    ids = {p: i for i, p in enumerate(pieces)}
+    turns = "<start_of_turn>" in ids and "<end_of_turn>" in ids
+    special = lambda i: i if 0 <= i < len(pieces) else None  # -1: the model has none
+    return Tokenizer(
+        backend, bos_token_id=special(trainer.bos_id), eos_token_id=special(trainer.eos_id),
+        pad_token_id=special(trainer.pad_id), add_bos_token=special(trainer.bos_id) is not None,
+        chat_template=GEMMA_TURN_TEMPLATE if turns else None, vocab_size=len(pieces),
+        extra_eos_token_ids=[ids["<end_of_turn>"]] if turns else [],
+        name=name or os.path.basename(os.path.dirname(os.path.abspath(path))))
+
+
+def _bpe_backend(pieces: list[str], scores: list[float], types: list[int]
+                 ) -> tokenizers.Tokenizer:
+    """Byte-fallback BPE over the pieces in id order, merges ranked as the module doc says."""
+    vocab = {p: i for i, p in enumerate(pieces)}
+    merges = []  # (score, len(left), -id(left), -id(right), left, right), best first
+    for merged, score, kind in zip(pieces, scores, types):
+        if kind != NORMAL:
+            continue
+        for k in range(1, len(merged)):
+            left, right = merged[:k], merged[k:]
+            if left in vocab and right in vocab:
+                merges.append((score, k, -vocab[left], -vocab[right], left, right))
+    merges.sort(reverse=True)
+    unk = next((p for p, t in zip(pieces, types) if t == UNKNOWN), None)
+    bpe = BPE(vocab, [m[4:] for m in merges], fuse_unk=True, byte_fallback=True, unk_token=unk)
+    backend = tokenizers.Tokenizer(bpe)
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse()])
+    return backend
