@@ -167,7 +167,10 @@ def _read(path: str):
     int4_format = quant.pop("int4_format", None)
     if "architecture" not in data:
         raise ValueError(f"{path}/{CONFIG_FILE} lacks the key 'architecture'")
-    arch = get_architecture(str(data["architecture"]))
+    try:
+        arch = get_architecture(str(data["architecture"]))
+    except ValueError as e:
+        raise ValueError(f"{path}/{CONFIG_FILE}: {e}") from None
     try:
         qcfg = QuantConfig(**quant)
     except TypeError as e:
@@ -241,9 +244,10 @@ def _check_tree(where: str, stored, expected) -> None:
     flat_e = {key(p): tuple(s.shape)
               for p, s in jax.tree_util.tree_flatten_with_path(expected)[0]}
     if missing := sorted(set(flat_e) - set(flat_s)):
-        raise ValueError(f"checkpoint {where} lacks params {missing}")
+        raise ValueError(f"checkpoint {where} lacks params {', '.join(missing)}")
     if extra := sorted(set(flat_s) - set(flat_e)):
-        raise ValueError(f"checkpoint {where} has params the model does not: {extra}")
+        raise ValueError(f"checkpoint {where} has params the model does not: "
+                         f"{', '.join(extra)}")
     for k, shape in flat_e.items():
         if flat_s[k] != shape:
             raise ValueError(f"checkpoint {where}: param {k} has shape {flat_s[k]}, the model "

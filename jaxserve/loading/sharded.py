@@ -245,7 +245,10 @@ def load_hf_sharded(path: str, dtype: jnp.dtype, mesh: Mesh, progress: bool = Tr
     """
     t0 = time.perf_counter()
     data = hf.read_hf_config(path)
-    arch = get_architecture(str(data["architectures"][0]))
+    try:
+        arch = get_architecture(str(data["architectures"][0]))
+    except ValueError as e:
+        raise ValueError(f"{path}/{hf.CONFIG_FILE}: architectures[0]: {e}") from None
     if arch.hf_config is None or arch.hf_params is None:
         raise ValueError(f"{path}: architecture {data['architectures'][0]!r} has no HF "
                          f"safetensors loader")
