@@ -12,20 +12,27 @@ added tokens matched in text, as SentencePiece matches them. BOS is prepended (t
 beside EOS (its sampler's ``end_tokens``); where the vocabulary has the turn markers, the chat
 template is the library's turn format (``gm.text._template``).
 
-Only the settings Gemma's model uses are read: BPE, identity normalisation, no dummy prefix, no
+The built backend (before added tokens) is cached by the file's hash (``cache_dir()``): building
+the merges of a 262k-piece vocabulary takes seconds. Only the settings Gemma's model uses are read: BPE, identity normalisation, no dummy prefix, no
 removal of extra whitespace; another file is refused with the field named. ``tests/test_tokenizer
 _spm.py`` checks the ids against ``sentencepiece`` itself.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import logging
 import os
+from collections.abc import Callable
 
 import tokenizers
 from tokenizers import AddedToken, decoders, normalizers
 from tokenizers.models import BPE
 
 from jaxserve.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 GEMMA_TURN_TEMPLATE = (
     "{{ bos_token }}"
@@ -48,6 +55,8 @@ Gemma 3 chat template of HF transformers does."""
 # sentencepiece_model.proto: ModelProto.SentencePiece.Type, TrainerSpec.ModelType
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 BPE_MODEL = 2
+CONVERTER_VERSION = "1"
+"""Part of the cache key: bump it when ``_bpe_backend`` builds anything differently."""
 
 
 def load_sentencepiece(path: str, name: str = "") -> Tokenizer:
@@ -66,7 +75,8 @@ def load_sentencepiece(path: str, name: str = "") -> Tokenizer:
     proto = sentencepiece_model_pb2.ModelProto()
     try:
         with open(path, "rb") as fh:
-            proto.ParseFromString(fh.read())
+            data = fh.read()
+        proto.ParseFromString(data)
     except OSError as e:
         raise ValueError(f"cannot read tokenizer file {path}: {e.strerror or e}") from None
     except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and kin
@@ -86,7 +96,8 @@ def load_sentencepiece(path: str, name: str = "") -> Tokenizer:
                              f"with Gemma's settings ({field}={want!r})")
     pieces = [p.piece for p in proto.pieces]
     types = [p.type for p in proto.pieces]
-    backend = _bpe_backend(pieces, [p.score for p in proto.pieces], types)
+    backend = _cached_backend(data, lambda: _bpe_backend(
+        pieces, [p.score for p in proto.pieces], types))
     backend.add_special_tokens([AddedToken(p, normalized=False, special=True)
                                 for p, t in zip(pieces, types) if t == CONTROL])
     backend.add_tokens([AddedToken(p, normalized=False, special=False)
@@ -100,6 +111,35 @@ def load_sentencepiece(path: str, name: str = "") -> Tokenizer:
         chat_template=GEMMA_TURN_TEMPLATE if turns else None, vocab_size=len(pieces),
         extra_eos_token_ids=[ids["<end_of_turn>"]] if turns else [],
         name=name or os.path.basename(os.path.dirname(os.path.abspath(path))))
+
+
+def cache_dir() -> str:
+    """Where converted backends are kept: ``$XDG_CACHE_HOME/jaxserve/sentencepiece`` (default
+    ``~/.cache/...``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxserve", "sentencepiece")
+
+
+def _cached_backend(model_bytes: bytes, build: Callable[[], tokenizers.Tokenizer]
+                    ) -> tokenizers.Tokenizer:
+    """``build()``'s backend, kept as ``tokenizer.json`` under ``cache_dir()`` by the SHA-256
+    of the model file and this converter's version: building the merges of Gemma's 262k pieces
+    takes seconds of Python, reading them back is the cost of any ``tokenizer.json``. A cache
+    that cannot be written (read-only home) is skipped."""
+    key = hashlib.sha256(model_bytes + CONVERTER_VERSION.encode()).hexdigest()
+    file = os.path.join(cache_dir(), f"{key}.json")
+    if os.path.isfile(file):
+        try:
+            return tokenizers.Tokenizer.from_file(file)
+        except Exception as e:  # noqa: BLE001 - a damaged cache entry is rebuilt
+            log.warning("rebuilding the tokenizer cached in %s: %s", file, e)
+    backend = build()
+    with contextlib.suppress(OSError):
+        os.makedirs(cache_dir(), exist_ok=True)
+        tmp = f"{file}.{os.getpid()}.tmp"
+        backend.save(tmp)
+        os.replace(tmp, file)
+    return backend
 
 
 def _bpe_backend(pieces: list[str], scores: list[float], types: list[int]

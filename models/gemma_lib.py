@@ -65,10 +65,10 @@ LIBRARY_CLASSES: dict[int, dict] = {
 global, q/k norms and ``transpose_gating_einsum``."""
 
 DEFAULTS = {"local_base_frequency": 10_000, "global_base_frequency": 1_000_000,
-            "local_scale_factor": 1.0, "query_pre_attn_norm": "BY_ONE_OVER_SQRT_HEAD_DIM",
+            "local_scale_factor": 1.0, "global_scale_factor": 1.0, "query_pre_attn_norm": "BY_ONE_OVER_SQRT_HEAD_DIM",
             "attention_types": None, "final_logit_softcap": None, "attn_logits_soft_cap": None,
             "transpose_gating_einsum": True, "max_position_embeddings": 32768}
-KNOWN_KEYS = frozenset({*DEFAULTS, "sliding_window_size", "global_scale_factor"})
+KNOWN_KEYS = frozenset({*DEFAULTS, "sliding_window_size"})
 
 
 def is_gemma_lib_dir(path: str) -> bool:

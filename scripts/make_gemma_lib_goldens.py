@@ -14,7 +14,9 @@ Outputs under tests/goldens/gemma_lib/:
 
 * ``ckpt/``: ``gm.ckpts.save_params(params, ...)`` (the library's NESTED orbax layout, float32),
   then ``tokenizer.model`` and ``gemma_config.json`` (the settings shapes cannot show, written
-  from the library's config object) copied in;
+  from the library's config object) copied in; ``ckpt_flat/``: the same weights in the FLAT
+  layout of the released checkpoints (``transformer/layer_0/attn/q_einsum`` -> ``{"w"}``), by
+  the library's own mapping;
 * ``goldens.json``: versions, the config, and per prompt its ids (the library's tokenizer, BOS
   added) and the library's greedy continuation (``gm.text.Sampler``, greedy, float32; it stops
   at EOS or ``<end_of_turn>``);
@@ -133,8 +135,15 @@ def main() -> None:
 
     ckpt = (OUT / "ckpt").resolve()
     gm.ckpts.save_params(params, ckpt, wait_until_finished=True)
-    shutil.move(sp_path, ckpt / "tokenizer.model")
-    (ckpt / "gemma_config.json").write_text(json.dumps(config_sidecar(cfg), indent=2) + "\n")
+    # the same weights in the FLAT layout of the released checkpoints, by the library's own
+    # NESTED -> FLAT mapping (the inverse of what its load_params applies to them)
+    flat = (OUT / "ckpt_flat").resolve()
+    gm.ckpts.save_params(gm.ckpts._checkpoint._nested_to_flat(params), flat,
+                         wait_until_finished=True)
+    for d in (ckpt, flat):
+        shutil.copy(sp_path, d / "tokenizer.model")
+        (d / "gemma_config.json").write_text(json.dumps(config_sidecar(cfg), indent=2) + "\n")
+    sp_path.unlink()
 
     params_bf16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params)
     model_bf16 = gm.nn.Gemma3_270M(config=cfg, dtype=jnp.bfloat16)

@@ -58,3 +58,15 @@ def test_other_sentencepiece_settings_are_refused(tmp_path) -> None:
     (tmp_path / "junk.model").write_bytes(b"\x00not a proto")
     with pytest.raises(ValueError, match="junk.model is not a SentencePiece model file"):
         load_sentencepiece(str(tmp_path / "junk.model"))
+
+
+def test_the_built_backend_is_cached_by_content(tmp_path, monkeypatch, pair) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    text = "It is a truth universally acknowledged, ☃ 42."
+    first = load_sentencepiece(str(MODEL))
+    (entry,) = (tmp_path / "jaxserve" / "sentencepiece").iterdir()
+    assert load_sentencepiece(str(MODEL)).encode(text) == first.encode(text) == [
+        pair[1].bos_id(), *pair[1].encode(text)]
+    entry.write_text("{not json")  # a damaged entry is rebuilt and rewritten
+    assert load_sentencepiece(str(MODEL)).encode(text) == first.encode(text)
+    assert entry.read_text().startswith("{") and len(entry.read_text()) > 100

@@ -6,6 +6,7 @@ GQA 4/2 heads of 8, sliding window 8, global RoPE scaling 8), random weights, sa
 ``gm.ckpts.save_params``; its SentencePiece ``tokenizer.model``; the library's float32 forward at
 every position, its bfloat16 forward at the last position, and its greedy decode
 (``gm.text.Sampler``). Every prompt but one is longer than the window (the longest, 119 tokens).
+``ckpt_flat/`` holds the same weights in the FLAT layout of the released checkpoints.
 The library itself is not installed here: its import pulls its training stack (TensorFlow, ~1.3
 GB), see docs/decisions/0045-foreign-checkpoints.md.
 """
@@ -16,8 +17,10 @@ import json
 import shutil
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from jaxserve.cli.main import main as cli_main
@@ -113,3 +116,49 @@ def test_width_of_a_library_class_needs_no_sidecar(tmp_path) -> None:
                                          r"gemma_config\.json"):
         gemma_lib.read_gemma_lib(str(bare))
     assert gemma_lib.LIBRARY_CLASSES[1152]["sliding_window_size"] == 512
+
+
+def test_a_library_width_without_sidecar_and_fused_qkv(tmp_path) -> None:
+    """Width 640 is Gemma3_270M: its window (512) applies with no gemma_config.json. With as
+    many kv heads as query heads the library stores one ``qkv_einsum``; its parts land in
+    wq / wk / wv, heads contiguous, and norms load as ``1 + scale``."""
+    rng = np.random.default_rng(0)
+    d, h, f = 640, 8, 16
+    draw = lambda *s: rng.standard_normal(s).astype(np.float32)
+    tree = {"embedder": {"input_embedding": draw(8, d)}, "final_norm": {"scale": draw(d)}}
+    for i in range(2):
+        tree[f"layer_{i}"] = {
+            "attn": {"qkv_einsum": {"w": draw(3, 2, d, h)}, "attn_vec_einsum": {"w": draw(2, h, d)},
+                     "_query_norm": {"scale": draw(h)}, "_key_norm": {"scale": draw(h)}},
+            "mlp": {"gating_einsum": draw(2, f, d), "linear": draw(f, d)},
+            **{f"{n}_norm": {"scale": draw(d)} for n in ("pre_attention", "post_attention",
+                                                          "pre_ffw", "post_ffw")}}
+    path = tmp_path / "g270"
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(str(path), tree)
+    ckpt.wait_until_finished()
+    ckpt.close()
+    read = gemma_lib.read_gemma_lib(str(path))
+    cfg = read.config
+    assert read.fused_qkv and (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (2, 2, 8)
+    assert (cfg.sliding_window, cfg.rope_scaling_factor, cfg.max_position_embeddings) == (
+        512, 1.0, 32768)
+    params = gemma_lib.load_gemma_lib_params(read, jnp.float32)
+    qkv = tree["layer_1"]["attn"]["qkv_einsum"]["w"]
+    np.testing.assert_array_equal(params["layers"]["wk"][1][:, h:2 * h], qkv[1, 1])
+    np.testing.assert_array_equal(params["layers"]["wq"][1][:, :h], qkv[0, 0])
+    np.testing.assert_array_equal(params["layers"]["w_up"][0], tree["layer_0"]["mlp"][
+        "gating_einsum"][1].T)
+    np.testing.assert_allclose(params["layers"]["k_norm"]["weight"][0],
+                               1 + tree["layer_0"]["attn"]["_key_norm"]["scale"])
+
+
+def test_the_flat_layout_of_released_checkpoints_loads_the_same(goldens: dict) -> None:
+    """``ckpt_flat/`` holds the same weights in the FLAT layout (written by the library's own
+    NESTED -> FLAT mapping): the same params, so the same logits."""
+    nested = load_model(LoadConfig(str(CKPT)), jnp.float32, 0)
+    flat = load_model(LoadConfig(str(GOLDENS / "ckpt_flat")), jnp.float32, 0)
+    assert flat.model_config.replace(name="ckpt") == nested.model_config
+    for a, b in zip(jax.tree_util.tree_leaves(flat.params),
+                    jax.tree_util.tree_leaves(nested.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
