@@ -12,7 +12,7 @@ added tokens matched in text, as SentencePiece matches them. BOS is prepended (t
 beside EOS (its sampler's ``end_tokens``); where the vocabulary has the turn markers, the chat
 template is the library's turn format (``gm.text._template``).
 
-The built backend (before added tokens) is cached by the file's hash (``cache_dir()``): building
+The built backend is cached by the file's hash (``cache_dir()``): building
 the merges of a 262k-piece vocabulary takes seconds. Only the settings Gemma's model uses are read: BPE, identity normalisation, no dummy prefix, no
 removal of extra whitespace; another file is refused with the field named. ``tests/test_tokenizer
 _spm.py`` checks the ids against ``sentencepiece`` itself.
@@ -55,8 +55,8 @@ Gemma 3 chat template of HF transformers does."""
 # sentencepiece_model.proto: ModelProto.SentencePiece.Type, TrainerSpec.ModelType
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 BPE_MODEL = 2
-CONVERTER_VERSION = "1"
-"""Part of the cache key: bump it when ``_bpe_backend`` builds anything differently."""
+CONVERTER_VERSION = "2"
+"""Part of the cache key: bump it when ``_backend`` builds anything differently."""
 
 
 def load_sentencepiece(path: str, name: str = "") -> Tokenizer:
@@ -94,22 +94,16 @@ def load_sentencepiece(path: str, name: str = "") -> Tokenizer:
         if value != want:
             raise ValueError(f"{path}: {field}={value!r}; jaxserve reads SentencePiece models "
                              f"with Gemma's settings ({field}={want!r})")
-    pieces = [p.piece for p in proto.pieces]
-    types = [p.type for p in proto.pieces]
-    backend = _cached_backend(data, lambda: _bpe_backend(
-        pieces, [p.score for p in proto.pieces], types))
-    backend.add_special_tokens([AddedToken(p, normalized=False, special=True)
-                                for p, t in zip(pieces, types) if t == CONTROL])
-    backend.add_tokens([AddedToken(p, normalized=False, special=False)
-                        for p, t in zip(pieces, types) if t == USER_DEFINED])
-    ids = {p: i for i, p in enumerate(pieces)}
-    turns = "<start_of_turn>" in ids and "<end_of_turn>" in ids
-    special = lambda i: i if 0 <= i < len(pieces) else None  # -1: the model has none
+    backend = _cached_backend(data, lambda: _backend(proto))
+    start, end = (backend.token_to_id(t) for t in ("<start_of_turn>", "<end_of_turn>"))
+    turns = start is not None and end is not None
+    num_pieces = len(proto.pieces)
+    special = lambda i: i if 0 <= i < num_pieces else None  # -1: the model has none
     return Tokenizer(
         backend, bos_token_id=special(trainer.bos_id), eos_token_id=special(trainer.eos_id),
         pad_token_id=special(trainer.pad_id), add_bos_token=special(trainer.bos_id) is not None,
-        chat_template=GEMMA_TURN_TEMPLATE if turns else None, vocab_size=len(pieces),
-        extra_eos_token_ids=[ids["<end_of_turn>"]] if turns else [],
+        chat_template=GEMMA_TURN_TEMPLATE if turns else None, vocab_size=num_pieces,
+        extra_eos_token_ids=[end] if turns else [],
         name=name or os.path.basename(os.path.dirname(os.path.abspath(path))))
 
 
@@ -139,6 +133,19 @@ def _cached_backend(model_bytes: bytes, build: Callable[[], tokenizers.Tokenizer
         tmp = f"{file}.{os.getpid()}.tmp"
         backend.save(tmp)
         os.replace(tmp, file)
+    return backend
+
+
+def _backend(proto) -> tokenizers.Tokenizer:
+    """The whole backend of a parsed ``ModelProto``: the BPE, then its control pieces as
+    special added tokens and its user-defined ones as plain added tokens."""
+    pieces = [p.piece for p in proto.pieces]
+    types = [p.type for p in proto.pieces]
+    backend = _bpe_backend(pieces, [p.score for p in proto.pieces], types)
+    backend.add_special_tokens([AddedToken(p, normalized=False, special=True)
+                                for p, t in zip(pieces, types, strict=True) if t == CONTROL])
+    backend.add_tokens([AddedToken(p, normalized=False, special=False)
+                        for p, t in zip(pieces, types, strict=True) if t == USER_DEFINED])
     return backend
 
 

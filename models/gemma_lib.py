@@ -279,16 +279,16 @@ def _query_scalar(norm: str, width: int, heads: int, head_dim: int, where: str) 
 def load_gemma_lib_params(ckpt: GemmaLibCheckpoint, dtype: jnp.dtype) -> dict:
     """Params of ``Gemma3ForCausalLM`` from a checkpoint ``read_gemma_lib`` checked, on the
     default device in ``dtype`` (module doc: the mapping). The tree is restored to host memory
-    in its stored dtype (orbax, onto the CPU device), each stacked leaf is put on the device as
-    it is built."""
-    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    target = jax.tree_util.tree_map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=cpu), ckpt.stored)
-    orbax = import_orbax().StandardCheckpointer()
+    as numpy arrays in its stored dtype; each stacked leaf is put on the device as it is
+    built."""
+    ocp = import_orbax()
+    as_numpy = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
+                                      ckpt.stored)
+    reader = ocp.PyTreeCheckpointer()
     try:
-        restored = orbax.restore(ckpt.path, target)
+        restored = reader.restore(ckpt.path, restore_args=as_numpy)
     finally:
-        orbax.close()
+        reader.close()
     flat = {"/".join(str(getattr(k, "key", k)) for k in p): leaf
             for p, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]}
     by_name = {n: flat["/".join(str(getattr(k, "key", k)) for k in p)]

@@ -36,7 +36,8 @@ def no_weight_reads(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("weights were read before the checkpoint was checked")
 
-    monkeypatch.setattr(ocp.StandardCheckpointer, "restore", refuse)
+    for reader in (ocp.StandardCheckpointer, ocp.PyTreeCheckpointer):
+        monkeypatch.setattr(reader, "restore", refuse)
     monkeypatch.setattr(loader, "dequantize", refuse)
 
 
