@@ -23,10 +23,11 @@ kind of tensor at a time:
   _norm/scale [H]``                                 library's RMSNorm multiplies by it)
   ``embedder/input_embedding [V, D]``, ``final_norm/scale``   ``embed``, ``final_norm/weight``
 
-Three tree layouts of the library are read (``gemma.gm.ckpts._checkpoint``): NESTED (what
-``save_params`` writes: ``model.init()['params']``), FLAT (the released checkpoints:
-``transformer/layer_0/attn/q_einsum`` -> ``{"w"}``) and the same under a Kauldron train state's
-``params``. The vision encoder of the 4B+ checkpoints is not read. RoPE is rotate-half in both
+Two tree layouts of the library are read (``gemma.gm.ckpts._checkpoint``): NESTED (what
+``save_params`` writes: ``model.init()['params']``) and FLAT (the released checkpoints:
+``transformer/layer_0/attn/q_einsum`` -> ``{"w"}``); its STACKED layout and Kauldron train
+states are refused, naming the library calls that rewrite them as NESTED. The vision encoder of
+the 4B+ checkpoints is not read. RoPE is rotate-half in both
 (``gm.math.apply_rope``), so q/k columns need no permutation.
 """
 
@@ -102,8 +103,6 @@ class GemmaLibCheckpoint:
 def _normalise(path: tuple) -> str | None:
     """A stored key path as NESTED's ``/``-joined name; None for what we do not read."""
     parts = [str(getattr(k, "key", k)) for k in path]
-    if parts[:1] == ["params"]:  # a Kauldron train state
-        parts = parts[1:]
     if parts and parts[0].startswith("transformer/"):  # FLAT: "transformer/layer_0/attn/x"
         parts = parts[0].split("/")[1:] + parts[1:]
         if len(parts) >= 3 and parts[-3] == "mlp" and parts[-1] == "w":
@@ -166,6 +165,12 @@ def read_gemma_lib(path: str) -> GemmaLibCheckpoint:
                              f"{ndim} dimensions")
         return shapes[name]
 
+    if top := sorted({n.split("/")[0] for n in shapes} & {"params", "opt_state",
+                                                           "stacked_layers"}):
+        raise ValueError(f"{path}: a {'Kauldron train state' if top[0] != 'stacked_layers' else
+                         'STACKED checkpoint'} ({top[0]}/...), which is not read; load it with "
+                         f"the library's gm.ckpts.load_params and write the params with "
+                         f"gm.ckpts.save_params")
     if "embedder/input_embedding" not in shapes:
         raise ValueError(f"{path}: no Gemma transformer in the checkpoint (no tensor "
                          f"'embedder/input_embedding'; found {sorted(shapes)[:4]}...)")

@@ -100,6 +100,10 @@ def test_gemma_unknown_architecture(tmp_path, gemma_tree, no_weight_reads) -> No
     other = _gemma_dir(tmp_path / "other", {"encoder": {"w": np.zeros((2, 2), np.float32)}})
     with pytest.raises(ValueError, match=r"no Gemma transformer in the checkpoint"):
         _load(other)
+    state = _gemma_dir(tmp_path / "state", {"params": tree, "step": np.zeros((), np.int32)})
+    with pytest.raises(ValueError, match=r"a Kauldron train state \(params/\.\.\.\), which "
+                                         r"is not read; .*gm\.ckpts\.load_params"):
+        _load(state)
 
 
 def test_gemma_missing_tokenizer(tmp_path, gemma_tree, no_weight_reads) -> None:
