@@ -25,10 +25,11 @@ Outputs under tests/goldens/gemma_lib/:
   bfloat16 (the library computing in bfloat16).
 
 The library's import pulls in its training stack (kauldron -> TensorFlow, ~1.3 GB installed),
-so it runs in its own venv, never the project's; ``pip install gemma==4.0.1`` gives one. Run
-from the repository root:
+so it runs in its own venv, never the project's: ``pip install gemma==4.0.1`` gives one (or the
+lighter ``--no-deps`` set docs/decisions/0045-foreign-checkpoints.md lists). Run from the
+repository root:
 
-    /tmp/gprobe/bin/python scripts/make_gemma_lib_goldens.py
+    /tmp/gemmavenv/bin/python scripts/make_gemma_lib_goldens.py
 
 It takes about a minute on 2 cores. Nothing is downloaded.
 """
