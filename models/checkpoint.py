@@ -36,7 +36,7 @@ CHUNK_BYTES = 1 << 20
 enough that a Llama-3.1-8B checkpoint has ~16k chunks, not millions."""
 
 
-def _orbax():
+def import_orbax():
     """``orbax.checkpoint``, imported when a checkpoint is read or written: the import takes
     ~0.25 s of every server's start-up on a 2-core CPU, and most serve a GGUF file."""
     import orbax.checkpoint as ocp
@@ -74,7 +74,7 @@ def save_checkpoint(path: str, cfg, params, dtype: jnp.dtype | None = None) -> N
             is_leaf=lambda x: isinstance(x, QuantizedWeight))
     quant = quantization_of(params)
     os.makedirs(path, exist_ok=True)
-    ocp = _orbax()
+    ocp = import_orbax()
     ckpt = ocp.StandardCheckpointer()
     chunked = jax.tree_util.tree_map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), params)
     ckpt.save(target, params, save_args=chunked)
@@ -162,7 +162,10 @@ def _read(path: str):
     int4_format = quant.pop("int4_format", None)
     if "architecture" not in data:
         raise ValueError(f"{path}/{CONFIG_FILE} lacks the key 'architecture'")
-    arch = get_architecture(str(data["architecture"]))
+    try:
+        arch = get_architecture(str(data["architecture"]))
+    except ValueError as e:
+        raise ValueError(f"{path}/{CONFIG_FILE}: {e}") from None
     try:
         qcfg = QuantConfig(**quant)
     except TypeError as e:
@@ -205,7 +208,7 @@ def load_checkpoint(path: str, dtype: jnp.dtype, shardings=None):
     target = jax.tree_util.tree_map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
     params_dir = os.path.join(os.path.abspath(path), PARAMS_DIR)
-    ocp = _orbax()
+    ocp = import_orbax()
     ckpt = ocp.StandardCheckpointer()
     try:
         _check_tree(params_dir, ckpt.metadata(params_dir).item_metadata.tree, shapes)
@@ -217,7 +220,7 @@ def load_checkpoint(path: str, dtype: jnp.dtype, shardings=None):
 def stored_params(path: str):
     """The stored params as ``jax.ShapeDtypeStruct`` leaves, from the metadata alone."""
     params_dir = os.path.join(os.path.abspath(path), PARAMS_DIR)
-    ocp = _orbax()
+    ocp = import_orbax()
     ckpt = ocp.StandardCheckpointer()
     try:
         tree = ckpt.metadata(params_dir).item_metadata.tree
@@ -236,9 +239,10 @@ def _check_tree(where: str, stored, expected) -> None:
     flat_e = {key(p): tuple(s.shape)
               for p, s in jax.tree_util.tree_flatten_with_path(expected)[0]}
     if missing := sorted(set(flat_e) - set(flat_s)):
-        raise ValueError(f"checkpoint {where} lacks params {missing}")
+        raise ValueError(f"checkpoint {where} lacks params {', '.join(missing)}")
     if extra := sorted(set(flat_s) - set(flat_e)):
-        raise ValueError(f"checkpoint {where} has params the model does not: {extra}")
+        raise ValueError(f"checkpoint {where} has params the model does not: "
+                         f"{', '.join(extra)}")
     for k, shape in flat_e.items():
         if flat_s[k] != shape:
             raise ValueError(f"checkpoint {where}: param {k} has shape {flat_s[k]}, the model "

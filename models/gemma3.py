@@ -43,7 +43,7 @@ from models.llama import (
     kv_scale_kwargs,
     setup_decoder,
 )
-from models.loader import gguf_tensor_getter, stack_layers
+from models.loader import check_gguf_tensors, gguf_tensor_getter, stack_layers
 from models.quant import embed_lookup, qmatmul, weight
 from pallas_kernels import KVCache, ragged_paged_attention, write_kv
 
@@ -217,9 +217,22 @@ def gemma3_gguf_params(reader, cfg: Gemma3Config, dtype: jnp.dtype) -> dict:
     are used as stored (the converter folded Gemma's ``1 + weight`` into them).
 
     Raises:
-      ValueError: a missing tensor.
+      ValueError: a missing tensor or one of another shape (naming the file and the tensor,
+        before any is dequantised).
     """
-    get = gguf_tensor_getter(reader)
+    h, d = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    linear = {"wq": (q, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, q),
+              "w_gate": (cfg.intermediate_size, h), "w_up": (cfg.intermediate_size, h),
+              "w_down": (h, cfg.intermediate_size)}
+    expected = {"token_embd.weight": (cfg.vocab_size, h), "output_norm.weight": (h,)}
+    for i in range(cfg.num_layers):
+        expected.update({f"blk.{i}.{theirs}.weight": linear[ours]
+                         for ours, theirs in _GGUF_LINEAR.items()})
+        expected.update({f"blk.{i}.{theirs}.weight": (d,) if ours in ("q_norm", "k_norm")
+                         else (h,) for ours, theirs in _GGUF_NORMS.items()})
+    check_gguf_tensors(reader, expected)
+    get = gguf_tensor_getter(reader, getattr(reader, "path", "GGUF file"))
     per_layer = []
     for i in range(cfg.num_layers):
         p = f"blk.{i}."

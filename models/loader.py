@@ -166,6 +166,46 @@ def gguf_tensor_getter(reader, path: str = "GGUF file"):
     return get
 
 
+def check_gguf_tensors(reader, expected: dict[str, tuple[int, ...]]) -> None:
+    """Check a GGUF file's tensor infos against the model's, before anything is dequantised.
+
+    Args:
+      reader: the open file (``models.gguf_reader.GGUFFile``; its ``path`` names it).
+      expected: tensor name -> shape in numpy order (``[out, in]`` for a linear weight).
+
+    Raises:
+      ValueError: naming the file and the first tensor that is missing or of another shape.
+    """
+    path = getattr(reader, "path", "GGUF file")
+    have = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
+    for name, shape in expected.items():
+        if name not in have:
+            raise ValueError(f"{path} lacks tensor {name}")
+        if have[name] != tuple(shape):
+            raise ValueError(f"{path}: tensor {name} has shape {have[name]}; the model "
+                             f"expects {tuple(shape)}")
+
+
+def llama_gguf_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors ``llama_gguf_params`` reads, with their numpy-order shapes."""
+    h, i, q, kv = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim,
+                   cfg.num_kv_heads * cfg.head_dim)
+    out = {"token_embd.weight": (cfg.vocab_size, h), "output_norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        out["output.weight"] = (cfg.vocab_size, h)
+    for b in range(cfg.num_layers):
+        p = f"blk.{b}."
+        out.update({p + "attn_norm.weight": (h,), p + "ffn_norm.weight": (h,),
+                    p + "attn_q.weight": (q, h), p + "attn_k.weight": (kv, h),
+                    p + "attn_v.weight": (kv, h), p + "attn_output.weight": (h, q),
+                    p + "ffn_gate.weight": (i, h), p + "ffn_up.weight": (i, h),
+                    p + "ffn_down.weight": (h, i)})
+        if cfg.qkv_bias:
+            out.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,),
+                        p + "attn_v.bias": (kv,)})
+    return out
+
+
 def stack_layers(per_layer: list[dict], dtype: jnp.dtype) -> dict:
     """Stack a list (one per layer) of equal pytrees of host arrays on a new leading axis and put
     each stacked leaf on the device in ``dtype`` (one leaf at a time, to bound host memory)."""
@@ -177,9 +217,11 @@ def llama_gguf_params(reader, cfg: ModelConfig, dtype: jnp.dtype) -> dict:
     transposed to ``[in, out]``), on the default device in ``dtype``.
 
     Raises:
-      ValueError: a missing tensor.
+      ValueError: a missing tensor or one of another shape (naming the file and the tensor,
+        before any is dequantised).
     """
-    get = gguf_tensor_getter(reader)
+    check_gguf_tensors(reader, llama_gguf_tensors(cfg))
+    get = gguf_tensor_getter(reader, getattr(reader, "path", "GGUF file"))
 
     def put(a: np.ndarray) -> jax.Array:
         return jnp.asarray(a, dtype=dtype)
@@ -240,7 +282,10 @@ def gguf_architecture(reader: GGUFFile, path: str) -> Architecture:
       ValueError: an unregistered architecture, or one without a GGUF loader.
     """
     name = _field(reader, "general.architecture")
-    arch = get_architecture(str(name))
+    try:
+        arch = get_architecture(str(name))
+    except ValueError as e:
+        raise ValueError(f"{path}: general.architecture: {e}") from None
     if arch.gguf_config is None or arch.gguf_params is None:
         raise ValueError(f"{path}: architecture {name!r} has no GGUF loader")
     return arch

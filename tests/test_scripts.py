@@ -34,7 +34,8 @@ COVERED = {
     "scripts/check_lm_eval.sh": "test_check_lm_eval_dry_run",
     "scripts/check_dashboard.sh": "test_check_dashboard_dry_run",
     "scripts/gpu_tune_attention.py": "test_gpu_tune_attention_dry_run",
-    "examples/tiny_gpt.py": "test_tiny_gpt_writes_and_serves",
+    "examples/tiny_gpt.py": "test_example_writes_and_serves",
+    "examples/nnx_llama.py": "test_example_writes_and_serves",
     "scripts/gpu_check.py": "tests/test_gpu_check.py (--dry-run)",
     "scripts/gpu_check.sh": "tests/test_gpu_check.py (the .py it runs, --dry-run)",
     "scripts/device_run.sh": "tests/test_device_run.py (--dry-run)",
@@ -49,6 +50,9 @@ NOT_RUN = {
                                "not dependencies",
     "scripts/make_gemma3_goldens.py": "as make_goldens.py",
     "scripts/make_hf_goldens.py": "as make_goldens.py",
+    "scripts/make_gemma_lib_goldens.py": "regenerates the goldens with Google DeepMind's gemma "
+                                         "library, whose import needs TensorFlow (~1.3 GB; "
+                                         "docs/decisions/0045-foreign-checkpoints.md)",
     "scripts/build_wheelhouse.sh": "downloads wheels from the package registry (network); "
                                    "tests/test_device_run.py checks its selection and budget",
     "scripts/build_wheelhouse.py": "as build_wheelhouse.sh",
@@ -120,23 +124,27 @@ def _ready(url: str) -> bool:
         return False
 
 
-def test_tiny_gpt_writes_and_serves(tmp_path: Path) -> None:
-    """docs/models.md's two commands: ``write DIR`` then ``serve DIR``; one completion."""
-    ckpt = str(tmp_path / "tiny-gpt")
-    assert f"wrote {ckpt}" in _run([sys.executable, "examples/tiny_gpt.py", "write", ckpt]).stdout
+@pytest.mark.parametrize("name", ["tiny_gpt", "nnx_llama"])
+def test_example_writes_and_serves(name: str, tmp_path: Path) -> None:
+    """docs/models.md's two commands for each example model: ``write DIR`` then ``serve DIR``;
+    one completion."""
+    ckpt = str(tmp_path / name.replace("_", "-"))
+    script = f"examples/{name}.py"
+    assert f"wrote {ckpt}" in _run([sys.executable, script, "write", ckpt]).stdout
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     with open(tmp_path / "serve.log", "wb") as log:
         server = subprocess.Popen(
-            [sys.executable, "examples/tiny_gpt.py", "serve", ckpt, "--port", str(port),
-             *TINY[3:]], cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+            [sys.executable, script, "serve", ckpt, "--port", str(port), *TINY[3:]],
+            cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
         while not _ready(url):
             assert server.poll() is None and time.monotonic() < deadline, \
                 (tmp_path / "serve.log").read_text()[-3000:]
             time.sleep(0.5)
-        body = json.dumps({"model": "tiny-gpt", "prompt": "Hello", "max_tokens": 4}).encode()
+        body = json.dumps({"model": name.replace("_", "-"), "prompt": "Hello",
+                           "max_tokens": 4}).encode()
         req = urllib.request.Request(url + "/v1/completions", body,
                                      {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as r:

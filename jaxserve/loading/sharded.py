@@ -11,6 +11,7 @@ load, one device being a 1-device mesh (its slice of a leaf is the whole leaf). 
   transpose and layer stacking apply per region), ``device_put``, then
   ``make_array_from_single_device_arrays``. Without ``Architecture.hf_sources``: whole, then split.
 - dummy: drawn under ``jit(out_shardings=...)``; values equal the single-device ones.
+- gemma library checkpoints: whole (restored to host memory, re-laid out), then split.
 - GGUF: whole, dequantised, then split: a row-parallel slice cuts quantisation blocks of 32 or
   256 input columns (docs/configuration.md#sharded-loading).
 
@@ -34,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from jaxserve import sharding
-from models import checkpoint, hf
+from models import checkpoint, gemma_lib, hf
 from models.config import ModelConfig
 from models.gguf_reader import GGUFFile
 from models.loader import dummy_params, gguf_architecture
@@ -57,7 +58,7 @@ class DeviceLoad:
 class LoadReport:
     """Per-device figures of one load (this process's devices)."""
 
-    source: str  # "orbax", "orbax-quantized", "hf", "dummy" or "gguf"
+    source: str  # "orbax", "orbax-quantized", "hf", "dummy", "gguf" or "gemma-lib"
     method: str  # "sharded" (each device read its slice) or "full-then-shard"
     # "per-device": its own read + transfer time; "ready": from the load's start until its
     # shards were ready (overlapping, not additive)
@@ -244,7 +245,10 @@ def load_hf_sharded(path: str, dtype: jnp.dtype, mesh: Mesh, progress: bool = Tr
     """
     t0 = time.perf_counter()
     data = hf.read_hf_config(path)
-    arch = get_architecture(str(data["architectures"][0]))
+    try:
+        arch = get_architecture(str(data["architectures"][0]))
+    except ValueError as e:
+        raise ValueError(f"{path}/{hf.CONFIG_FILE}: architectures[0]: {e}") from None
     if arch.hf_config is None or arch.hf_params is None:
         raise ValueError(f"{path}: architecture {data['architectures'][0]!r} has no HF "
                          f"safetensors loader")
@@ -321,3 +325,19 @@ def load_gguf_sharded(path: str, reader: GGUFFile, dtype: jnp.dtype, mesh: Mesh
     check_shardable(cfg, mesh.shape[sharding.TP_AXIS])
     params = arch.gguf_params(reader, cfg, dtype)
     return cfg, *shard_loaded(params, cfg, mesh, t0, "gguf")
+
+
+def load_gemma_lib_sharded(path: str, dtype: jnp.dtype, mesh: Mesh
+                           ) -> tuple[ModelConfig, object, LoadReport]:
+    """(config, params on ``mesh``, report) of a ``gemma`` library checkpoint, read whole; the
+    tree and the settings are checked (``models.gemma_lib.read_gemma_lib``) before any tensor
+    is read.
+
+    Raises:
+      ValueError: as ``read_gemma_lib``; as ``check_shardable``.
+    """
+    t0 = time.perf_counter()
+    ckpt = gemma_lib.read_gemma_lib(path)
+    check_shardable(ckpt.config, mesh.shape[sharding.TP_AXIS])
+    params = gemma_lib.load_gemma_lib_params(ckpt, dtype)
+    return ckpt.config, *shard_loaded(params, ckpt.config, mesh, t0, "gemma-lib")

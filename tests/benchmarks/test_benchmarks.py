@@ -17,7 +17,14 @@ import jax.numpy as jnp
 import pytest
 
 import benchmarks
-from benchmarks import attention_ab, common, engine_ab, greedy_invariance, op_profile
+from benchmarks import (
+    attention_ab,
+    common,
+    engine_ab,
+    gemma_lib_load,
+    greedy_invariance,
+    op_profile,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HARNESSES = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__)
@@ -33,7 +40,8 @@ def engine():
 
 
 def test_the_harness_list_is_what_the_tests_run() -> None:
-    assert HARNESSES == ["attention_ab", "engine_ab", "greedy_invariance", "op_profile"]
+    assert HARNESSES == ["attention_ab", "engine_ab", "gemma_lib_load", "greedy_invariance",
+                         "op_profile"]
 
 
 @pytest.mark.parametrize("name", HARNESSES)
@@ -158,3 +166,15 @@ def test_greedy_invariance_compares_each_scenario_with_the_probe_alone(engine, t
             ["--lens", "7,9,11", "--batches", "2"]), engine=engine)
     assert greedy_invariance._differences([5, 6], [[1, 2], [3, 4]], [[1, 2], [3, 9]]) == [
         {"len": 6, "first_position": 1}]
+
+
+def test_gemma_lib_load_times_both_layouts(tmp_path: Path) -> None:
+    out = tmp_path / "load.json"
+    assert gemma_lib_load.main([
+        "--width", "32", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--head-dim", "8",
+        "--mlp", "16", "--vocab", "300", "--dtype", "float32", "--repeats", "1",
+        "--dir", str(tmp_path / "ckpts"), "--json", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    assert set(saved["median_s"]) == {"gemma-lib", "ours", "gemma-lib tokenizer",
+                                      "ours tokenizer"}
+    assert all(v > 0 for v in saved["median_s"].values()) and saved["ratio"] > 0
