@@ -16,9 +16,7 @@ agree (checked by ``tests/goldens/smollm2.json`` and ``gemma3.json``):
 Control tokens (``token_type == 3``) become special added tokens, so ``<|im_start|>`` is one
 id; Gemma's user-defined ones (4) become plain added tokens when spelled in the vocabulary.
 
-Chat templates render as transformers' ``apply_chat_template``: ``ImmutableSandboxedEnvironment``
-with ``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, ``{% generation %}``, ``tojson``,
-``raise_exception``, ``strftime_now`` and the ``bos_token``/``eos_token``/... variables.
+Chat templates render as transformers' ``apply_chat_template`` does (``jaxserve.chat_template``).
 """
 
 from __future__ import annotations
@@ -27,26 +25,16 @@ import json
 import os
 import re
 from collections.abc import Iterable, Sequence
-from datetime import datetime
 from functools import cached_property
-from typing import ClassVar
 
 import jinja2
 import jinja2.ext
 import tokenizers
-from jinja2 import nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
-CHATML_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
-    " + '<|im_end|>' + '\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-"""The template used when the model carries none (ChatML, as Qwen and SmolLM use)."""
+from jaxserve.chat_template import CHATML_TEMPLATE, compile_template, render_chat
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
 """Special tokens that end an assistant turn when a chat template uses them."""
 
@@ -371,7 +359,7 @@ class Tokenizer:
                             continue_final_message: bool = False,
                             chat_template: str | None = None,
                             template_kwargs: dict | None = None) -> str:
-        """Render ``messages`` (``normalize_messages`` first) with the chat template.
+        """Render ``messages`` with the chat template (``chat_template.render_chat``).
 
         Args:
           add_generation_prompt: end with the header that starts an assistant turn.
@@ -390,51 +378,15 @@ class Tokenizer:
             the template does not render; ``template_kwargs`` setting ``messages`` or
             ``add_generation_prompt``.
         """
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt are not "
-                             "compatible: continue_final_message continues the last message, "
-                             "add_generation_prompt starts a new assistant message")
-        extra = dict(template_kwargs or {})
-        if clash := sorted({"messages", "add_generation_prompt"} & set(extra)):
-            raise ValueError(f"chat_template_kwargs must not set {', '.join(clash)} (pass them "
-                             f"as arguments)")
-        messages = normalize_messages(messages)
         bos, eos = (None if i is None else self.id_to_token(i)
                     for i in (self.bos_token_id, self.eos_token_id))  # fmt: skip
-        variables = {"tools": None, "documents": None, "bos_token": bos, "eos_token": eos,
-                     **extra, "messages": messages, "add_generation_prompt": add_generation_prompt}
-        try:
-            template = (self._template if chat_template is None
-                        else _chat_environment().from_string(chat_template))
-            text = template.render(**variables)
-        except jinja2.TemplateError as e:
-            raise ValueError(f"chat template error: {e}") from e
-        if continue_final_message:
-            text = _cut_after_final_message(text, messages[-1]["content"])
-        return text
+        return render_chat(self._template if chat_template is None else chat_template,
+                           messages, add_generation_prompt, continue_final_message, bos, eos,
+                           template_kwargs)
 
     @cached_property
     def _template(self) -> jinja2.Template:
-        return _chat_environment().from_string(self.chat_template)
-
-
-def _cut_after_final_message(text: str, final: str) -> str:
-    """``text`` up to the end of the last occurrence of ``final`` (the last message's content),
-    as transformers' ``continue_final_message``: a template that strips the content's trailing
-    whitespace is cut after the stripped content.
-
-    Raises:
-      ValueError: ``final`` is blank, or the template does not render it (stripped).
-    """
-    stripped = final.strip()
-    if not stripped:
-        raise ValueError("continue_final_message: the final message's content is empty")
-    at = text.rfind(stripped)
-    if at < 0:
-        raise ValueError("continue_final_message: the final message does not appear in the "
-                         "rendered chat (the template drops or rewrites it)")
-    end = at + len(final.lstrip())
-    return text[:end] if text[at:end] == final.lstrip() else text[:at + len(stripped)]
+        return compile_template(self.chat_template)
 
 
 def _byte_level_backend(tokens: list[str], merges: list[tuple[str, ...]],
@@ -475,76 +427,3 @@ def _gemma_backend(tokens: list[str]) -> tokenizers.Tokenizer:
     return backend
 
 
-def normalize_messages(messages: object) -> list[dict]:
-    """Check chat messages and return copies whose ``content`` is a string.
-
-    A message has ``role`` in ``CHAT_ROLES`` and ``content`` a string or OpenAI text parts
-    (joined with "\\n", as vLLM does), null with ``tool_calls``; other keys pass through.
-
-    Raises:
-      ValueError: naming the field: ``messages``, ``messages[i]``, ``messages[i].role``,
-        ``messages[i].content`` or ``messages[i].content[j]``.
-    """
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list of message objects")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise ValueError(f"{where} must be an object with 'role' and 'content'")
-        role = m.get("role")
-        if role not in CHAT_ROLES:
-            raise ValueError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
-        content = m.get("content")
-        if content is None and role == "assistant" and m.get("tool_calls"):
-            content = ""
-        elif isinstance(content, list):
-            for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text"
-                        and isinstance(part.get("text"), str)):  # fmt: skip
-                    raise ValueError(f"{where}.content[{j}] must be {{'type': 'text', 'text': "
-                                     f"str}} (only text parts are supported); got {part!r}")  # fmt: skip
-            content = "\n".join(part["text"] for part in content)
-        elif not isinstance(content, str):
-            raise ValueError(
-                f"{where}.content must be a string or a list of text parts; "
-                f"got {type(content).__name__}"
-            )
-        out.append({**m, "content": content})
-    return out
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` (transformers' AssistantTracker): the body."""
-
-    tags: ClassVar[set[str]] = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: jinja2.runtime.Macro) -> str:
-        return caller()
-
-
-def _raise_exception(message: str) -> None:
-    raise ValueError(f"chat template error: {message}")
-
-
-def _tojson(x: object, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:  # fmt: skip
-    """transformers' ``tojson`` filter: ``json.dumps`` without ASCII escaping."""
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)  # fmt: skip
-
-
-def _chat_environment() -> ImmutableSandboxedEnvironment:
-    """The jinja2 environment transformers renders chat templates in (sandboxed, immutable)."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env

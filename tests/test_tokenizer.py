@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxserve.loading import model_files
-from jaxserve.tokenizer import CHATML_TEMPLATE, Tokenizer, normalize_messages
+from jaxserve.chat_template import CHATML_TEMPLATE, normalize_messages
+from jaxserve.tokenizer import Tokenizer
 
 GOLDENS = Path(__file__).parent / "goldens" / "smollm2.json"
 needs_goldens = pytest.mark.skipif(not GOLDENS.exists(), reason="tests/goldens/smollm2.json absent")

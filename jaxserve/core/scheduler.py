@@ -8,22 +8,19 @@ prefill and decode are the same thing. The engine loop drives one ``Scheduler``:
     scheduler = Scheduler(config)
     scheduler.add(seq)                            # -> waiting (FIFO)
     while scheduler.has_unfinished():
-        plan = scheduler.schedule()               # which tokens of which sequences; takes blocks
+        plan = scheduler.schedule(now)            # which tokens of which sequences; takes blocks
         sampled = run_model(plan)                 # one token per ScheduledSeq with sample=True
-        result = scheduler.update(plan, sampled, stop_check)  # advance, append, finish, free
+        result = scheduler.update(plan, sampled, stop_check, now)  # append, finish, free
     scheduler.abort(ids)                          # at any time: the client went away
 
-``update`` is the one place where a sequence finishes: at a stop id, at its length limit, or
-where the engine's ``stop_check`` sees a stop in the text (a stop string, a grammar's end).
-The engine tells the scheduler what it measures through methods too: the compiled token
-buckets it may plan for (``set_token_buckets``), each measured step (``observe_step``, which
-refits the step-cost model an ITL target plans with) and the start-up calibration of that
-model (``calibrate``); nothing outside assigns to its attributes.
-
-The methods change the scheduler in place; the plan and the update result are snapshots. A
-finished, aborted or preempted sequence leaves ``running`` and frees its blocks; a preempted one
-keeps its tokens, goes to the front of ``waiting``, and has its K/V swapped to the host tier if
-that has room, else recomputed later. Block bookkeeping is ``kv_manager.KVManager``'s.
+``update`` is the one place a sequence finishes (a stop id, the engine's ``stop_check`` for a
+stop string or a grammar's end, its length). What the engine measures reaches the scheduler
+through its methods (``set_token_buckets``, ``observe_step``, ``calibrate``); how far a step's
+prefill grows and in which order is its ``StepPolicy``'s (``core/step_policy.py``). The plan and
+the update result are snapshots. A finished, aborted or preempted sequence leaves ``running``
+and frees its blocks; a preempted one keeps its tokens, goes to the front of ``waiting``, and
+has its K/V swapped to the host tier if that has room, else recomputed later
+(``kv_manager.KVManager``).
 
 Async scheduling (``SchedulerConfig.async_scheduling``): the engine plans step N+1 while the
 device runs step N, so ``schedule`` may run again before ``update`` has seen the last plan. It
@@ -41,7 +38,6 @@ known. Without the flag (the synchronous loop), every ``schedule`` is followed b
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import Iterable, Sequence
 
@@ -75,14 +71,11 @@ class Scheduler:
         self.num_preemptions_total = 0
         self._next_arrival_index = 0
         self._async = config.async_scheduling
-        # how far a step's prefill may grow and in what order prompts get it; what the engine
-        # measures (compiled buckets, step times) reaches it through the methods below
-        self.policy = StepPolicy(config)
+        self.policy = StepPolicy(config)  # told what the engine measures by the methods below
 
     # -- what the engine tells the scheduler -----------------------------------------------------
     def set_token_buckets(self, buckets: Iterable[int]) -> None:
-        """Plan steps for these compiled token buckets (ascending sizes), e.g. once a
-        background compile has published more of them."""
+        """Plan steps for these compiled token buckets (ascending), e.g. once more compiled."""
         self.policy.set_token_buckets(buckets)
 
     @property
@@ -107,17 +100,15 @@ class Scheduler:
 
     @property
     def step_cost(self) -> StepCostModel | None:
-        """The step-cost model the ITL target plans with now (None without a target)."""
+        """The step-cost model the policy plans with now (None without objectives)."""
         return self.policy.step_cost
 
     def calibrate(self, model: StepCostModel) -> None:
-        """Plan with ``model`` from now on, and fit measured steps toward it (start-up's timed
-        probe steps); ignored without an ITL target."""
+        """Plan with ``model`` (start-up's timed probe steps) and fit measured steps to it."""
         self.policy.calibrate(model)
 
     def observe_step(self, plan: SchedulerOutput, num_tokens: int, seconds: float) -> None:
-        """One measured step: ``plan`` ran padded to ``num_tokens`` tokens in ``seconds``, for
-        the step-cost model an ITL target plans with (ignored without one)."""
+        """One measured step: ``plan`` ran padded to ``num_tokens`` tokens in ``seconds``."""
         self.policy.observe(plan, num_tokens, seconds)
 
     def reset_prefix_cache(self) -> int:
@@ -129,19 +120,8 @@ class Scheduler:
         """The prefix-cache changes since the last call, oldest first (``KVManager``)."""
         return self.kv.take_events()
 
-    def describe(self) -> dict[str, object]:
-        """The settings it plans with now, as plain data (JSON-ready): ``SchedulerConfig``'s
-        fields, the token buckets and the step-cost model (its coefficients, or None)."""
-        out: dict[str, object] = {f.name: getattr(self.config, f.name)
-                                  for f in dataclasses.fields(self.config)}
-        cost = self.step_cost
-        out.update(token_buckets=list(self.token_buckets), async_scheduling=self._async,
-                   step_cost=None if cost is None else dataclasses.asdict(cost))
-        return out
-
     def predict_step_s(self, plan: SchedulerOutput, num_tokens: int) -> float | None:
-        """The step-cost model's seconds for ``plan`` run padded to ``num_tokens`` tokens (None
-        without an ITL target)."""
+        """The model's seconds for ``plan`` padded to ``num_tokens`` (None without one)."""
         return self.policy.predict_s(plan, num_tokens)
 
     @property

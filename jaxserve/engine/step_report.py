@@ -12,6 +12,7 @@ gauges and events only.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,7 +63,7 @@ class StepReporter:
     def __init__(self, scheduler: Scheduler, metrics=None, kv_events=None,
                  step_trace_file: str | None = None) -> None:
         self.scheduler, self.metrics, self.kv_events = scheduler, metrics, kv_events
-        self.step_trace = StepTrace(step_trace_file, scheduler.describe()) \
+        self.step_trace = StepTrace(step_trace_file, scheduler_settings(scheduler)) \
             if step_trace_file else None
         self.listeners: list[StepListener] = []
 
@@ -113,6 +114,19 @@ class StepReporter:
             self.publish_kv_events()
             self.kv_events.shutdown()
             self.kv_events = None
+
+
+def scheduler_settings(scheduler: Scheduler) -> dict[str, object]:
+    """What ``scheduler`` plans with now, as plain data (JSON-ready; the step trace's first
+    line): ``SchedulerConfig``'s fields, the token buckets, the loop and the step-cost model
+    (its coefficients, or None)."""
+    out: dict[str, object] = {f.name: getattr(scheduler.config, f.name)
+                              for f in dataclasses.fields(scheduler.config)}
+    cost = scheduler.step_cost
+    out.update(token_buckets=list(scheduler.token_buckets),
+               async_scheduling=scheduler.async_scheduling,
+               step_cost=None if cost is None else dataclasses.asdict(cost))
+    return out
 
 
 def start_kv_events(config: EngineConfig, data_parallel_rank: int):
