@@ -18,7 +18,11 @@ import jax.numpy as jnp
 from cpu_kernels.attention import native_attention_fn
 from jaxserve.config import EngineConfig
 from models.quant import QuantTargets
-from pallas_kernels import ragged_paged_attention, ragged_paged_attention_pallas
+from pallas_kernels import (
+    ragged_paged_attention,
+    ragged_paged_attention_mosaic,
+    ragged_paged_attention_pallas,
+)
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,9 @@ def attention_fn(backend: str, invariant: bool = False) -> Callable[..., jax.Arr
     """The attention op (signature: ``pallas_kernels.ragged_paged_attention``) of a resolved
     backend: "reference" the pure-jnp op; "native" the jnp op with its decode and prefill rows in
     the native CPU kernel; "pallas" the Pallas Triton kernel; "pallas-interpret" that kernel in
-    the Pallas interpreter (CPU tests; minutes for a few tokens). ``invariant``: every row in
+    the Pallas interpreter (CPU tests; minutes for a few tokens); "mosaic" the Pallas Mosaic GPU
+    kernel (Hopper and newer); "mosaic-interpret" that kernel in GPU interpret mode (CPU tests,
+    race detector on; minutes for a few tokens). ``invariant``: every row in
     one reduction order, whatever its step (``Platform.batch_invariant``; "native" only).
 
     Raises:
@@ -68,6 +74,10 @@ def attention_fn(backend: str, invariant: bool = False) -> Callable[..., jax.Arr
         return ragged_paged_attention_pallas
     if backend == "pallas-interpret":
         return functools.partial(ragged_paged_attention_pallas, interpret=True)
+    if backend == "mosaic":
+        return ragged_paged_attention_mosaic
+    if backend == "mosaic-interpret":
+        return functools.partial(ragged_paged_attention_mosaic, interpret=True)
     raise ValueError(f"attention backend {backend!r} is not a resolved backend")
 
 

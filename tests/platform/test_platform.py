@@ -4,6 +4,7 @@ CPU kernels under ``cpu_kernels``, buckets and step cost, per backend."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,11 @@ from jaxserve.platform import cpu, current_platform
 from jaxserve.platform.base import attention_fn
 from jaxserve.platform.gpu import GpuPlatform
 from models.architectures import DECODER_QUANT_TARGETS
-from pallas_kernels import ragged_paged_attention, ragged_paged_attention_pallas
+from pallas_kernels import (
+    ragged_paged_attention,
+    ragged_paged_attention_mosaic,
+    ragged_paged_attention_pallas,
+)
 
 CPU = cpu.CpuPlatform()
 NATIVE = {"rows_kernel": cpu_decode_attention, "rows_kernel_prefill": True}
@@ -34,6 +39,9 @@ def test_the_attention_fn_of_each_backend() -> None:
     assert native.func is ragged_paged_attention and native.keywords == NATIVE
     f = attention_fn("pallas-interpret")
     assert f.func is ragged_paged_attention_pallas and f.keywords == {"interpret": True}
+    assert attention_fn("mosaic") is ragged_paged_attention_mosaic
+    f = attention_fn("mosaic-interpret")
+    assert f.func is ragged_paged_attention_mosaic and f.keywords == {"interpret": True}
     for unresolved in ("auto", "triton"):
         with pytest.raises(ValueError, match=repr(unresolved)):
             attention_fn(unresolved)
@@ -53,20 +61,34 @@ def test_cpu_attention_follows_cpu_kernels(monkeypatch, available: bool) -> None
     else:
         with pytest.raises(RuntimeError, match="cpu_kernels='on' needs the native CPU kernels"):
             CPU.check(EngineConfig(cpu_kernels="on"))
-    with pytest.raises(ValueError, match="attention_backend='pallas'.*GPUs only, not on 'cpu'"):
-        CPU.check(EngineConfig(attention_backend="pallas"))
+    for backend in ("pallas", "mosaic"):
+        with pytest.raises(ValueError, match=f"attention_backend='{backend}'.*GPUs only, not on "
+                                             "'cpu'"):
+            CPU.check(EngineConfig(attention_backend=backend))
+
+
+@dataclass(frozen=True)
+class StubDevice:
+    device_kind: str
+    compute_capability: str
+
+
+H100 = StubDevice("NVIDIA H100 80GB HBM3", "9.0")
+A100 = StubDevice("NVIDIA A100-SXM4-80GB", "8.0")
 
 
 def test_gpu_answers() -> None:
-    gpu = GpuPlatform("gpu")
-    assert gpu.attention_backend(EngineConfig()) == "pallas"
+    gpu = GpuPlatform("gpu", H100)
+    assert gpu.attention_backend(EngineConfig()) == "mosaic"
     assert gpu.attention_backend(EngineConfig(attention_backend="reference")) == "reference"
+    assert gpu.attention_backend(EngineConfig(attention_backend="pallas")) == "pallas"
     with pytest.raises(ValueError, match="cpu_kernels='on'.*CPUs only, not on 'gpu'"):
         gpu.check(EngineConfig(cpu_kernels="on"))
-    other = GpuPlatform("tpu")  # another accelerator: the jnp op, no Triton kernel
+    other = GpuPlatform("tpu", H100)  # another accelerator: the jnp op, no Pallas GPU kernel
     assert other.attention_backend(EngineConfig()) == "reference"
-    with pytest.raises(ValueError, match="GPUs only, not on 'tpu'"):
-        other.check(EngineConfig(attention_backend="pallas"))
+    for backend in ("pallas", "mosaic"):
+        with pytest.raises(ValueError, match="GPUs only, not on 'tpu'"):
+            other.check(EngineConfig(attention_backend=backend))
     assert gpu.resolve_dtype("auto") == jnp.bfloat16
     assert gpu.compute_dtype(jnp.bfloat16) == jnp.bfloat16
     assert gpu.buckets(EngineConfig()) == type(gpu.buckets(EngineConfig()))()  # powers of two
@@ -74,6 +96,22 @@ def test_gpu_answers() -> None:
     params = {"w": jnp.ones((2, 2), jnp.bfloat16)}
     assert gpu.prepare_weights(params, EngineConfig(), jnp.bfloat16, DECODER_QUANT_TARGETS
                                ) is params
+
+
+def test_gpu_attention_by_compute_capability_and_cache_dtype() -> None:
+    """Mosaic GPU (TMA, wgmma) from compute capability 9.0 with a 16- or 8-bit cache; the Triton
+    kernel below it and for a float32 cache."""
+    hopper, ampere = GpuPlatform("gpu", H100), GpuPlatform("cuda", A100)
+    assert ampere.attention_backend(EngineConfig()) == "pallas"
+    assert hopper.attention_backend(EngineConfig(dtype="float32")) == "pallas"
+    assert hopper.attention_backend(EngineConfig(dtype="float32", kv_cache_dtype="fp8")
+                                    ) == "mosaic"
+    assert GpuPlatform("gpu", StubDevice("NVIDIA B200", "10.0")).attention_backend(
+        EngineConfig()) == "mosaic"
+    with pytest.raises(ValueError, match="compute capability >= 9.0.*A100.*8.0"):
+        ampere.check(EngineConfig(attention_backend="mosaic"))
+    with pytest.raises(ValueError, match="16-bit or 8-bit KV cache"):
+        hopper.check(EngineConfig(attention_backend="mosaic", dtype="float32"))
 
 
 def test_cpu_buckets_add_small_and_mid_shapes() -> None:
@@ -120,8 +158,8 @@ def test_batch_invariant_setting_is_checked() -> None:
     with pytest.raises(ValueError, match="batch_invariant='always' must be one of"):
         EngineConfig(batch_invariant="always")
     with pytest.raises(ValueError, match="batch_invariant='on' is built for the CPU only"):
-        GpuPlatform("gpu").check(EngineConfig(batch_invariant="on"))
-    assert GpuPlatform("gpu").batch_invariant(EngineConfig()) is False
+        GpuPlatform("gpu", H100).check(EngineConfig(batch_invariant="on"))
+    assert GpuPlatform("gpu", H100).batch_invariant(EngineConfig()) is False
 
 
 def test_cpu_batch_invariant_buckets_start_at_the_dot_row_floor(monkeypatch) -> None:
