@@ -176,13 +176,14 @@ def assemble(config: EngineConfig, load: LoadConfig, devices: Sequence[jax.Devic
     bounds = RequestBounds(tokenizer.vocab_size, max_model_len, kv_layout.num_blocks,
                            config.block_size, runner.multiprocess, tokenizer.eos_token_ids)
     step_cost, itl = None, (0.0, 0.0)  # the target's floor (s) and decode ratio
-    if platform.prompt_token_s is not None:  # the prior; the engine refits it as steps run
-        step_cost = StepCostModel.prior(platform.step_overhead_tokens, platform.prompt_token_s,
-                                        platform.prefill_pair_s)
+    prior = platform.step_cost_prior(mc, dtype)
+    if prior is not None:  # the prior; the engine refits it as steps run
+        step_cost = StepCostModel.prior(prior.step_overhead_tokens, prior.prompt_token_s,
+                                        prior.prefill_pair_s)
         itl = resolve_itl_target(config.itl_slo_ms, platform.auto_itl_floor_s)
     elif config.itl_slo_ms:
         raise ValueError(f"itl_slo_ms={config.itl_slo_ms} needs a step-cost model, which the "
-                         f"{platform.name!r} platform does not have yet (measured on CPUs only)")
+                         f"{platform.name!r} platform does not have")
     sched_config = dataclasses.replace(
         SchedulerConfig.from_engine_config(config, kv_layout.num_blocks, max_model_len,
                                            host_kv.num_blocks if host_kv is not None else 0,

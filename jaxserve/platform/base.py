@@ -1,7 +1,8 @@
 """What every platform answers: the questions the engine asks about the machine it runs on.
 
 The engine never learns why: it asks ``platform.resolve_dtype``, ``attention``,
-``prepare_weights``, ``buckets`` and ``step_overhead_tokens`` and uses the answers. The CPU's
+``prepare_weights``, ``buckets``, ``step_overhead_tokens`` and ``step_cost_prior`` and uses the
+answers. The CPU's
 answers are in ``jaxserve.platform.cpu``, the accelerators' in ``jaxserve.platform.gpu``.
 """
 
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 
 from cpu_kernels.attention import native_attention_fn
 from jaxserve.config import EngineConfig
+from models.config import ModelConfig
 from models.quant import QuantTargets
 from pallas_kernels import (
     ragged_paged_attention,
@@ -48,6 +50,17 @@ class BucketSet:
     sampler_rows: tuple[int, ...] = ()
     defer_compile: bool = False
     min_tokens: int = 1
+
+
+@dataclass(frozen=True)
+class StepCostPrior:
+    """A platform's step-cost model before any step is measured (the arguments of
+    ``core.step_cost.StepCostModel.prior``): a step's fixed cost in prompt tokens, seconds a
+    prompt token, seconds a prompt query-key pair."""
+
+    step_overhead_tokens: int
+    prompt_token_s: float
+    prefill_pair_s: float
 
 
 def attention_fn(backend: str, invariant: bool = False) -> Callable[..., jax.Array]:
@@ -90,7 +103,8 @@ class Platform(ABC):
     which weighs padding a step against running another)."""
     prompt_token_s: float | None = None
     """Seconds one prompt token of a step costs, the prior of the engine's step-cost model
-    (``core.step_cost.StepCostModel.prior``); None where unmeasured (``--itl-slo-ms`` refused)."""
+    (``core.step_cost.StepCostModel.prior``) where it does not depend on the model
+    (``step_cost_prior``); None: no such constant."""
     prefill_pair_s: float = 0.0
     """Seconds one query-key pair of a prompt chunk's attention costs, the prior of the
     step-cost model's pair term (a long prompt's late chunks cost more than its first)."""
@@ -98,6 +112,15 @@ class Platform(ABC):
     """The ITL target's floor when ``--itl-slo-ms`` is not given (the target is the larger of
     it and ``AUTO_ITL_DECODE_RATIO`` times the predicted decode step); None: no target by
     default."""
+
+    def step_cost_prior(self, model_config: ModelConfig, dtype: jnp.dtype
+                        ) -> StepCostPrior | None:
+        """The step-cost model's prior for this model with weights stored in ``dtype``; None
+        where the platform has none (``--itl-slo-ms`` is then refused). Default: the class
+        constants ``step_overhead_tokens``, ``prompt_token_s``, ``prefill_pair_s``."""
+        if self.prompt_token_s is None:
+            return None
+        return StepCostPrior(self.step_overhead_tokens, self.prompt_token_s, self.prefill_pair_s)
 
     @abstractmethod
     def resolve_dtype(self, name: str) -> jnp.dtype:

@@ -14,9 +14,11 @@ from cpu_kernels.attention import cpu_decode_attention
 from jaxserve.config import EngineConfig
 from jaxserve.device.buckets import token_buckets
 from jaxserve.platform import cpu, current_platform
+from jaxserve.platform import gpu as gpu_module
 from jaxserve.platform.base import attention_fn
 from jaxserve.platform.gpu import GpuPlatform
 from models.architectures import DECODER_QUANT_TARGETS
+from models.config import builtin_config
 from pallas_kernels import (
     ragged_paged_attention,
     ragged_paged_attention_mosaic,
@@ -25,6 +27,7 @@ from pallas_kernels import (
 
 CPU = cpu.CpuPlatform()
 NATIVE = {"rows_kernel": cpu_decode_attention, "rows_kernel_prefill": True}
+LLAMA_8B = builtin_config("llama-3.1-8b")
 
 
 def test_this_machine_is_the_cpu_platform() -> None:
@@ -89,6 +92,7 @@ def test_gpu_answers() -> None:
     for backend in ("pallas", "mosaic"):
         with pytest.raises(ValueError, match="GPUs only, not on 'tpu'"):
             other.check(EngineConfig(attention_backend=backend))
+    assert other.step_cost_prior(LLAMA_8B, jnp.bfloat16) is None
     assert gpu.resolve_dtype("auto") == jnp.bfloat16
     assert gpu.compute_dtype(jnp.bfloat16) == jnp.bfloat16
     assert gpu.buckets(EngineConfig()) == type(gpu.buckets(EngineConfig()))()  # powers of two
@@ -112,6 +116,33 @@ def test_gpu_attention_by_compute_capability_and_cache_dtype() -> None:
         ampere.check(EngineConfig(attention_backend="mosaic"))
     with pytest.raises(ValueError, match="16-bit or 8-bit KV cache"):
         hopper.check(EngineConfig(attention_backend="mosaic", dtype="float32"))
+
+
+def test_gpu_step_cost_prior_from_device_figures() -> None:
+    """The roofline of the datasheet figures: the weights' read is a step's fixed cost, a prompt
+    token costs its matmul FLOPs, a pair its attention FLOPs; a faster device costs less."""
+    h100 = GpuPlatform("gpu", H100).step_cost_prior(LLAMA_8B, jnp.bfloat16)
+    f = gpu_module.device_figures(H100.device_kind)
+    assert f == gpu_module.DeviceFigures(3.35e12, 989e12)
+    token_s = 2 * LLAMA_8B.num_params / (989e12 * gpu_module.MATMUL_EFFICIENCY)
+    assert h100.prompt_token_s == pytest.approx(token_s)
+    fixed_s = 2 * LLAMA_8B.num_params / (3.35e12 * gpu_module.BANDWIDTH_EFFICIENCY)
+    assert h100.step_overhead_tokens == round(fixed_s / token_s)
+    assert h100.prefill_pair_s == pytest.approx(4 * 32 * 128 * 32 / (989e12 * 0.5))
+    # an 8-bit copy of the weights halves the read, not the FLOPs
+    fp8 = GpuPlatform("gpu", H100).step_cost_prior(LLAMA_8B, jnp.int8)
+    assert fp8.prompt_token_s == h100.prompt_token_s
+    assert fp8.step_overhead_tokens == pytest.approx(h100.step_overhead_tokens / 2, abs=1)
+    a100 = GpuPlatform("gpu", A100).step_cost_prior(LLAMA_8B, jnp.bfloat16)
+    assert a100.prompt_token_s > h100.prompt_token_s
+    for kind, want in (("NVIDIA H100 PCIe", 2.0e12), ("NVIDIA H200", 4.8e12),
+                       ("NVIDIA A100-SXM4-40GB", 1.555e12), ("NVIDIA L40S", 864e9),
+                       ("NVIDIA GeForce RTX 4090", 1.008e12)):
+        assert gpu_module.device_figures(kind).memory_bytes_s == want, kind
+    assert gpu_module.device_figures("NVIDIA GeForce GTX 1080") is None
+    odd = GpuPlatform("gpu", StubDevice("NVIDIA GeForce GTX 1080", "6.1"))
+    assert odd.figures == gpu_module.UNKNOWN_DEVICE
+    assert odd.step_cost_prior(LLAMA_8B, jnp.bfloat16).prompt_token_s > 0
 
 
 def test_cpu_buckets_add_small_and_mid_shapes() -> None:
@@ -215,3 +246,25 @@ def test_cpu_kernels_setting_is_checked() -> None:
         EngineConfig(cpu_kernels="fast")
     with pytest.raises(ValueError, match="attention_backend='native'"):
         EngineConfig(attention_backend="native")  # now cpu_kernels' to choose
+
+
+@pytest.mark.parametrize("itl_slo_ms,target_s,ratio", [(40, 0.04, 0.0), (None, 0.05, 2.0)])
+def test_itl_target_starts_on_a_gpu_platform(monkeypatch, itl_slo_ms, target_s, ratio) -> None:
+    """Start-up on a (stubbed) H100 takes the platform's prior for the tiny dummy model, so
+    ``--itl-slo-ms`` and the automatic target work there; nothing is compiled or run."""
+    from jaxserve.config import LoadConfig
+    from jaxserve.engine import startup
+
+    gpu = GpuPlatform("gpu", H100)
+    monkeypatch.setattr(startup, "current_platform", lambda: gpu)
+    parts = startup.assemble(
+        EngineConfig(attention_backend="reference", itl_slo_ms=itl_slo_ms, max_model_len=128,
+                     num_kv_blocks=16, compilation_cache_dir=""),
+        LoadConfig(model="tiny", load_format="dummy"))
+    sched = parts.scheduler_config
+    prior = gpu.step_cost_prior(parts.model_config, parts.dtype)
+    assert sched.step_cost.per_token_s == pytest.approx(prior.prompt_token_s)
+    assert sched.step_cost.fixed_s == pytest.approx(prior.step_overhead_tokens
+                                                    * prior.prompt_token_s)
+    assert sched.step_cost.per_prefill_pair_s == pytest.approx(prior.prefill_pair_s)
+    assert (sched.itl_target_s, sched.itl_decode_ratio) == (pytest.approx(target_s), ratio)
