@@ -43,8 +43,8 @@ Dtypes: the cache in bfloat16 or float16 (dots in that dtype), or 8-bit (float8 
 shared memory to q's 16-bit dtype (bfloat16 for float32 q), the K scale folded into the score
 scale, the V scale into the output. q is cast to the compute dtype; accumulation in float32; the
 output in q's dtype. A float32 cache is refused (the Triton kernel takes it: wgmma would round
-it to TF32). ``head_dim``: a multiple of 16 up to 256 (of 32 for an 8-bit cache);
-``block_size``: a multiple of 8.
+it to TF32). ``head_dim``: 16, 32 or a multiple of 64 up to 256 (32, 64, 128 or 256 for an
+8-bit cache); ``block_size``: a multiple of 8.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def ragged_paged_attention_mosaic(
         one compiled kernel).
       k_scale, v_scale: ``f32[num_layers, num_kv_heads]``, for (and only for) an 8-bit cache.
       block_k: keys a pipeline step (64, 128 or 256, a multiple of ``block_size``); None:
-        ``default_tiling``.
+        ``default_tiling``'s, or ``block_size`` where that is larger.
       stages: the 16-bit shared-memory ring's depth (>= 2); None: ``default_tiling``.
       num_kv_splits: flash-decoding splits along the keys; None picks by grid size.
       p_in_smem: pass the probabilities to the P.V wgmma through shared memory instead of
@@ -159,7 +159,7 @@ def ragged_paged_attention_mosaic(
       ValueError: naming the offending shape, dtype or knob.
     """
     tiling = default_tiling(q.shape[-1], k_cache.dtype)
-    block_k = block_k or tiling[0]
+    block_k = block_k or max(tiling[0], k_cache.shape[2] if k_cache.ndim == 5 else 0)
     stages = stages or tiling[1]
     _validate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
               block_k=block_k, stages=stages, num_kv_splits=num_kv_splits,
@@ -187,6 +187,12 @@ def ragged_paged_attention_mosaic(
 
 
 # -- input validation ----------------------------------------------------------------------------
+def _swizzles(head_dim: int, itemsize: int) -> bool:
+    """Whether rows of ``head_dim`` elements fill whole spans of a 32-128 byte swizzle."""
+    row = head_dim * itemsize
+    return row in (32, 64) or (row >= 128 and row % 128 == 0)
+
+
 def _validate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *,
               block_k: int, stages: int, num_kv_splits: int | None,
               sliding_window: int | jax.Array | None) -> None:
@@ -200,9 +206,10 @@ def _validate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_
                          f"{k_cache.shape} {k_cache.dtype}")
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim or head_dim % 16 or head_dim > 256:
-        raise ValueError(f"head_dim={head_dim} (cache {cache_head_dim}) must match and be a "
-                         "multiple of 16 up to 256 for the Mosaic GPU kernel")
+    if cache_head_dim != head_dim or head_dim > 256 or not _swizzles(head_dim, 2):
+        raise ValueError(f"head_dim={head_dim} (cache {cache_head_dim}) must match and be 16, "
+                         "32 or a multiple of 64 up to 256 for the Mosaic GPU kernel (its rows "
+                         "fill whole swizzle spans); --attention-backend pallas takes others")
     if num_q_heads % num_kv_heads or num_q_heads // num_kv_heads > ROWS:
         raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads="
                          f"{num_kv_heads}, at most {ROWS} times it")
@@ -212,11 +219,12 @@ def _validate(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_
     if kv not in (jnp.bfloat16, jnp.float16) and not is_quantized_dtype(kv):
         raise ValueError(f"k_cache.dtype={kv} must be bfloat16, float16, uint8 (float8 e4m3 "
                          "bits) or int8 (a float32 cache runs in the Triton kernel)")
-    if is_quantized_dtype(kv) and head_dim % 32:
-        raise ValueError(f"head_dim={head_dim} must be a multiple of 32 for an 8-bit cache "
-                         "(a 32-byte swizzle at least)")
+    if is_quantized_dtype(kv) and not _swizzles(head_dim, 1):
+        raise ValueError(f"head_dim={head_dim} must be 32, 64 or a multiple of 128 for an "
+                         "8-bit cache (its rows fill whole swizzle spans)")
     if block_size % 8:
-        raise ValueError(f"block_size={block_size} must be a multiple of 8 (TMA tile rows)")
+        raise ValueError(f"block_size={block_size} must be a multiple of 8 (TMA tile rows); "
+                         "--attention-backend pallas takes any")
     if block_k not in (64, 128, 256) or block_k % block_size:
         raise ValueError(f"block_k={block_k} must be 64, 128 or 256 and a multiple of "
                          f"block_size={block_size}")

@@ -2,9 +2,10 @@
 powers of two, and a step-cost prior from the device's own figures.
 
 **Attention.** "auto" is the Mosaic GPU kernel (``pallas_kernels.ragged_paged_attention_mosaic``:
-TMA and wgmma, Hopper and newer) on compute capability >= 9.0 with a 16-bit or 8-bit KV cache,
-and the Triton kernel (``ragged_paged_attention_triton``) below 9.0 or for a float32 cache, which
-wgmma would round to TF32. Any other accelerator runs the jnp op.
+TMA and wgmma, Hopper and newer) on compute capability >= 9.0 with a 16-bit or 8-bit KV cache
+and pages of a multiple of 8 tokens, and the Triton kernel (``ragged_paged_attention_triton``)
+below 9.0, for a float32 cache (which wgmma would round to TF32) or smaller pages. Any other
+accelerator runs the jnp op.
 
 **Step cost.** A GPU reads all weights in every step and computes a prompt token in far less
 time than that read, so padding a step is cheaper there than running another and a decode step
@@ -35,6 +36,7 @@ from models.quant import QuantTargets
 log = logging.getLogger(__name__)
 GPU_NAMES = ("gpu", "cuda", "rocm")
 MOSAIC_MIN_CAPABILITY = (9, 0)  # TMA and wgmma: Hopper
+MOSAIC_BLOCK_SIZE_MULTIPLE = 8  # a page's rows land in shared-memory tiles of 8 rows
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,7 @@ class GpuPlatform(Platform):
                              f"GPUs only, not on {self.name!r}")
         float32_cache = (config.kv_cache_dtype == "auto"
                          and self.resolve_dtype(config.dtype) == jnp.float32)
+        small_pages = config.block_size % MOSAIC_BLOCK_SIZE_MULTIPLE != 0
         if backend == "mosaic":
             if self.compute_capability() < MOSAIC_MIN_CAPABILITY:
                 raise ValueError(f"attention_backend='mosaic' needs compute capability >= 9.0 "
@@ -160,11 +163,16 @@ class GpuPlatform(Platform):
             if float32_cache:
                 raise ValueError("attention_backend='mosaic' takes a 16-bit or 8-bit KV cache, "
                                  "not dtype='float32' with kv_cache_dtype='auto': use 'pallas'")
+            if small_pages:
+                raise ValueError(f"attention_backend='mosaic' needs block_size a multiple of "
+                                 f"{MOSAIC_BLOCK_SIZE_MULTIPLE} (TMA tile rows), not "
+                                 f"{config.block_size}: use 'pallas'")
         if backend != "auto":
             return backend
         if not gpu:
             return "reference"
-        mosaic = self.compute_capability() >= MOSAIC_MIN_CAPABILITY and not float32_cache
+        mosaic = (self.compute_capability() >= MOSAIC_MIN_CAPABILITY and not float32_cache
+                  and not small_pages)
         return "mosaic" if mosaic else "pallas"
 
     def step_cost_prior(self, model_config: ModelConfig, dtype: jnp.dtype

@@ -203,9 +203,10 @@ def test_validation_names_the_value() -> None:
     meta = (jnp.int32(0), jnp.zeros((2, 2), jnp.int32), jnp.zeros((2,), jnp.int32),
             jnp.zeros((3,), jnp.int32), jnp.zeros((1,), jnp.int32))
     call = functools.partial(ragged_paged_attention_mosaic, sm_scale=1.0, interpret=True)
-    q, kv = jnp.zeros((8, 4, 24), jnp.bfloat16), jnp.zeros((1, 4, 16, 2, 24), jnp.bfloat16)
-    with pytest.raises(ValueError, match="head_dim=24"):
-        call(q, kv, kv, *meta)
+    for d in (24, 80):  # 80: a multiple of 16, not a whole number of 128-byte swizzle spans
+        q, kv = jnp.zeros((8, 4, d), jnp.bfloat16), jnp.zeros((1, 4, 16, 2, d), jnp.bfloat16)
+        with pytest.raises(ValueError, match=f"head_dim={d}"):
+            call(q, kv, kv, *meta)
     q, kv = jnp.zeros((8, 4, 64), jnp.bfloat16), jnp.zeros((1, 4, 16, 2, 64), jnp.float32)
     with pytest.raises(ValueError, match="k_cache.dtype=float32"):
         call(q, kv, kv, *meta)

@@ -103,8 +103,8 @@ def test_gpu_answers() -> None:
 
 
 def test_gpu_attention_by_compute_capability_and_cache_dtype() -> None:
-    """Mosaic GPU (TMA, wgmma) from compute capability 9.0 with a 16- or 8-bit cache; the Triton
-    kernel below it and for a float32 cache."""
+    """Mosaic GPU (TMA, wgmma) from compute capability 9.0 with a 16- or 8-bit cache and pages of
+    a multiple of 8 tokens; the Triton kernel below it, for a float32 cache or smaller pages."""
     hopper, ampere = GpuPlatform("gpu", H100), GpuPlatform("cuda", A100)
     assert ampere.attention_backend(EngineConfig()) == "pallas"
     assert hopper.attention_backend(EngineConfig(dtype="float32")) == "pallas"
@@ -116,6 +116,9 @@ def test_gpu_attention_by_compute_capability_and_cache_dtype() -> None:
         ampere.check(EngineConfig(attention_backend="mosaic"))
     with pytest.raises(ValueError, match="16-bit or 8-bit KV cache"):
         hopper.check(EngineConfig(attention_backend="mosaic", dtype="float32"))
+    assert hopper.attention_backend(EngineConfig(block_size=4)) == "pallas"
+    with pytest.raises(ValueError, match="block_size a multiple of 8"):
+        hopper.check(EngineConfig(attention_backend="mosaic", block_size=4))
 
 
 def test_gpu_step_cost_prior_from_device_figures() -> None:
