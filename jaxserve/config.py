@@ -19,8 +19,10 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "int8")
 KV_8BIT_DTYPES = ("fp8", "int8")  # the ones stored with calibrated scales
 KV_SCALE_MODES = ("calibrated", "unit")
 # attention_backend: "auto" is resolved by the platform (jaxserve/platform/): "native" on a CPU
-# whose native kernels load (cpu_kernels), "pallas" on GPUs, else "reference"
-ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas-interpret")
+# whose native kernels load (cpu_kernels), "mosaic" (Mosaic GPU) on GPUs of compute capability
+# >= 9.0, "pallas" (Triton) on older ones, else "reference"
+ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas-interpret", "mosaic",
+                      "mosaic-interpret")
 QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8")
 CPU_KERNELS = ("auto", "on", "off")
 BATCH_INVARIANT = ("auto", "on", "off")
@@ -124,9 +126,12 @@ class EngineConfig:
     seed: int = field(default=0, metadata={
         "help": "seed for dummy weights and for requests without one"})
     attention_backend: str = field(default="auto", metadata={
-        "help": "auto (the Pallas kernel on GPUs; on CPUs the native kernel under "
-                "--cpu-kernels, else reference), reference (pure jnp), pallas, or "
-                "pallas-interpret (the kernel in the Pallas interpreter; CPU tests)"})
+        "help": "auto (on GPUs the Mosaic GPU kernel from compute capability 9.0 with a 16- or "
+                "8-bit KV cache, else the Triton one; on CPUs the native kernel under "
+                "--cpu-kernels, else reference), reference (pure jnp), pallas (the Pallas "
+                "Triton kernel), mosaic (the Pallas Mosaic GPU kernel: Hopper and newer), or "
+                "pallas-interpret / mosaic-interpret (those kernels interpreted on the CPU; "
+                "tests)"})
     cpu_kernels: str = field(default="auto", metadata={
         "help": "the native C++ CPU kernels (attention's decode and prefill rows; matmuls over "
                 "bfloat16 weights packed at load on CPUs with AVX512-BF16; int4 matmuls of up "

@@ -194,7 +194,7 @@ def _kernel(
 
 
 # -- pallas_call builder -------------------------------------------------------------------------
-def _query_blocks(query_start_loc: jax.Array, num_seqs: jax.Array, num_tokens: int,
+def query_blocks(query_start_loc: jax.Array, num_seqs: jax.Array, num_tokens: int,
                   block_q: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, int]:
     """Cut every real sequence's rows into blocks of <= block_q tokens.
 
@@ -328,7 +328,7 @@ def _ragged_paged_attention_pallas(
     group = num_q_heads // num_kv_heads
     group_pad = _next_pow2(group)
     block_q = max(1, block_q_rows // group_pad)
-    blk_seq, blk_start, blk_end, tok_valid, num_q_blocks = _query_blocks(
+    blk_seq, blk_start, blk_end, tok_valid, num_q_blocks = query_blocks(
         query_start_loc, num_seqs, num_tokens, block_q)
     splits = num_kv_splits or default_num_kv_splits(
         num_tokens, num_kv_heads, max_blocks * block_size, block_k, num_q_blocks)

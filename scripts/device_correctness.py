@@ -5,8 +5,10 @@ The model: a built-in config with the dummy weights of ``SEED`` in float32, XLA'
 float32 precision (``jax_default_matmul_precision=highest``: on GPUs the default is TF32), the
 engine settings of ``ENGINE``, prompts of token ids (``prompts()``: no tokenizer involved, the
 two longest over a step's token budget, so prefilled in chunks), ``MAX_TOKENS`` greedy
-tokens each with its top-2 logprobs. ``--make-reference`` (on a CPU) writes, for each of
-``REFERENCE_MODELS``, the tokens and each position's top-2 gap to
+tokens each with its top-2 logprobs; once with the float32 KV cache of ``ENGINE`` (the Triton
+kernel on GPUs) and once with a bfloat16 one (``KV_BF16``: the Mosaic GPU kernel on Hopper and
+newer, which takes 16- and 8-bit caches only). ``--make-reference`` (on a CPU) writes, for each
+of ``REFERENCE_MODELS`` and both caches, the tokens and each position's top-2 gap to
 scripts/device_run_reference.json.
 
 Near-ties: two devices may order two almost equal logits differently (another summation order;
@@ -44,6 +46,7 @@ NEAR_TIE = 0.01  # nats between the top two logprobs
 PROMPT_LENS = (1, 7, 16, 17, 45, 100)  # off and on block boundaries; 45, 100 > the token budget
 ENGINE = {"dtype": "float32", "seed": SEED, "max_model_len": 256, "max_num_seqs": 8,
           "max_num_batched_tokens": 32, "num_kv_blocks": 64, "enable_prefix_caching": False}
+KV_BF16 = {"kv_cache_dtype": "bfloat16"}  # the second run's change to ENGINE
 
 
 def prompts() -> list[list[int]]:
@@ -52,11 +55,16 @@ def prompts() -> list[list[int]]:
     return [rng.integers(100, 40000, n).tolist() for n in PROMPT_LENS]
 
 
-def generate(model: str, tokenizer: str | None, async_scheduling: bool, cache_dir: str
-             ) -> tuple[list[list[int]], list[list[float]]]:
+def reference_key(model: str, kv_bf16: bool) -> str:
+    """The reference JSON's entry of ``model`` with the float32 or the bfloat16 cache."""
+    return f"{model} kv-bfloat16" if kv_bf16 else model
+
+
+def generate(model: str, tokenizer: str | None, async_scheduling: bool, cache_dir: str,
+             kv_bf16: bool = False) -> tuple[list[list[int]], list[list[float]]]:
     """(tokens, top-2 gaps) per prompt: ``MAX_TOKENS`` greedy tokens of the dummy ``model``."""
     llm = LLM(model, tokenizer=tokenizer, load_format="dummy", async_scheduling=async_scheduling,
-              compilation_cache_dir=cache_dir, **ENGINE)
+              compilation_cache_dir=cache_dir, **ENGINE, **(KV_BF16 if kv_bf16 else {}))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
     tokens, gaps = [], []
@@ -98,12 +106,13 @@ def compare(want: list[list[int]], gaps: list[list[float]], got: list[list[int]]
 
 
 def check(model: str, tokenizer: str | None, cache_dir: str, reference_path: str) -> dict:
-    """Synchronous scheduling against the reference, then async against synchronous."""
+    """Synchronous scheduling against the reference, async against synchronous, then the
+    bfloat16 cache's synchronous run against its reference."""
     with open(reference_path, encoding="utf-8") as fh:
         ref = json.load(fh)
-    stale = [k for k, v in (("engine", ENGINE), ("prompts", prompts()),
+    stale = [k for k, v in (("engine", ENGINE), ("kv_bf16", KV_BF16), ("prompts", prompts()),
                             ("max_tokens", MAX_TOKENS)) if ref.get(k) != v]
-    if stale or model not in ref["models"]:
+    if stale or reference_key(model, True) not in ref["models"]:
         raise ValueError(f"{reference_path} does not match this script ({stale or model}); "
                          f"rerun: JAX_PLATFORMS=cpu python scripts/device_correctness.py "
                          f"--make-reference")
@@ -116,10 +125,14 @@ def check(model: str, tokenizer: str | None, cache_dir: str, reference_path: str
     diff = [i for i, (a, b) in enumerate(zip(sync_tokens, async_tokens, strict=True)) if a != b]
     async_vs_sync = {"status": "ok" if not diff else "FAIL", "identical": not diff,
                      "differing_prompts": diff}
+    kv_tokens, _ = generate(model, tokenizer, False, cache_dir, kv_bf16=True)
+    want = ref["models"][reference_key(model, True)]
+    kv_bf16 = compare(want["tokens"], want["gaps"], kv_tokens, ref["near_tie_nats"])
+    statuses = {reference["status"], async_vs_sync["status"], kv_bf16["status"]}
     return {"model": model, "dtype": ENGINE["dtype"], "device": _device(),
             "reference": reference, "async_vs_sync": async_vs_sync,
-            "tokens": sync_tokens, "first_engine_s": round(sync_s, 1),
-            "status": "ok" if reference["status"] == async_vs_sync["status"] == "ok" else "FAIL"}
+            "reference_kv_bf16": kv_bf16, "tokens": sync_tokens, "tokens_kv_bf16": kv_tokens,
+            "first_engine_s": round(sync_s, 1), "status": "ok" if statuses == {"ok"} else "FAIL"}
 
 
 def make_reference(cache_dir: str, path: str) -> dict:
@@ -128,12 +141,14 @@ def make_reference(cache_dir: str, path: str) -> dict:
         raise ValueError("the reference is made on a CPU (JAX_PLATFORMS=cpu)")
     models = {}
     for model in REFERENCE_MODELS:
-        tokens, gaps = generate(model, None, False, cache_dir)
-        models[model] = {"tokens": tokens, "gaps": gaps,
-                         "smallest_gap": min(min(g) for g in gaps)}
+        for kv_bf16 in (False, True):
+            tokens, gaps = generate(model, None, False, cache_dir, kv_bf16)
+            models[reference_key(model, kv_bf16)] = {
+                "tokens": tokens, "gaps": gaps, "smallest_gap": min(min(g) for g in gaps)}
     ref = {"about": "greedy tokens of dummy models on a CPU; made and checked by "
                     "scripts/device_correctness.py", "made_on": _device(),
-           "engine": ENGINE, "max_tokens": MAX_TOKENS, "near_tie_nats": NEAR_TIE,
+           "engine": ENGINE, "kv_bf16": KV_BF16, "max_tokens": MAX_TOKENS,
+           "near_tie_nats": NEAR_TIE,
            "prompts": prompts(), "models": models}
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(ref, fh, indent=1)

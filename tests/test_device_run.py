@@ -6,8 +6,9 @@ download).
 The dry run does what the GPU run does at tiny sizes: serves the ``tiny`` dummy model with a
 tokenizer directory (as the GPU run serves Llama-3.1-8B with the carried one), cold then warm;
 ``jaxserve bench serve`` at concurrency 1, 8 and 64 and a shared-prefix workload; greedy tokens
-against the reference's tiny tokens, async against synchronous scheduling; one structured-output
-request; gpu_check's bandwidth row; the floors; the JSON and the PNG.
+against the reference's tiny tokens (float32 and bfloat16 caches), async against synchronous
+scheduling; one structured-output request; gpu_check's bandwidth row; the floors; the JSON and
+the PNG.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ def test_dry_run_tokens_equal_the_reference_on_the_cpu(dry_run) -> None:
     reference = json.loads((ROOT / "scripts" / "device_run_reference.json").read_text())
     assert c["tokens"] == reference["models"]["tiny"]["tokens"]
     assert c["reference"]["num_identical"] == c["reference"]["num_sequences"] == len(c["tokens"])
+    assert c["tokens_kv_bf16"] == reference["models"]["tiny kv-bfloat16"]["tokens"]
+    assert c["reference_kv_bf16"]["status"] == "ok"
     assert c["async_vs_sync"]["identical"]
     assert c["structured_output"]["status"] == "ok", c["structured_output"]
     assert json.loads(c["structured_output"]["content"])["answer"] in ("yes", "no")

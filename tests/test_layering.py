@@ -236,7 +236,8 @@ PUBLIC_PACKAGES = ("jaxserve.bench", "pallas_kernels", "cpu_kernels")  # every m
 # llguidance) are not installed, so it builds the model runner itself, below the engine
 DEVICE_HARNESSES = {"scripts/gpu_check.py": (
     "jaxserve.device.buckets", "jaxserve.device.runner", "jaxserve.device.step_buffer",
-    "jaxserve.platform", "jaxserve.platform.base", "models.llama", "models.loader")}
+    "jaxserve.platform", "jaxserve.platform.base", "jaxserve.platform.gpu", "models.llama",
+    "models.loader")}
 # an engine's parts: a harness asks the engine (its public methods), never reaches into them
 ENGINE_PARTS = ("scheduler", "runner", "packer", "dispatcher", "reporter", "grammars", "slots")
 TOOL_DIRS = ("benchmarks", "scripts")

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.loading import model_files
 from jaxserve.chat_template import CHATML_TEMPLATE, normalize_messages
+from jaxserve.loading import model_files
 from jaxserve.tokenizer import Tokenizer
 
 GOLDENS = Path(__file__).parent / "goldens" / "smollm2.json"

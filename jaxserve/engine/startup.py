@@ -82,17 +82,19 @@ class EngineParts:
     startup_s: dict[str, float]
 
 
-def resolve_slos_ms(config: EngineConfig, platform: Platform) -> tuple[float, float]:
+def resolve_slos_ms(config: EngineConfig, platform: Platform, has_prior: bool
+                    ) -> tuple[float, float]:
     """The service objectives ``(ttft_ms, itl_ms)`` the scheduler plans for (0: none):
-    ``config.ttft_slo_ms`` / ``itl_slo_ms`` where given, else the platform's defaults.
+    ``config.ttft_slo_ms`` / ``itl_slo_ms`` where given, else the platform's defaults;
+    ``has_prior``: the platform has a step-cost prior for this model.
 
     Raises:
       ValueError: an objective on a platform without a step-cost model (nothing to plan with).
     """
-    default = platform.default_slos_ms or (0.0, 0.0)
+    default = (platform.default_slos_ms or (0.0, 0.0)) if has_prior else (0.0, 0.0)
     ttft = default[0] if config.ttft_slo_ms is None else config.ttft_slo_ms
     itl = default[1] if config.itl_slo_ms is None else config.itl_slo_ms
-    if (ttft or itl) and platform.prompt_token_s is None:
+    if (ttft or itl) and not has_prior:
         raise ValueError(f"ttft_slo_ms={ttft:g} and itl_slo_ms={itl:g} need a step-cost model, "
                          f"which the {platform.name!r} platform does not have; set both to 0")
     return ttft, itl
@@ -191,11 +193,12 @@ def assemble(config: EngineConfig, load: LoadConfig, devices: Sequence[jax.Devic
                          "on process 0 alone")
     bounds = RequestBounds(tokenizer.vocab_size, max_model_len, kv_layout.num_blocks,
                            config.block_size, runner.multiprocess, tokenizer.eos_token_ids)
-    ttft_ms, itl_ms = resolve_slos_ms(config, platform)
+    prior = platform.step_cost_prior(mc, dtype)
+    ttft_ms, itl_ms = resolve_slos_ms(config, platform, prior is not None)
     step_cost = None  # the prior; the scheduler refits it as steps run
     if ttft_ms or itl_ms:
-        step_cost = StepCostModel.prior(platform.step_overhead_tokens, platform.prompt_token_s,
-                                        platform.prefill_pair_s)
+        step_cost = StepCostModel.prior(prior.step_overhead_tokens, prior.prompt_token_s,
+                                        prior.prefill_pair_s)
     sched_config = dataclasses.replace(
         SchedulerConfig.from_engine_config(config, kv_layout.num_blocks, max_model_len,
                                            host_kv.num_blocks if host_kv is not None else 0,

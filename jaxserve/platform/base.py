@@ -1,7 +1,8 @@
 """What every platform answers: the questions the engine asks about the machine it runs on.
 
 The engine never learns why: it asks ``platform.resolve_dtype``, ``attention``,
-``prepare_weights``, ``buckets`` and ``step_overhead_tokens`` and uses the answers. The CPU's
+``prepare_weights``, ``buckets``, ``step_overhead_tokens`` and ``step_cost_prior`` and uses the
+answers. The CPU's
 answers are in ``jaxserve.platform.cpu``, the accelerators' in ``jaxserve.platform.gpu``.
 """
 
@@ -17,8 +18,13 @@ import jax.numpy as jnp
 
 from cpu_kernels.attention import native_attention_fn
 from jaxserve.config import EngineConfig
+from models.config import ModelConfig
 from models.quant import QuantTargets
-from pallas_kernels import ragged_paged_attention, ragged_paged_attention_pallas
+from pallas_kernels import (
+    ragged_paged_attention,
+    ragged_paged_attention_mosaic,
+    ragged_paged_attention_pallas,
+)
 
 
 @dataclass(frozen=True)
@@ -46,11 +52,24 @@ class BucketSet:
     min_tokens: int = 1
 
 
+@dataclass(frozen=True)
+class StepCostPrior:
+    """A platform's step-cost model before any step is measured (the arguments of
+    ``core.step_cost.StepCostModel.prior``): a step's fixed cost in prompt tokens, seconds a
+    prompt token, seconds a prompt query-key pair."""
+
+    step_overhead_tokens: int
+    prompt_token_s: float
+    prefill_pair_s: float
+
+
 def attention_fn(backend: str, invariant: bool = False) -> Callable[..., jax.Array]:
     """The attention op (signature: ``pallas_kernels.ragged_paged_attention``) of a resolved
     backend: "reference" the pure-jnp op; "native" the jnp op with its decode and prefill rows in
     the native CPU kernel; "pallas" the Pallas Triton kernel; "pallas-interpret" that kernel in
-    the Pallas interpreter (CPU tests; minutes for a few tokens). ``invariant``: every row in
+    the Pallas interpreter (CPU tests; minutes for a few tokens); "mosaic" the Pallas Mosaic GPU
+    kernel (Hopper and newer); "mosaic-interpret" that kernel in GPU interpret mode (CPU tests,
+    race detector on; minutes for a few tokens). ``invariant``: every row in
     one reduction order, whatever its step (``Platform.batch_invariant``; "native" only).
 
     Raises:
@@ -68,6 +87,10 @@ def attention_fn(backend: str, invariant: bool = False) -> Callable[..., jax.Arr
         return ragged_paged_attention_pallas
     if backend == "pallas-interpret":
         return functools.partial(ragged_paged_attention_pallas, interpret=True)
+    if backend == "mosaic":
+        return ragged_paged_attention_mosaic
+    if backend == "mosaic-interpret":
+        return functools.partial(ragged_paged_attention_mosaic, interpret=True)
     raise ValueError(f"attention backend {backend!r} is not a resolved backend")
 
 
@@ -80,13 +103,23 @@ class Platform(ABC):
     which weighs padding a step against running another)."""
     prompt_token_s: float | None = None
     """Seconds one prompt token of a step costs, the prior of the engine's step-cost model
-    (``core.step_cost.StepCostModel.prior``); None where unmeasured (``--itl-slo-ms`` refused)."""
+    (``core.step_cost.StepCostModel.prior``) where it does not depend on the model
+    (``step_cost_prior``); None: no such constant."""
     prefill_pair_s: float = 0.0
     """Seconds one query-key pair of a prompt chunk's attention costs, the prior of the
     step-cost model's pair term (a long prompt's late chunks cost more than its first)."""
     default_slos_ms: tuple[float, float] | None = None
     """The service objectives (first token, largest gap; ms) when ``--ttft-slo-ms`` /
     ``--itl-slo-ms`` are not given (``config.DEFAULT_SLOS_MS``); None: none by default."""
+
+    def step_cost_prior(self, model_config: ModelConfig, dtype: jnp.dtype
+                        ) -> StepCostPrior | None:
+        """The step-cost model's prior for this model with weights stored in ``dtype``; None
+        where the platform has none (``--itl-slo-ms`` is then refused). Default: the class
+        constants ``step_overhead_tokens``, ``prompt_token_s``, ``prefill_pair_s``."""
+        if self.prompt_token_s is None:
+            return None
+        return StepCostPrior(self.step_overhead_tokens, self.prompt_token_s, self.prefill_pair_s)
 
     @abstractmethod
     def resolve_dtype(self, name: str) -> jnp.dtype:

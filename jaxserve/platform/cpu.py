@@ -112,11 +112,11 @@ class CpuPlatform(Platform):
 
     def attention_backend(self, config: EngineConfig) -> str:
         backend = config.attention_backend
-        if backend == "pallas":
-            raise ValueError("attention_backend='pallas' (the compiled Triton kernel) runs on "
-                             "GPUs only, not on 'cpu'; use 'auto' or 'reference' there "
-                             "('pallas-interpret' runs the kernel in the Pallas interpreter, "
-                             "for tests, too slow to serve: minutes for a few tokens)")
+        if backend in ("pallas", "mosaic"):
+            raise ValueError(f"attention_backend={backend!r} (a compiled Pallas kernel) runs on "
+                             f"GPUs only, not on 'cpu'; use 'auto' or 'reference' there "
+                             f"('{backend}-interpret' runs the kernel interpreted, for tests, "
+                             f"too slow to serve: minutes for a few tokens)")
         if config.cpu_kernels == "on" and not cpu_attention.available():
             raise RuntimeError("cpu_kernels='on' needs the native CPU kernels, which are not "
                                "built for this CPU (see the log; run `jaxserve build-kernels` "

@@ -4,6 +4,7 @@ CPU kernels under ``cpu_kernels``, buckets and step cost, per backend."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -13,15 +14,22 @@ from cpu_kernels.attention import cpu_decode_attention
 from jaxserve.config import EngineConfig
 from jaxserve.device.buckets import token_buckets
 from jaxserve.platform import cpu, current_platform
+from jaxserve.platform import gpu as gpu_module
 from jaxserve.platform.base import attention_fn
 from jaxserve.platform.cpu_weights import NativeInt4Weight, PackedWeight
 from jaxserve.platform.gpu import GpuPlatform
 from models.architectures import DECODER_QUANT_TARGETS
+from models.config import builtin_config
 from models.quant import QuantConfig, quantize_params
-from pallas_kernels import ragged_paged_attention, ragged_paged_attention_pallas
+from pallas_kernels import (
+    ragged_paged_attention,
+    ragged_paged_attention_mosaic,
+    ragged_paged_attention_pallas,
+)
 
 CPU = cpu.CpuPlatform()
 NATIVE = {"rows_kernel": cpu_decode_attention, "rows_kernel_prefill": True}
+LLAMA_8B = builtin_config("llama-3.1-8b")
 
 
 def test_this_machine_is_the_cpu_platform() -> None:
@@ -36,6 +44,9 @@ def test_the_attention_fn_of_each_backend() -> None:
     assert native.func is ragged_paged_attention and native.keywords == NATIVE
     f = attention_fn("pallas-interpret")
     assert f.func is ragged_paged_attention_pallas and f.keywords == {"interpret": True}
+    assert attention_fn("mosaic") is ragged_paged_attention_mosaic
+    f = attention_fn("mosaic-interpret")
+    assert f.func is ragged_paged_attention_mosaic and f.keywords == {"interpret": True}
     for unresolved in ("auto", "triton"):
         with pytest.raises(ValueError, match=repr(unresolved)):
             attention_fn(unresolved)
@@ -55,20 +66,35 @@ def test_cpu_attention_follows_cpu_kernels(monkeypatch, available: bool) -> None
     else:
         with pytest.raises(RuntimeError, match="cpu_kernels='on' needs the native CPU kernels"):
             CPU.check(EngineConfig(cpu_kernels="on"))
-    with pytest.raises(ValueError, match="attention_backend='pallas'.*GPUs only, not on 'cpu'"):
-        CPU.check(EngineConfig(attention_backend="pallas"))
+    for backend in ("pallas", "mosaic"):
+        with pytest.raises(ValueError, match=f"attention_backend='{backend}'.*GPUs only, not on "
+                                             "'cpu'"):
+            CPU.check(EngineConfig(attention_backend=backend))
+
+
+@dataclass(frozen=True)
+class StubDevice:
+    device_kind: str
+    compute_capability: str
+
+
+H100 = StubDevice("NVIDIA H100 80GB HBM3", "9.0")
+A100 = StubDevice("NVIDIA A100-SXM4-80GB", "8.0")
 
 
 def test_gpu_answers() -> None:
-    gpu = GpuPlatform("gpu")
-    assert gpu.attention_backend(EngineConfig()) == "pallas"
+    gpu = GpuPlatform("gpu", H100)
+    assert gpu.attention_backend(EngineConfig()) == "mosaic"
     assert gpu.attention_backend(EngineConfig(attention_backend="reference")) == "reference"
+    assert gpu.attention_backend(EngineConfig(attention_backend="pallas")) == "pallas"
     with pytest.raises(ValueError, match="cpu_kernels='on'.*CPUs only, not on 'gpu'"):
         gpu.check(EngineConfig(cpu_kernels="on"))
-    other = GpuPlatform("tpu")  # another accelerator: the jnp op, no Triton kernel
+    other = GpuPlatform("tpu", H100)  # another accelerator: the jnp op, no Pallas GPU kernel
     assert other.attention_backend(EngineConfig()) == "reference"
-    with pytest.raises(ValueError, match="GPUs only, not on 'tpu'"):
-        other.check(EngineConfig(attention_backend="pallas"))
+    for backend in ("pallas", "mosaic"):
+        with pytest.raises(ValueError, match="GPUs only, not on 'tpu'"):
+            other.check(EngineConfig(attention_backend=backend))
+    assert other.step_cost_prior(LLAMA_8B, jnp.bfloat16) is None
     assert gpu.resolve_dtype("auto") == jnp.bfloat16
     assert gpu.compute_dtype(jnp.bfloat16) == jnp.bfloat16
     assert gpu.buckets(EngineConfig()) == type(gpu.buckets(EngineConfig()))()  # powers of two
@@ -76,6 +102,52 @@ def test_gpu_answers() -> None:
     params = {"w": jnp.ones((2, 2), jnp.bfloat16)}
     assert gpu.prepare_weights(params, EngineConfig(), jnp.bfloat16, DECODER_QUANT_TARGETS
                                ) is params
+
+
+def test_gpu_attention_by_compute_capability_and_cache_dtype() -> None:
+    """Mosaic GPU (TMA, wgmma) from compute capability 9.0 with a 16- or 8-bit cache and pages of
+    a multiple of 8 tokens; the Triton kernel below it, for a float32 cache or smaller pages."""
+    hopper, ampere = GpuPlatform("gpu", H100), GpuPlatform("cuda", A100)
+    assert ampere.attention_backend(EngineConfig()) == "pallas"
+    assert hopper.attention_backend(EngineConfig(dtype="float32")) == "pallas"
+    assert hopper.attention_backend(EngineConfig(dtype="float32", kv_cache_dtype="fp8")
+                                    ) == "mosaic"
+    assert GpuPlatform("gpu", StubDevice("NVIDIA B200", "10.0")).attention_backend(
+        EngineConfig()) == "mosaic"
+    with pytest.raises(ValueError, match="compute capability >= 9.0.*A100.*8.0"):
+        ampere.check(EngineConfig(attention_backend="mosaic"))
+    with pytest.raises(ValueError, match="16-bit or 8-bit KV cache"):
+        hopper.check(EngineConfig(attention_backend="mosaic", dtype="float32"))
+    assert hopper.attention_backend(EngineConfig(block_size=4)) == "pallas"
+    with pytest.raises(ValueError, match="block_size a multiple of 8"):
+        hopper.check(EngineConfig(attention_backend="mosaic", block_size=4))
+
+
+def test_gpu_step_cost_prior_from_device_figures() -> None:
+    """The roofline of the datasheet figures: the weights' read is a step's fixed cost, a prompt
+    token costs its matmul FLOPs, a pair its attention FLOPs; a faster device costs less."""
+    h100 = GpuPlatform("gpu", H100).step_cost_prior(LLAMA_8B, jnp.bfloat16)
+    f = gpu_module.device_figures(H100.device_kind)
+    assert f == gpu_module.DeviceFigures(3.35e12, 989e12)
+    token_s = 2 * LLAMA_8B.num_params / (989e12 * gpu_module.MATMUL_EFFICIENCY)
+    assert h100.prompt_token_s == pytest.approx(token_s)
+    fixed_s = 2 * LLAMA_8B.num_params / (3.35e12 * gpu_module.BANDWIDTH_EFFICIENCY)
+    assert h100.step_overhead_tokens == round(fixed_s / token_s)
+    assert h100.prefill_pair_s == pytest.approx(4 * 32 * 128 * 32 / (989e12 * 0.5))
+    # an 8-bit copy of the weights halves the read, not the FLOPs
+    fp8 = GpuPlatform("gpu", H100).step_cost_prior(LLAMA_8B, jnp.int8)
+    assert fp8.prompt_token_s == h100.prompt_token_s
+    assert fp8.step_overhead_tokens == pytest.approx(h100.step_overhead_tokens / 2, abs=1)
+    a100 = GpuPlatform("gpu", A100).step_cost_prior(LLAMA_8B, jnp.bfloat16)
+    assert a100.prompt_token_s > h100.prompt_token_s
+    for kind, want in (("NVIDIA H100 PCIe", 2.0e12), ("NVIDIA H200", 4.8e12),
+                       ("NVIDIA A100-SXM4-40GB", 1.555e12), ("NVIDIA L40S", 864e9),
+                       ("NVIDIA GeForce RTX 4090", 1.008e12)):
+        assert gpu_module.device_figures(kind).memory_bytes_s == want, kind
+    assert gpu_module.device_figures("NVIDIA GeForce GTX 1080") is None
+    odd = GpuPlatform("gpu", StubDevice("NVIDIA GeForce GTX 1080", "6.1"))
+    assert odd.figures == gpu_module.UNKNOWN_DEVICE
+    assert odd.step_cost_prior(LLAMA_8B, jnp.bfloat16).prompt_token_s > 0
 
 
 def test_cpu_buckets_add_small_and_mid_shapes() -> None:
@@ -122,8 +194,8 @@ def test_batch_invariant_setting_is_checked() -> None:
     with pytest.raises(ValueError, match="batch_invariant='always' must be one of"):
         EngineConfig(batch_invariant="always")
     with pytest.raises(ValueError, match="batch_invariant='on' is built for the CPU only"):
-        GpuPlatform("gpu").check(EngineConfig(batch_invariant="on"))
-    assert GpuPlatform("gpu").batch_invariant(EngineConfig()) is False
+        GpuPlatform("gpu", H100).check(EngineConfig(batch_invariant="on"))
+    assert GpuPlatform("gpu", H100).batch_invariant(EngineConfig()) is False
 
 
 def test_cpu_batch_invariant_buckets_start_at_the_dot_row_floor(monkeypatch) -> None:
@@ -198,3 +270,25 @@ def test_cpu_kernels_setting_is_checked() -> None:
         EngineConfig(cpu_kernels="fast")
     with pytest.raises(ValueError, match="attention_backend='native'"):
         EngineConfig(attention_backend="native")  # now cpu_kernels' to choose
+
+
+@pytest.mark.parametrize("itl_slo_ms,objectives_s", [(40, (1.0, 0.04)), (None, (1.0, 0.1))])
+def test_objectives_start_on_a_gpu_platform(monkeypatch, itl_slo_ms, objectives_s) -> None:
+    """Start-up on a (stubbed) H100 takes the platform's prior for the tiny dummy model, so
+    ``--itl-slo-ms`` and the GPU's default objectives work there; nothing is compiled or run."""
+    from jaxserve.config import LoadConfig
+    from jaxserve.engine import startup
+
+    gpu = GpuPlatform("gpu", H100)
+    monkeypatch.setattr(startup, "current_platform", lambda: gpu)
+    parts = startup.assemble(
+        EngineConfig(attention_backend="reference", itl_slo_ms=itl_slo_ms, max_model_len=128,
+                     num_kv_blocks=16, compilation_cache_dir=""),
+        LoadConfig(model="tiny", load_format="dummy"))
+    sched = parts.scheduler_config
+    prior = gpu.step_cost_prior(parts.model_config, parts.dtype)
+    assert sched.step_cost.per_token_s == pytest.approx(prior.prompt_token_s)
+    assert sched.step_cost.fixed_s == pytest.approx(prior.step_overhead_tokens
+                                                    * prior.prompt_token_s)
+    assert sched.step_cost.per_prefill_pair_s == pytest.approx(prior.prefill_pair_s)
+    assert (sched.ttft_slo_s, sched.itl_slo_s) == pytest.approx(objectives_s)
