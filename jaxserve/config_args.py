@@ -50,13 +50,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                            default=argparse.SUPPRESS, metavar=f.name.upper(), help=text)
 
 
+# engine fields whose default a deployment sets in the environment, under the names that NVIDIA
+# Dynamo's vLLM worker reads (the file and the flags win)
+ENGINE_ENV_DEFAULTS = {"forward_pass_metrics_port": "DYN_FORWARDPASS_METRIC_PORT",
+                       "forward_pass_metrics_worker_id": "DYN_FPM_WORKER_ID"}
+
+
 def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from --config FILE.yaml then the flags given.
+    """EngineConfig from the environment (``ENGINE_ENV_DEFAULTS``), then --config FILE.yaml,
+    then the flags given.
 
     Raises:
-      ValueError: unknown keys in the file, or invalid values (naming the field).
+      ValueError: unknown keys in the file, or invalid values (naming the field or variable).
     """
-    values: dict[str, object] = {}
+    values: dict[str, object] = _env_defaults()
     if getattr(ns, "config", None):
         try:
             with open(ns.config, encoding="utf-8") as fh:
@@ -87,6 +94,22 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
         return EngineConfig(**values)  # type: ignore[arg-type]
     except ValueError as e:  # name the flag the user typed, not the dataclass field
         raise ValueError(_flag_names(str(e))) from None
+
+
+def _env_defaults() -> dict[str, object]:
+    """The ``ENGINE_ENV_DEFAULTS`` variables that are set, as field values."""
+    out: dict[str, object] = {}
+    for name, var in ENGINE_ENV_DEFAULTS.items():
+        text = os.environ.get(var)
+        if text is None:
+            continue
+        f = next(f for f in dataclasses.fields(EngineConfig) if f.name == name)
+        try:
+            out[name] = _field_type(EngineConfig, f)(text)
+        except ValueError:
+            raise ValueError(f"${var}={text!r} is not a valid --{name.replace('_', '-')}"
+                             ) from None
+    return out
 
 
 def _flag_names(message: str) -> str:

@@ -31,11 +31,13 @@ ALLOWED: dict[str, set[str]] = {
     "core": {"vocabulary"},
     # KV-cache events: vLLM's wire structs over the KV manager's records, and the publisher
     "kv_events": {"vocabulary", "core"},
+    # per-step records for fleet planners (Dynamo's ForwardPassMetrics) and their publisher
+    "fleet_metrics": {"vocabulary", "core"},
     "platform": {"vocabulary", "models", "cpu_kernels", "pallas_kernels"},
     "device": {"vocabulary", "models", "cpu_kernels", "pallas_kernels"},
     "loading": {"vocabulary", "models", "cpu_kernels", "pallas_kernels"},
     "engine": {"vocabulary", "core", "device", "loading", "platform", "models", "cpu_kernels",
-               "pallas_kernels", "kv_events"},
+               "pallas_kernels", "kv_events", "fleet_metrics"},
     "server": {"vocabulary", "engine"},
     "llm": {"vocabulary", "engine", "platform"},
     "cli": {"vocabulary", "core", "device", "loading", "platform", "engine", "server", "llm",
@@ -49,7 +51,7 @@ ALLOWED: dict[str, set[str]] = {
     "init": set(),  # jaxserve/__init__.py names its exports as strings, imports none
 }
 ENTRY_MODULES = {"jaxserve.llm": "llm", "jaxserve": "init"}
-NO_JAX_LAYERS = ("core", "autoscaling", "kv_events")
+NO_JAX_LAYERS = ("core", "autoscaling", "kv_events", "fleet_metrics")
 JAX_MODULES = ("jax", "jaxlib", "flax", "orbax")
 
 

@@ -2,9 +2,10 @@
 
 ``LLMEngine.step`` ends with one ``StepReporter.report(StepReport)``: the step's clock, its
 plan, the step it dispatched and the steps whose sampled ids it read. The reporter hands the
-KV manager's prefix-cache changes to the events publisher (never waiting on it), brings the
-metrics up to date (gauges from the scheduler's state, counters from the report), writes the
-step trace line (``--step-trace``) and calls the listeners registered with
+KV manager's prefix-cache changes to the events publisher and each completed step's record to
+the forward-pass metrics publisher (never waiting on either), brings the metrics up to date
+(gauges from the scheduler's state, counters from the report), writes the step trace line
+(``--step-trace``) and calls the listeners registered with
 ``LLMEngine.add_step_listener``: the engine's timing hook, which ``jaxserve bench step`` reads
 instead of wrapping the engine's parts. A call that ran nothing (``report_idle``) updates the
 gauges and events only.
@@ -49,19 +50,23 @@ StepListener = Callable[[StepReport], None]
 
 
 class StepReporter:
-    """Hands each step's report to the metrics, the KV-cache events publisher, the step trace
-    and the listeners (module docstring); each of the first three may be None (off).
+    """Hands each step's report to the metrics, the KV-cache events publisher, the forward-pass
+    metrics publisher, the step trace and the listeners (module docstring); each of the first
+    four may be None (off).
 
     Args:
-      scheduler: read for the gauges; its KV-cache events are taken from it.
+      scheduler: read for the gauges and the waiting queue; its KV-cache events are taken from
+        it.
       metrics: an ``EngineMetrics`` or None.
       kv_events: the events publisher (``jaxserve.kv_events``) or None.
       step_trace_file: where to append the step trace's lines (``StepTrace``); None: no trace.
+      forward_pass: the ForwardPassMetrics publisher (``jaxserve.fleet_metrics``) or None.
     """
 
     def __init__(self, scheduler: Scheduler, metrics=None, kv_events=None,
-                 step_trace_file: str | None = None) -> None:
+                 step_trace_file: str | None = None, forward_pass=None) -> None:
         self.scheduler, self.metrics, self.kv_events = scheduler, metrics, kv_events
+        self.forward_pass = forward_pass
         self.step_trace = StepTrace(step_trace_file, scheduler.describe()) \
             if step_trace_file else None
         self.listeners: list[StepListener] = []
@@ -69,6 +74,9 @@ class StepReporter:
     def report(self, r: StepReport) -> None:
         """One step that ran something."""
         self.publish_kv_events()
+        if self.forward_pass is not None:
+            for done in r.completed:
+                self.forward_pass.record(done.plan, done.measured_s, self.scheduler.waiting)
         self.record_gauges(r.plan, r.dispatched.num_prompt_tokens if r.dispatched else 0,
                            r.num_generated, r.num_preemptions)
         if self.step_trace is not None:
@@ -108,11 +116,14 @@ class StepReporter:
                                self.kv_events.num_events_dropped)
 
     def close(self) -> None:
-        """Publish what is left and stop the events publisher (the engine keeps working)."""
+        """Publish what is left and stop the publishers (the engine keeps working)."""
         if self.kv_events is not None:
             self.publish_kv_events()
             self.kv_events.shutdown()
             self.kv_events = None
+        if self.forward_pass is not None:
+            self.forward_pass.shutdown()
+            self.forward_pass = None
 
 
 def start_kv_events(config: EngineConfig, data_parallel_rank: int):
@@ -123,3 +134,12 @@ def start_kv_events(config: EngineConfig, data_parallel_rank: int):
 
     return start_publisher(config.kv_events, config.block_size, data_parallel_rank,
                            config.prefix_caching_hash_algo)
+
+
+def start_forward_pass_metrics(config: EngineConfig, data_parallel_rank: int):
+    """The ForwardPassMetrics publisher of ``config.forward_pass_metrics_port``, started.
+    Imported here, not at the top, as ``start_kv_events``."""
+    from jaxserve.fleet_metrics.publisher import ForwardPassPublisher
+
+    return ForwardPassPublisher(config.forward_pass_metrics_port,
+                                config.forward_pass_metrics_worker_id, data_parallel_rank)
