@@ -74,9 +74,9 @@ class StepReporter:
     def report(self, r: StepReport) -> None:
         """One step that ran something."""
         self.publish_kv_events()
-        if self.forward_pass is not None:
-            for done in r.completed:
-                self.forward_pass.record(done.plan, done.measured_s, self.scheduler.waiting)
+        if self.forward_pass is not None and r.completed:
+            self.forward_pass.record([(done.plan, done.measured_s) for done in r.completed],
+                                     self.scheduler.waiting)
         self.record_gauges(r.plan, r.dispatched.num_prompt_tokens if r.dispatched else 0,
                            r.num_generated, r.num_preemptions)
         if self.step_trace is not None:

@@ -11,9 +11,9 @@ connects to ``tcp://127.0.0.1:{DYN_FORWARDPASS_METRIC_PORT + dp_rank}``):
 - while no step completes for ``heartbeat_s`` (1 s), an idle heartbeat goes out each
   ``heartbeat_s``: a record whose numbers are all 0 (``wall_time`` 0.0).
 
-The engine thread calls ``record(plan, wall_time_s, waiting)`` after each completed step: it
-counts the plan's and the queue's requests (``forward_pass``) and makes one ``put_nowait`` on a
-queue of at most ``max_queue_size`` records; a full queue drops the record and counts it
+The engine thread calls ``record(steps, waiting)`` after each engine step with the steps it
+completed: it counts each plan's requests and the queue's once (``forward_pass``) and makes one
+``put_nowait`` per record on a queue of at most ``max_queue_size`` records; a full queue drops the record and counts it
 (``num_dropped``). The thread stamps, encodes and sends (a PUB socket drops a message for a
 subscriber past its high-water mark rather than block, and the send does not wait).
 """
@@ -86,23 +86,29 @@ class ForwardPassPublisher:
         log.info("forward-pass metrics (Dynamo's ForwardPassMetrics v1): publishing on %s, "
                  "worker_id %r, dp_rank %d", self.endpoint, worker_id, data_parallel_rank)
 
-    def record(self, plan: SchedulerOutput, wall_time_s: float, waiting: Iterable[SeqState]
-               ) -> bool:
-        """Queue the record of a completed step that ran ``plan`` in ``wall_time_s`` seconds,
-        with ``waiting`` the scheduler's waiting queue now (read only), never waiting; False if
-        the queue was full (the record is dropped and counted) or the publisher is shut down."""
+    def record(self, steps: Iterable[tuple[SchedulerOutput, float]], waiting: Iterable[SeqState]
+               ) -> int:
+        """Queue one record per completed step ``(plan, wall_time_s)``, in order, with
+        ``waiting`` the scheduler's waiting queue now (read only, counted once), never waiting.
+        Returns how many were queued: a record that finds the queue full is dropped and counted,
+        and none is queued once the publisher is shut down."""
         if self._stopped:
-            return False
-        metrics = ForwardPassMetrics(worker_id=self.worker_id, dp_rank=self.dp_rank,
-                                     wall_time=wall_time_s,
-                                     scheduled_requests=scheduled_metrics(plan),
-                                     queued_requests=queued_metrics(waiting))
-        try:
-            self._queue.put_nowait(metrics)
-        except queue.Full:
-            self.num_dropped += 1
-            return False
-        return True
+            return 0
+        queued, num_queued = None, 0
+        for plan, wall_time_s in steps:
+            if queued is None:
+                queued = queued_metrics(waiting)
+            metrics = ForwardPassMetrics(worker_id=self.worker_id, dp_rank=self.dp_rank,
+                                         wall_time=wall_time_s,
+                                         scheduled_requests=scheduled_metrics(plan),
+                                         queued_requests=queued)
+            try:
+                self._queue.put_nowait(metrics)
+            except queue.Full:
+                self.num_dropped += 1
+                continue
+            num_queued += 1
+        return num_queued
 
     def shutdown(self, timeout_s: float = 1.0) -> None:
         """Send what is queued (up to ``timeout_s``), stop the thread, close the socket."""
