@@ -400,6 +400,10 @@ class ServerConfig:
     max_stored_responses: int = field(default=100, metadata={
         "help": "how many finished /v1/responses responses (with store, the default) are kept "
                 "in memory, the oldest dropped first; 0: none (store: true is then a 400)"})
+    enable_prompt_tokens_details: bool = field(default=False, metadata={
+        "help": "report usage.prompt_tokens_details.cached_tokens (prompt tokens the prefix "
+                "cache held) in completions and chat responses, as vLLM's flag (off: the "
+                "usage has no such key)"})
     metrics_compat: str | None = field(default=None, metadata={
         "help": "vllm: /metrics also exports the series vLLM has under vLLM's names (vllm:*), "
                 "for routers and autoscalers set up for vLLM; unset: jaxserve:* names only",

@@ -126,6 +126,10 @@ def _add_fields(p: argparse.ArgumentParser, title: str, cls: type) -> None:
     its metadata's help and choices."""
     g = p.add_argument_group(title)
     for f in dataclasses.fields(cls):
+        if _field_type(cls, f) is bool:  # --flag / --no-flag
+            g.add_argument(_flag(f), dest=f.name, action=argparse.BooleanOptionalAction,
+                           default=f.default, help=f.metadata["help"])
+            continue
         g.add_argument(_flag(f), dest=f.name, type=_field_type(cls, f), default=f.default,
                        choices=f.metadata.get("choices"), help=f.metadata["help"])
 

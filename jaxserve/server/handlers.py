@@ -65,12 +65,13 @@ class OpenAIServer:
 
     def __init__(
         self, engine: EngineClient, served_model_name: str, limits: RequestLimits | None = None,
-        store: responses.ResponseStore | None = None,
+        store: responses.ResponseStore | None = None, prompt_tokens_details: bool = False,
     ) -> None:
         self.engine = engine
         self.model = served_model_name
         self.limits = limits or RequestLimits()
         self.store = store or responses.ResponseStore(0)
+        self.prompt_tokens_details = prompt_tokens_details  # usage.prompt_tokens_details
         self.created = int(time.time())
 
     def _check_chat_template(self) -> None:
@@ -138,7 +139,8 @@ class OpenAIServer:
             return await self._prepare_chat(request_parsing.decode_chat_request(body, self.limits))
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         return GenerationJob(chat, engine_prompts, params, bool(req.stream), include_usage,
-                             request_parsing.constraint_field(req))
+                             request_parsing.constraint_field(req),
+                             prompt_tokens_details=self.prompt_tokens_details)
 
     async def _prepare_chat(self, req: p.ChatCompletionRequest) -> GenerationJob:
         """A checked chat request's job: sampling parameters, tool plan and the rendered,
@@ -162,7 +164,8 @@ class OpenAIServer:
         engine_prompts = [EnginePrompt(ids, text, self._logprob_format(params))]
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         return GenerationJob(True, engine_prompts, params, bool(req.stream), include_usage,
-                             constraint_field, plan)
+                             constraint_field, plan,
+                             prompt_tokens_details=self.prompt_tokens_details)
 
     async def prepare_response(self, body: bytes) -> GenerationJob:
         """Decode and check a ``/v1/responses`` body, prepend the stored conversation of
@@ -214,7 +217,8 @@ class OpenAIServer:
             builder = job.response.builder(request_id, created, self.model, job.tools)
             return builder.complete(outs[0])
         return response_bodies.final_response(job.chat, request_id, created, self.model, outs,
-                                              [q.fmt for q in job.prompts], job.tools)
+                                              [q.fmt for q in job.prompts], job.tools,
+                                              job.prompt_tokens_details)
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, await self.prepare(False, await self._body(request)))

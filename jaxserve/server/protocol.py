@@ -317,20 +317,33 @@ def random_id() -> str:
 # ---- responses ------------------------------------------------------------------------------
 
 
-class UsageInfo(msgspec.Struct, kw_only=True):
-    """Token counts of a response: prompt, completion and their sum."""
+class PromptTokenUsageInfo(msgspec.Struct, kw_only=True):
+    """``usage.prompt_tokens_details`` (vLLM's, with ``--enable-prompt-tokens-details``): the
+    prompt tokens whose K/V came from the prefix cache."""
+
+    cached_tokens: int
+
+
+class UsageInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Token counts of a response: prompt, completion and their sum; ``prompt_tokens_details``
+    only where the server reports it."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
-    """Usage with the total filled in."""
+def usage(num_prompt_tokens: int, num_completion_tokens: int,
+          num_cached_tokens: int | None = None) -> UsageInfo:
+    """Usage with the total filled in, and ``prompt_tokens_details`` when ``num_cached_tokens``
+    is given."""
     return UsageInfo(
         prompt_tokens=num_prompt_tokens,
         completion_tokens=num_completion_tokens,
         total_tokens=num_prompt_tokens + num_completion_tokens,
+        prompt_tokens_details=None if num_cached_tokens is None else PromptTokenUsageInfo(
+            cached_tokens=num_cached_tokens),
     )
 
 
