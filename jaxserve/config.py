@@ -101,6 +101,17 @@ class EngineConfig:
                 "endpoint [tcp://*:5557], replay_endpoint, buffer_steps, hwm, max_queue_size, "
                 "topic), plus jaxserve's event_encoding (map [vLLM 0.32's], array [older "
                 "readers']), e.g. '{\"enable_kv_cache_events\": true}' (default: no events)"})
+    # the record and its publisher: jaxserve/fleet_metrics/
+    forward_pass_metrics_port: int | None = field(default=None, metadata={
+        "help": "publish one NVIDIA Dynamo ForwardPassMetrics v1 record per engine step (the "
+                "step's prefill and decode requests and tokens, the queue, the step time; for "
+                "Dynamo's planner) on a ZMQ PUB socket at tcp://*:PORT (+ the data-parallel "
+                "rank), with an idle heartbeat each second, as Dynamo's vLLM worker does when "
+                "DYN_FORWARDPASS_METRIC_PORT is set; the jaxserve commands read that variable "
+                "when the flag is not given (default: off)"})
+    forward_pass_metrics_worker_id: str = field(default="", metadata={
+        "help": "the worker_id stamped on each ForwardPassMetrics record (Dynamo's "
+                "DYN_FPM_WORKER_ID, read when the flag is not given)"})
     kv_offloading_size: float | None = field(default=None, metadata={
         "help": "GiB of pinned host memory for a second KV tier: evicted cached blocks go there "
                 "and are found again; preempted requests swap there (default: no host tier)"})
@@ -219,6 +230,10 @@ class EngineConfig:
                 self.kv_events  # noqa: B018 (parses and checks it)
             except ValueError as e:
                 raise ValueError(f"{self.kv_events_config=} is invalid: {e}") from None
+        if self.forward_pass_metrics_port is not None and not \
+                0 < self.forward_pass_metrics_port <= 65535:
+            raise ValueError(f"{self.forward_pass_metrics_port=} must be a port in [1, 65535] "
+                             "(None: off)")
         if self.kv_offloading_size is not None and not self.kv_offloading_size > 0:
             raise ValueError(f"{self.kv_offloading_size=} must be > 0 GiB (None: no host tier)")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -390,6 +405,10 @@ class ServerConfig:
     max_stored_responses: int = field(default=100, metadata={
         "help": "how many finished /v1/responses responses (with store, the default) are kept "
                 "in memory, the oldest dropped first; 0: none (store: true is then a 400)"})
+    enable_prompt_tokens_details: bool = field(default=False, metadata={
+        "help": "report usage.prompt_tokens_details.cached_tokens (prompt tokens the prefix "
+                "cache held) in completions and chat responses, as vLLM's flag (off: the "
+                "usage has no such key)"})
     metrics_compat: str | None = field(default=None, metadata={
         "help": "vllm: /metrics also exports the series vLLM has under vLLM's names (vllm:*), "
                 "for routers and autoscalers set up for vLLM; unset: jaxserve:* names only",

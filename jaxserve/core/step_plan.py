@@ -59,6 +59,8 @@ class PlanBuilder:
             block_ids=tuple(seq.block_ids),
             sample=end == len(seq.token_ids) + seq.num_output_placeholders,
             arrival_index=seq.arrival_index,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens + seq.num_output_placeholders,
         ))
         self.planned.add(seq.seq_id)
         self.budget -= num_new

@@ -33,7 +33,7 @@ from jaxserve.engine.penalty_slots import PenaltySlots
 from jaxserve.engine.request_state import RequestTable, choice_seeds, open_request
 from jaxserve.engine.startup import assemble
 from jaxserve.engine.step_inputs import InflightStep, StepDispatcher
-from jaxserve.engine.step_report import StepListener, StepReport, StepReporter, start_kv_events
+from jaxserve.engine.step_report import Publishers, StepListener, StepReport, StepReporter
 from jaxserve.engine.step_trace import StepTimes
 from jaxserve.engine.structured_output import Grammar, GrammarCompiler
 from jaxserve.engine.validation import stop_ids_of, truncate_prompt, validate_request
@@ -69,14 +69,12 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.load_config = load = load or LoadConfig()
         t0 = time.perf_counter()
-        # the events publisher first: a taken or bad endpoint fails before the weights load
-        kv_events = start_kv_events(config, data_parallel_rank) \
-            if config.kv_events_enabled else None
+        # the publishers first: a taken or bad endpoint fails before the weights load
+        publishers = Publishers.start(config, data_parallel_rank)
         try:
             parts = assemble(config, load, devices, metrics.model_name if metrics else None)
         except BaseException:
-            if kv_events is not None:
-                kv_events.shutdown()
+            publishers.shutdown()
             raise
         self.platform, self.mesh, self.dtype = parts.platform, parts.mesh, parts.dtype
         self.compute_dtype, self.attention_backend = parts.compute_dtype, parts.attention_backend
@@ -94,7 +92,7 @@ class LLMEngine:
                                          self.tokenizer.vocab_size)
         self.outputs = OutputProcessor(self.scheduler, self.requests, self.slots,
                                        self.tokenizer)
-        self.reporter = StepReporter(self.scheduler, None, kv_events, config.step_trace_file)
+        self.reporter = StepReporter(self.scheduler, publishers, config.step_trace_file)
         self.set_metrics(metrics)
         self._inflight: InflightStep | None = None  # async scheduling: the step on the device
         self._usable = self.runner.usable_buckets  # the buckets the scheduler plans for
@@ -229,7 +227,8 @@ class LLMEngine:
         return self.requests.request_ids()
 
     def close(self) -> None:
-        """Stop the KV-cache events publisher, sending what it has queued (the engine goes on)."""
+        """Stop the KV-cache events and forward-pass metrics publishers, sending what they have
+        queued (the engine goes on)."""
         self.reporter.close()
 
     def reset_prefix_cache(self) -> int:

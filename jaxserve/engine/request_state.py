@@ -269,5 +269,7 @@ def group_output(g: RequestGroup, now: float) -> RequestOutput:
     finished = g.num_finished == len(g.choices)
     if finished:
         metrics["finished_time"] = now
+    cached = g.choices[0].seq.num_cached_tokens  # -1 until first scheduled
     return RequestOutput(g.request_id, g.prompt, g.prompt_token_ids, outs, finished=finished,
-                         metrics=metrics, prompt_logprobs=g.prompt_logprobs)
+                         metrics=metrics, prompt_logprobs=g.prompt_logprobs,
+                         num_cached_tokens=cached if cached >= 0 else None)

@@ -2,9 +2,10 @@
 
 ``LLMEngine.step`` ends with one ``StepReporter.report(StepReport)``: the step's clock, its
 plan, the step it dispatched and the steps whose sampled ids it read. The reporter hands the
-KV manager's prefix-cache changes to the events publisher (never waiting on it), brings the
-metrics up to date (gauges from the scheduler's state, counters from the report), writes the
-step trace line (``--step-trace``) and calls the listeners registered with
+KV manager's prefix-cache changes to the events publisher and each completed step's record to
+the forward-pass metrics publisher (never waiting on either), brings the metrics up to date
+(gauges from the scheduler's state, counters from the report), writes the step trace line
+(``--step-trace``) and calls the listeners registered with
 ``LLMEngine.add_step_listener``: the engine's timing hook, which ``jaxserve bench step`` reads
 instead of wrapping the engine's parts. A call that ran nothing (``report_idle``) updates the
 gauges and events only.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.plan import SchedulerOutput
@@ -50,19 +52,23 @@ StepListener = Callable[[StepReport], None]
 
 
 class StepReporter:
-    """Hands each step's report to the metrics, the KV-cache events publisher, the step trace
-    and the listeners (module docstring); each of the first three may be None (off).
+    """Hands each step's report to the metrics, the KV-cache events publisher, the forward-pass
+    metrics publisher, the step trace and the listeners (module docstring); each of the first
+    four may be None (off).
 
     Args:
-      scheduler: read for the gauges; its KV-cache events are taken from it.
-      metrics: an ``EngineMetrics`` or None.
-      kv_events: the events publisher (``jaxserve.kv_events``) or None.
+      scheduler: read for the gauges and the waiting queue; its KV-cache events are taken from
+        it.
+      publishers: the KV-cache events and ForwardPassMetrics publishers (``Publishers``).
       step_trace_file: where to append the step trace's lines (``StepTrace``); None: no trace.
+      metrics: an ``EngineMetrics`` or None.
     """
 
-    def __init__(self, scheduler: Scheduler, metrics=None, kv_events=None,
-                 step_trace_file: str | None = None) -> None:
-        self.scheduler, self.metrics, self.kv_events = scheduler, metrics, kv_events
+    def __init__(self, scheduler: Scheduler, publishers: Publishers | None = None,
+                 step_trace_file: str | None = None, metrics=None) -> None:
+        self.scheduler, self.metrics = scheduler, metrics
+        publishers = publishers or Publishers()
+        self.kv_events, self.forward_pass = publishers.kv_events, publishers.forward_pass
         self.step_trace = StepTrace(step_trace_file, scheduler_settings(scheduler)) \
             if step_trace_file else None
         self.listeners: list[StepListener] = []
@@ -70,6 +76,9 @@ class StepReporter:
     def report(self, r: StepReport) -> None:
         """One step that ran something."""
         self.publish_kv_events()
+        if self.forward_pass is not None and r.completed:
+            self.forward_pass.record([(done.plan, done.measured_s) for done in r.completed],
+                                     self.scheduler.waiting)
         self.record_gauges(r.plan, r.dispatched.num_prompt_tokens if r.dispatched else 0,
                            r.num_generated, r.num_preemptions)
         if self.step_trace is not None:
@@ -109,11 +118,14 @@ class StepReporter:
                                self.kv_events.num_events_dropped)
 
     def close(self) -> None:
-        """Publish what is left and stop the events publisher (the engine keeps working)."""
+        """Publish what is left and stop the publishers (the engine keeps working)."""
         if self.kv_events is not None:
             self.publish_kv_events()
             self.kv_events.shutdown()
             self.kv_events = None
+        if self.forward_pass is not None:
+            self.forward_pass.shutdown()
+            self.forward_pass = None
 
 
 def scheduler_settings(scheduler: Scheduler) -> dict[str, object]:
@@ -129,11 +141,45 @@ def scheduler_settings(scheduler: Scheduler) -> dict[str, object]:
     return out
 
 
-def start_kv_events(config: EngineConfig, data_parallel_rank: int):
-    """The KV-cache events publisher of ``config.kv_events``, started. Imported here, not at the
-    top: msgspec and pyzmq are needed only with events on (the engine core imports with jax,
-    flax and numpy alone)."""
-    from jaxserve.kv_events.publisher import start_publisher
+@dataclass
+class Publishers:
+    """The engine's side channels, each None when off: the KV-cache events publisher
+    (``jaxserve.kv_events``) and the ForwardPassMetrics publisher (``jaxserve.fleet_metrics``).
+    Their modules are imported only when started: msgspec and pyzmq are needed only then (the
+    engine core imports with jax, flax and numpy alone)."""
 
-    return start_publisher(config.kv_events, config.block_size, data_parallel_rank,
-                           config.prefix_caching_hash_algo)
+    kv_events: Any = None
+    forward_pass: Any = None
+
+    @classmethod
+    def start(cls, config: EngineConfig, data_parallel_rank: int) -> Publishers:
+        """Start the publishers ``config`` turns on (their ports offset by the replica's rank).
+
+        Raises:
+          ValueError, OSError: a bad or taken endpoint (those started are stopped first).
+        """
+        out = cls()
+        try:
+            if config.kv_events_enabled:
+                from jaxserve.kv_events.publisher import start_publisher
+
+                out.kv_events = start_publisher(config.kv_events, config.block_size,
+                                                data_parallel_rank,
+                                                config.prefix_caching_hash_algo)
+            if config.forward_pass_metrics_port is not None:
+                from jaxserve.fleet_metrics.publisher import ForwardPassPublisher
+
+                out.forward_pass = ForwardPassPublisher(
+                    config.forward_pass_metrics_port, config.forward_pass_metrics_worker_id,
+                    data_parallel_rank)
+        except BaseException:
+            out.shutdown()
+            raise
+        return out
+
+    def shutdown(self) -> None:
+        """Stop every publisher started."""
+        for publisher in (self.kv_events, self.forward_pass):
+            if publisher is not None:
+                publisher.shutdown()
+        self.kv_events = self.forward_pass = None

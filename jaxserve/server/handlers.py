@@ -33,6 +33,7 @@ from starlette.responses import Response
 from jaxserve.config import RequestLimits
 from jaxserve.errors import InvalidRequest
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.server import output_protocol as o
 from jaxserve.server import protocol as p
 from jaxserve.server import request_parsing, response_bodies, tools
 from jaxserve.server.gate import RequestBudget
@@ -65,12 +66,13 @@ class OpenAIServer:
 
     def __init__(
         self, engine: EngineClient, served_model_name: str, limits: RequestLimits | None = None,
-        store: responses.ResponseStore | None = None,
+        store: responses.ResponseStore | None = None, prompt_tokens_details: bool = False,
     ) -> None:
         self.engine = engine
         self.model = served_model_name
         self.limits = limits or RequestLimits()
         self.store = store or responses.ResponseStore(0)
+        self.prompt_tokens_details = prompt_tokens_details  # usage.prompt_tokens_details
         self.created = int(time.time())
 
     def _check_chat_template(self) -> None:
@@ -138,7 +140,8 @@ class OpenAIServer:
             return await self._prepare_chat(request_parsing.decode_chat_request(body, self.limits))
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         return GenerationJob(chat, engine_prompts, params, bool(req.stream), include_usage,
-                             request_parsing.constraint_field(req))
+                             request_parsing.constraint_field(req),
+                             prompt_tokens_details=self.prompt_tokens_details)
 
     async def _prepare_chat(self, req: p.ChatCompletionRequest) -> GenerationJob:
         """A checked chat request's job: sampling parameters, tool plan and the rendered,
@@ -162,7 +165,8 @@ class OpenAIServer:
         engine_prompts = [EnginePrompt(ids, text, self._logprob_format(params))]
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         return GenerationJob(True, engine_prompts, params, bool(req.stream), include_usage,
-                             constraint_field, plan)
+                             constraint_field, plan,
+                             prompt_tokens_details=self.prompt_tokens_details)
 
     async def prepare_response(self, body: bytes) -> GenerationJob:
         """Decode and check a ``/v1/responses`` body, prepend the stored conversation of
@@ -195,7 +199,7 @@ class OpenAIServer:
 
     async def respond(
         self, job: GenerationJob, request_id: str
-    ) -> p.CompletionResponse | p.ChatCompletionResponse | ResponseObject:
+    ) -> o.CompletionResponse | o.ChatCompletionResponse | ResponseObject:
         """Run a non-streamed request through the engine (its prompts at once) and return its
         response body.
 
@@ -214,7 +218,8 @@ class OpenAIServer:
             builder = job.response.builder(request_id, created, self.model, job.tools)
             return builder.complete(outs[0])
         return response_bodies.final_response(job.chat, request_id, created, self.model, outs,
-                                              [q.fmt for q in job.prompts], job.tools)
+                                              [q.fmt for q in job.prompts], job.tools,
+                                              job.prompt_tokens_details)
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, await self.prepare(False, await self._body(request)))
@@ -265,15 +270,15 @@ class OpenAIServer:
             return _error(status, message, err_type)
 
     async def models(self, request: Request) -> Response:
-        card = p.ModelCard(id=self.model, created=self.created,
+        card = o.ModelCard(id=self.model, created=self.created,
                            max_model_len=self.engine.max_model_len)
-        return _json(p.ModelList(data=[card]))
+        return _json(o.ModelList(data=[card]))
 
     async def model_card(self, request: Request) -> Response:
         """``GET /v1/models/{model_id}``: the served model's card; another id is 404."""
         model_id = request.path_params["model_id"]
         self._check_model(model_id)
-        return _json(p.ModelCard(id=self.model, created=self.created,
+        return _json(o.ModelCard(id=self.model, created=self.created,
                                  max_model_len=self.engine.max_model_len))
 
     async def tokenizer_info(self, request: Request) -> Response:
@@ -283,7 +288,7 @@ class OpenAIServer:
         def token(i: int | None) -> str | None:
             return None if i is None else tok.id_to_token(i)
 
-        return _json(p.TokenizerInfoResponse(
+        return _json(o.TokenizerInfoResponse(
             tokenizer_class="PreTrainedTokenizerFast", name_or_path=self.model,
             bos_token=token(tok.bos_token_id), eos_token=token(tok.eos_token_id), pad_token=None,
             add_bos_token=tok.add_bos_token, add_eos_token=tok.add_eos_token,

@@ -109,6 +109,8 @@ class GenerationJob:
       tools: how a chat request's replies become tool calls (``server.tools``), or None.
       response: a Responses request's part (``server.responses.handler``): its reply is a response
         object or Responses events, not a chat completion; None for the other endpoints.
+      prompt_tokens_details: the usage says how many prompt tokens the prefix cache held
+        (``--enable-prompt-tokens-details``).
     """
 
     chat: bool
@@ -119,6 +121,7 @@ class GenerationJob:
     constraint_field: str | None = None
     tools: tools.ToolPlan | None = None
     response: responses.ResponseJob | None = None
+    prompt_tokens_details: bool = False
 
     def response_id(self, request_id: str) -> str:
         """The response ``id`` (also the engine request id): ``chatcmpl-<request_id>``,

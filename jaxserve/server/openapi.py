@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from jaxserve import __version__
+from jaxserve.server import output_protocol as o
 from jaxserve.server import protocol as p
 from jaxserve.server.gate import is_protected
 from jaxserve.server.lifecycle import ReadyStatus
@@ -18,8 +19,8 @@ from jaxserve.server.responses import protocol as rp
 _REF = "#/components/schemas/{name}"
 _STRUCTS = (
     p.CompletionRequest, p.ChatCompletionRequest, p.TokenizeRequest, p.DetokenizeRequest,
-    p.CompletionResponse, p.ChatCompletionResponse, p.CompletionChunk, p.ChatCompletionChunk,
-    p.ModelList, p.ModelCard, p.TokenizeResponse, p.DetokenizeResponse, p.TokenizerInfoResponse,
+    o.CompletionResponse, o.ChatCompletionResponse, o.CompletionChunk, o.ChatCompletionChunk,
+    o.ModelList, o.ModelCard, p.TokenizeResponse, p.DetokenizeResponse, o.TokenizerInfoResponse,
     p.ErrorResponse, ReadyStatus, rp.ResponsesRequest, rp.ResponseObject, rp.DeletedResponse,
     rp.LifecycleEvent, rp.OutputItemEvent, rp.ContentPartEvent, rp.TextDeltaEvent,
     rp.TextDoneEvent, rp.ArgumentsDeltaEvent, rp.ArgumentsDoneEvent, rp.ErrorEvent,
@@ -91,10 +92,10 @@ def openapi_document(api_key: bool) -> dict:
                    "schema": {"type": "string"}}
     paths = {
         "/v1/completions": {"post": _generation(
-            "Text completion", p.CompletionRequest, p.CompletionResponse, p.CompletionChunk)},
+            "Text completion", p.CompletionRequest, o.CompletionResponse, o.CompletionChunk)},
         "/v1/chat/completions": {"post": _generation(
-            "Chat completion", p.ChatCompletionRequest, p.ChatCompletionResponse,
-            p.ChatCompletionChunk)},
+            "Chat completion", p.ChatCompletionRequest, o.ChatCompletionResponse,
+            o.ChatCompletionChunk)},
         "/v1/responses": {"post": _responses()},
         "/v1/responses/{response_id}": {
             "get": {**_op("A stored response", _json(rp.ResponseObject, "the response"),
@@ -102,14 +103,14 @@ def openapi_document(api_key: bool) -> dict:
             "delete": {**_op("Forget a stored response",
                              _json(rp.DeletedResponse, "the response is forgotten"),
                              errors=("404",)), "parameters": [response_id]}},
-        "/v1/models": {"get": _op("The served model", _json(p.ModelList, "the model list"))},
+        "/v1/models": {"get": _op("The served model", _json(o.ModelList, "the model list"))},
         "/v1/models/{model_id}": {"get": {
-            **_op("The served model by id", _json(p.ModelCard, "the model"), errors=("404",)),
+            **_op("The served model by id", _json(o.ModelCard, "the model"), errors=("404",)),
             "parameters": [{"name": "model_id", "in": "path", "required": True,
                             "schema": {"type": "string"}}]}},
         "/tokenizer_info": {"get": _op(
             "The tokenizer's special tokens, chat template and settings (vLLM's)",
-            _json(p.TokenizerInfoResponse, "the tokenizer settings"))},
+            _json(o.TokenizerInfoResponse, "the tokenizer settings"))},
         "/tokenize": {"post": _op("Token ids of a prompt or chat messages",
                                   _json(p.TokenizeResponse, "the token ids"),
                                   p.TokenizeRequest, ("400", "404", "413"))},

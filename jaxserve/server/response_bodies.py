@@ -14,7 +14,7 @@ import msgspec
 from msgspec import UNSET
 
 from jaxserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from jaxserve.server.protocol import (
+from jaxserve.server.output_protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -29,19 +29,22 @@ from jaxserve.server.protocol import (
     DeltaMessage,
     TopLogprob,
     UsageInfo,
-    error_body,
     usage,
 )
+from jaxserve.server.protocol import error_body
 from jaxserve.server.tools import ToolCallParser, ToolPlan, final_message
 
 # ---- building responses from engine outputs ---------------------------------------------------
 
 
-def usage_of(outs: Sequence[RequestOutput], prompt_only: bool = False) -> UsageInfo:
+def usage_of(outs: Sequence[RequestOutput], prompt_only: bool = False,
+             prompt_tokens_details: bool = False) -> UsageInfo:
     """Usage of a request's prompts: each prompt's tokens once, generated tokens summed over
-    every choice (none for a request that only scores its prompts)."""
+    every choice (none for a request that only scores its prompts); with
+    ``prompt_tokens_details``, the prompt tokens the prefix cache held, summed over prompts."""
     generated = 0 if prompt_only else sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return usage(sum(len(o.prompt_token_ids) for o in outs), generated)
+    cached = sum(o.num_cached_tokens or 0 for o in outs) if prompt_tokens_details else None
+    return usage(sum(len(o.prompt_token_ids) for o in outs), generated, cached)
 
 
 LOGPROB_FLOOR = -9999.0
@@ -138,10 +141,12 @@ def _join(a: CompletionLogprobs | None, b: CompletionLogprobs | None) -> Complet
 def final_response(
     chat: bool, response_id: str, created: int, model: str, outs: Sequence[RequestOutput],
     fmts: Sequence[LogprobFormat] = (), tools: ToolPlan | None = None,
+    prompt_tokens_details: bool = False,
 ) -> CompletionResponse | ChatCompletionResponse:
     """The non-streamed response body: ``outs[i]`` is prompt ``i``'s finished output (chat: one
     prompt), rendered with ``fmts[i]`` (default: no logprobs); choices numbered as the module
-    says. ``tools``: a chat request's tool plan, which turns replies into tool calls."""
+    says. ``tools``: a chat request's tool plan, which turns replies into tool calls.
+    ``prompt_tokens_details``: as ``usage_of``."""
     fmts = list(fmts) or [LogprobFormat(None, lambda t: b"")] * len(outs)
     if chat:
         (out,), (fmt,) = outs, fmts
@@ -153,7 +158,8 @@ def final_response(
                                       logprobs=fmt.chat(c.token_ids, c.logprobs or []),
                                       finish_reason=reason))
         return ChatCompletionResponse(id=response_id, created=created, model=model,
-                                      usage=usage_of(outs), choices=choices)
+                                      usage=usage_of(outs, False, prompt_tokens_details),
+                                      choices=choices)
     completion_choices = []
     for i, (out, fmt) in enumerate(zip(outs, fmts, strict=True)):
         n = len(out.outputs)
@@ -168,7 +174,8 @@ def final_response(
                                                        logprobs=lp, finish_reason=reason))
     prompt_only = bool(fmts) and fmts[0].prompt_only
     return CompletionResponse(id=response_id, created=created, model=model,
-                              usage=usage_of(outs, prompt_only), choices=completion_choices)
+                              usage=usage_of(outs, prompt_only, prompt_tokens_details),
+                              choices=completion_choices)
 
 
 def sse_event(obj: msgspec.Struct) -> bytes:
@@ -197,6 +204,7 @@ class StreamFormatter:
       n: choices per prompt.
       fmts: how each prompt's logprobs are rendered (default: one prompt, no logprobs).
       tools: the chat request's tool plan, or None.
+      prompt_tokens_details: as ``usage_of``.
     """
 
     terminator = b"data: [DONE]\n\n"  # the last event of every stream
@@ -204,8 +212,10 @@ class StreamFormatter:
     def __init__(
         self, chat: bool, response_id: str, created: int, model: str, include_usage: bool,
         n: int = 1, fmts: Sequence[LogprobFormat] = (), tools: ToolPlan | None = None,
+        prompt_tokens_details: bool = False,
     ) -> None:
         self.chat = chat
+        self.prompt_tokens_details = prompt_tokens_details
         self.id = response_id
         self.created = created
         self.model = model
@@ -307,4 +317,5 @@ class StreamFormatter:
         prompt's last output."""
         if not self.include_usage:
             return []
-        return [self._chunk([], usage_of(outs, self.fmts[0].prompt_only))]
+        return [self._chunk([], usage_of(outs, self.fmts[0].prompt_only,
+                                         self.prompt_tokens_details))]

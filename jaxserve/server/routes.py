@@ -121,7 +121,8 @@ def build_app(
     install_request_id()
     placeholder: EngineClient = _NotStarted()  # type: ignore[assignment]
     api = OpenAIServer(placeholder if engine is None else engine, served_model_name, limits,
-                       responses.ResponseStore(config.max_stored_responses))
+                       responses.ResponseStore(config.max_stored_responses),
+                       config.enable_prompt_tokens_details)
     doc = msgspec.json.encode(openapi_document(api_key=config.api_key is not None))
     gate = Gate(api.engine, config, Lifecycle(ready=engine is not None, started=started))
     probes = Probes(gate, served_model_name, config.metrics_compat)

@@ -131,7 +131,8 @@ async def start_stream(
         else:
             fmt = response_bodies.StreamFormatter(
                 job.chat, rid, created, model, job.include_usage, n=job.params.n,
-                fmts=[q.fmt for q in job.prompts], tools=job.tools)
+                fmts=[q.fmt for q in job.prompts], tools=job.tools,
+                prompt_tokens_details=job.prompt_tokens_details)
         handed_over = True  # the response owns the generators from here
         return ClosingStreamingResponse(
             sse_events(gens, firsts, fmt, state, budget),

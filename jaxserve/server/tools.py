@@ -31,11 +31,10 @@ import msgspec
 from jaxserve import request_ids
 from jaxserve.engine.structured_output import no_additional_properties
 from jaxserve.sampling_params import StructuredOutputsParams
+from jaxserve.server.output_protocol import DeltaFunctionCall, DeltaToolCall
 from jaxserve.server.protocol import (
     ChatCompletionRequest,
     ChatTool,
-    DeltaFunctionCall,
-    DeltaToolCall,
     FunctionCall,
     NamedToolChoice,
     RequestError,

@@ -24,6 +24,7 @@ from benchmarks import (
     gemma_lib_load,
     greedy_invariance,
     op_profile,
+    workload_ab,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +42,7 @@ def engine():
 
 def test_the_harness_list_is_what_the_tests_run() -> None:
     assert HARNESSES == ["attention_ab", "engine_ab", "gemma_lib_load", "greedy_invariance",
-                         "op_profile"]
+                         "op_profile", "workload_ab"]
 
 
 @pytest.mark.parametrize("name", HARNESSES)
@@ -106,6 +107,23 @@ def test_engine_ab_runs_two_settings_interleaved(engine, tmp_path: Path) -> None
     assert set(saved["decode"]["1"]) == {"a", "b"} == set(result["prefill"][16])
     assert all(v["median_ms"] > 0 for v in result["decode"][1].values())
     assert not engine.has_unfinished_requests()
+
+
+def test_workload_ab_times_every_step_of_each_round(engine, tmp_path: Path) -> None:
+    out = tmp_path / "wab.json"
+    ns = workload_ab.build_parser().parse_args([
+        "--config", "a:seed=0", "--config", "b:seed=0", "--requests", "5", "--prompt-lens",
+        "4,20", "--output-lens", "1,6", "--wave", "2", "--wave-steps", "2", "--rounds", "2",
+        "--json", str(out)])
+    result = workload_ab.run(ns, engines={"a": engine, "b": engine})
+    saved = json.loads(out.read_text())["engines"]
+    assert set(saved) == {"a", "b"}
+    for e in result["engines"].values():
+        assert e["num_steps"] >= 2 * 6 and 0 < e["p50_ms"] <= e["p99_ms"]
+        assert len(e["round_p50_ms"]) == len(e["round_p99_ms"]) == 2
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(SystemExit):
+        workload_ab.build_parser().parse_args(["--config", "a:", "--prompt-lens", "9,3"])
 
 
 @pytest.mark.parametrize("phase", ["decode", "prefill"])

@@ -217,9 +217,11 @@ def test_objectives_keep_goldens_and_compile_nothing(
     test_greedy_batched_matches_golden(llm, goldens)
     assert llm.runner.num_compiles == compiles_before
     assert sum(b < cfg.max_num_batched_tokens for b in budgets) >= 20  # prefill was cut
-    if slo:  # the steps were measured and the scheduler planned with the refitted model
-        assert online.num_observed >= 20 and llm.scheduler.step_cost is online.model
-        assert online.model != prior
+    if slo:  # the steps were measured and the scheduler planned with the refitted model (the
+        # fit returns the prior where the measured steps say tokens cost nothing, as on a
+        # machine loaded by something else: refitting is what is checked, not the figures)
+        assert online.num_observed >= 20 and online.num_fits >= 4
+        assert llm.scheduler.step_cost is online.model
 
 
 def test_start_up_calibration_fits_the_step_cost_and_compiles_nothing(

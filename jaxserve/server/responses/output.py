@@ -13,7 +13,7 @@ from msgspec import UNSET
 
 from jaxserve import request_ids
 from jaxserve.outputs import RequestOutput
-from jaxserve.server.protocol import DeltaToolCall
+from jaxserve.server.output_protocol import DeltaToolCall
 from jaxserve.server.responses.protocol import (
     ArgumentsDeltaEvent,
     ArgumentsDoneEvent,
@@ -21,6 +21,7 @@ from jaxserve.server.responses.protocol import (
     ErrorEvent,
     FunctionCallItem,
     IncompleteDetails,
+    InputTokensDetails,
     LifecycleEvent,
     OutputItem,
     OutputItemEvent,
@@ -41,7 +42,9 @@ def _usage(out: RequestOutput) -> ResponseUsage:
     num_in = len(out.prompt_token_ids)
     num_out = sum(len(c.token_ids) for c in out.outputs)
     return ResponseUsage(input_tokens=num_in, output_tokens=num_out,
-                         total_tokens=num_in + num_out)
+                         total_tokens=num_in + num_out,
+                         input_tokens_details=InputTokensDetails(
+                             cached_tokens=out.num_cached_tokens or 0))
 
 
 class ResponseBuilder:

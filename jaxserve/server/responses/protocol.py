@@ -158,7 +158,8 @@ OutputItem = OutputMessage | FunctionCallItem
 
 
 class InputTokensDetails(msgspec.Struct, kw_only=True):
-    """``usage.input_tokens_details``: prefix-cache reuse is not reported (0)."""
+    """``usage.input_tokens_details``: ``cached_tokens``, the prompt tokens whose K/V the prefix
+    cache held; no cache writes are reported (0)."""
 
     cached_tokens: int = 0
     cache_write_tokens: int = 0
