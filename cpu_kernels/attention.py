@@ -58,9 +58,9 @@ def cpu_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, l
       sliding_window: attend to the last ``sliding_window`` positions only (traced or int).
       logit_soft_cap: ``cap * tanh(s / cap)`` on the scores, if set.
       prefill: also the rows of sequences with more than one query row.
-      invariant: with ``prefill``, run each decode row as a one-row prefill tile, so that every
-        row's result is bit-identical whether it is a decode row or in a prompt chunk, and
-        whatever rows share its step (``csrc/attention.cc``; batch invariance,
+      invariant: with ``prefill``, sum each decode row in the order of a prefill tile's rows,
+        so that every row's result is bit-identical whether it is a decode row or in a prompt
+        chunk, and whatever rows share its step (``csrc/attention.cc``; batch invariance,
         docs/configuration.md#batch-invariance). Ignored without ``prefill``.
     Returns:
       ``f32[T, num_q_heads, head_dim]``: the decode rows' outputs (and with ``prefill`` the

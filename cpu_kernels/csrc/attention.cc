@@ -11,7 +11,7 @@
 //   v_scale  f32[num_kv_heads]                     multiplies the output (1 for a float cache)
 //   window   s32[]                                 last `window` positions only; 0: none
 //   attrs    soft_cap (f32, 0: none), prefill (s32: 1 = multi-row sequences' rows too),
-//            invariant (s32: 1 = decode rows as one-row prefill tiles, below)
+//            invariant (s32: 1 = decode rows in the prefill tiles' reduction order, below)
 //   out      f32[T, num_q_heads, head_dim]: the row of each sequence whose query length is 1,
 //            and with `prefill` every row of the multi-row sequences (row i of a sequence of
 //            q_len rows and context ctx sits at position ctx - q_len + i and attends causally);
@@ -39,11 +39,13 @@
 // Batch invariance (`invariant`, with `prefill`): a decode item and a prefill tile sum in
 // different orders, so a token's attention output, and the KV of every later layer, depended on
 // whether it was computed in a prompt chunk, as a decode row, or recomputed after preemption.
-// With `invariant` every decode row runs as a one-row tile, so each query row's result is a
-// function of its own query and keys alone: its scores, softmax and value sums go key by key
-// in one order whatever tile it is in (rows do not share sums), in prefill, decode and
+// With `invariant` every decode row is summed as a one-row tile would sum it, so each query
+// row's result is a function of its own query and keys alone: its scores, softmax and value
+// sums go in one order whatever tile it is in (rows do not share sums), in prefill, decode and
 // recompute alike (the "fixed reduction order per sequence" of He et al., "Defeating
-// Nondeterminism in LLM Inference", Thinking Machines Lab, 2025).
+// Nondeterminism in LLM Inference", Thinking Machines Lab, 2025). With AVX-512 a dedicated
+// item does it with keys instead of queries in the lanes (attend_row_avx512); elsewhere, and
+// for other shapes, the row runs as a one-row tile.
 // Items are shared between the calling thread and tasks on XLA's intra-op thread pool through
 // an atomic counter; the caller waits only for items some thread has claimed, so a pool with
 // no free thread cannot deadlock it.
@@ -55,6 +57,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -765,6 +768,170 @@ void attend_tile_avx512(const Shapes& sh, int64_t layer, const float* q, const T
     for (int64_t d = 0; d < D; ++d) o[d] = ot[d * ms + m] * scale;
   }
 }
+
+// A 16 x 16 transpose of 32-bit lanes in place: x[e] lane c <- x[c] lane e.
+inline void transpose16(__m512* x) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {  // lane L of t[i]: x[i][4L], x[i+1][4L], x[i][4L+1], ...
+    t[i] = _mm512_unpacklo_ps(x[i], x[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(x[i], x[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // lane L of x[i + w]: column 4L + w of rows i .. i + 3
+    x[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    x[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    x[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    x[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {  // then the 128-bit lanes, in two steps
+    t[i] = _mm512_shuffle_f32x4(x[i], x[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(x[i], x[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_f32x4(x[i + 8], x[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(x[i + 8], x[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 8; ++i) {
+    x[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    x[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+  }
+}
+
+// acc[j] = FMA(k, head j's element at qd[j * D], acc[j]) for the G heads: one step of their
+// score chains.
+template <int G, int D>
+inline void fma_heads(__m512 k, const float* qd, __m512* acc) {
+  for (int j = 0; j < G; ++j) acc[j] = _mm512_fmadd_ps(k, _mm512_set1_ps(qd[j * D]), acc[j]);
+}
+
+// The scores of 16 keys (rows[c]; nullptr past the context: a zero row) against G query heads
+// (qh, f32[G, D]), keys in the lanes: acc[j] lane c = key c . head j as one FMA chain over
+// d = 0 .. D - 1, from 0 (score_keys' order). Each 16 x 16 block of 32-bit lanes is transposed
+// in registers and used at once; a bfloat16 block is transposed as pairs of elements and each
+// pair split in two (half the shuffles of a float32 block).
+template <typename T, int D, int G>
+inline void score_rows16(const T* const* rows, const float* qh, __m512* acc) {
+  for (int j = 0; j < G; ++j) acc[j] = _mm512_setzero_ps();
+  __m512 x[16];
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+    for (int w = 0; w < D / 32; ++w) {
+      for (int c = 0; c < 16; ++c) {
+        x[c] = rows[c] ? _mm512_loadu_ps(reinterpret_cast<const float*>(rows[c] + 32 * w))
+                       : _mm512_setzero_ps();
+      }
+      transpose16(x);  // x[e] lane c: key c's elements 32w + 2e (low half) and 32w + 2e + 1
+#pragma GCC unroll 16
+      for (int e = 0; e < 16; ++e) {
+        const __m512i pair = _mm512_castps_si512(x[e]);
+        fma_heads<G, D>(_mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)), qh + 32 * w + 2 * e,
+                        acc);
+        fma_heads<G, D>(_mm512_castsi512_ps(_mm512_and_si512(pair, high)),
+                        qh + 32 * w + 2 * e + 1, acc);
+      }
+    }
+  } else {
+    for (int v = 0; v < D / 16; ++v) {
+      for (int c = 0; c < 16; ++c) {
+        if (rows[c]) {
+          load_row<1>(rows[c] + 16 * v, x + c);
+        } else {
+          x[c] = _mm512_setzero_ps();
+        }
+      }
+      transpose16(x);  // x[e] lane c: key c's element 16v + e
+#pragma GCC unroll 16
+      for (int e = 0; e < 16; ++e) fma_heads<G, D>(x[e], qh + 16 * v + e, acc);
+    }
+  }
+}
+
+// A decode row (sequence s's row `row`, kv head h) in the reduction order its row has in
+// attend_tile_avx512, so that with `invariant` it is bit for bit what the same row gives in a
+// prompt chunk: each score one FMA chain over d = 0 .. D - 1, the softmax sum and each value
+// sum one chain over the keys in order, the same exp, 1 / sum and scaling. The tile gets those
+// orders with its query vectors in the lanes, which one row fills only G of 16 of (the
+// one-row tile this item replaces took 4.1x its instructions and 3.8x its time for 16 x 300
+// tokens, SmolLM2's 64 x 3); here 16 keys are in the lanes (score_rows16), and the value pass
+// is the decode item's, which already sums each element key by key, with the softmax sum
+// beside it (docs/decisions/0040-batch-invariance.md).
+template <typename T, int D, int G>
+void attend_row_avx512(const Shapes& sh, int64_t layer, const float* q, const T* kc,
+                       const T* vc, const int32_t* tables, int64_t s, int64_t h, int64_t row,
+                       int64_t ctx, int64_t window, float soft_cap, const float* v_scale,
+                       float* out, std::vector<float>& buf) {
+  constexpr int V = D / 16;
+  const int64_t bs = sh.block_size, hkv = sh.num_kv_heads;
+  const int64_t first = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+  const int64_t n = ctx - first;
+  if (n <= 0) return;
+  const int64_t n_pad = (n + 15) / 16 * 16;
+  buf.resize(static_cast<size_t>(G * n_pad));
+  float* sc = buf.data();  // [G, n_pad] scores, then probabilities (0 past n)
+  const float* qh = q + (row * sh.num_q_heads + h * G) * D;  // [G, D]
+  const int32_t* table = tables + s * sh.max_blocks;
+  const int64_t layer_off = layer * sh.num_blocks * bs;
+  int64_t page = first / bs, off = first % bs;  // of the next key
+  for (int64_t i0 = 0; i0 < n; i0 += 16) {
+    for (int64_t t = (first + i0 + 16 + bs - 1) / bs * bs; t < first + i0 + 32; t += bs) {
+      prefetch_page(kc, table, t, ctx, layer_off, bs, hkv, h, D);  // pages the next keys start
+    }
+    const T* rows[16];
+    for (int c = 0; c < 16; ++c) {
+      if (i0 + c >= n) {
+        rows[c] = nullptr;
+        continue;
+      }
+      rows[c] = kc + ((layer_off + static_cast<int64_t>(table[page]) * bs + off) * hkv + h) * D;
+      if (++off == bs) {
+        off = 0;
+        ++page;
+      }
+    }
+    __m512 acc[G];
+    score_rows16<T, D, G>(rows, qh, acc);
+    for (int j = 0; j < G; ++j) _mm512_storeu_ps(sc + j * n_pad + i0, acc[j]);
+  }
+  for (int j = 0; j < G; ++j) {
+    float* sj = sc + j * n_pad;
+    if (soft_cap > 0.0f) {
+      for (int64_t i = 0; i < n; ++i) sj[i] = soft_cap * std::tanh(sj[i] / soft_cap);
+    }
+    const __m512 mx = _mm512_set1_ps(max_of(sj, n));
+    for (int64_t i = 0; i < n_pad; i += 16) {
+      const __mmask16 k = i + 16 <= n ? __mmask16{0xffff}
+                          : i < n     ? static_cast<__mmask16>((1u << (n - i)) - 1u)
+                                      : __mmask16{0};
+      _mm512_storeu_ps(sj + i, _mm512_maskz_mov_ps(
+                                   k, exp_nonpos16(_mm512_sub_ps(_mm512_loadu_ps(sj + i), mx))));
+    }
+  }
+  __m512 acc[G][V];
+  __m128 sum[G];
+  for (int j = 0; j < G; ++j) {
+    sum[j] = _mm_setzero_ps();
+    for (int v = 0; v < V; ++v) acc[j][v] = _mm512_setzero_ps();
+  }
+  for (int64_t t = first; t < ctx;) {
+    const int64_t off0 = t % bs, stop = std::min(ctx, t - off0 + bs);
+    prefetch_page(vc, table, t - off0 + bs, ctx, layer_off, bs, hkv, h, D);
+    const T* vrow =
+        vc + ((layer_off + static_cast<int64_t>(table[t / bs]) * bs + off0) * hkv + h) * D;
+    for (; t < stop; ++t, vrow += hkv * D) {
+      __m512 x[V];
+      load_row<V>(vrow, x);
+      for (int j = 0; j < G; ++j) {
+        const float* pj = sc + j * n_pad + (t - first);
+        const __m512 p = _mm512_set1_ps(*pj);
+        sum[j] = _mm_add_ss(sum[j], _mm512_castps512_ps128(p));  // a builtin: not reassociated
+        for (int v = 0; v < V; ++v) acc[j][v] = _mm512_fmadd_ps(p, x[v], acc[j][v]);
+      }
+    }
+  }
+  float* o = out + (row * sh.num_q_heads + h * G) * D;
+  for (int j = 0; j < G; ++j) {
+    const float inv = 1.0f / _mm_cvtss_f32(sum[j]);
+    const __m512 f = _mm512_set1_ps(inv * v_scale[h]);
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(o + j * D + 16 * v, _mm512_mul_ps(acc[j][v], f));
+  }
+}
 #endif  // __AVX512F__
 
 template <typename T>
@@ -804,9 +971,33 @@ void attend_tile_dispatch(const Shapes& sh, int64_t layer, const float* q, const
   }
 }
 
-// A work item: decode (i1 == 0: sequence s's one row) or a prefill tile (rows [i0, i1)).
+// A decode row in the prefill tiles' reduction order (`invariant`): attend_row_avx512 where it
+// is built, else the row as a one-row tile.
+template <typename T>
+void attend_row_dispatch(const Shapes& sh, int64_t layer, const float* q, const T* kc,
+                         const T* vc, const int32_t* tables, int64_t s, int64_t h, int64_t row,
+                         int64_t ctx, int64_t window, float soft_cap, const float* v_scale,
+                         float* out, std::vector<float>& buf) {
+#if defined(__AVX512F__)
+#define JAXSERVE_ROW(D, G)                                                                  \
+  if (sh.head_dim == D && sh.group == G)                                                    \
+    return attend_row_avx512<T, D, G>(sh, layer, q, kc, vc, tables, s, h, row, ctx, window, \
+                                      soft_cap, v_scale, out, buf);
+  JAXSERVE_ROW(64, 1) JAXSERVE_ROW(64, 2) JAXSERVE_ROW(64, 3) JAXSERVE_ROW(64, 4)
+  JAXSERVE_ROW(64, 6) JAXSERVE_ROW(64, 8) JAXSERVE_ROW(128, 1) JAXSERVE_ROW(128, 2)
+  JAXSERVE_ROW(128, 3) JAXSERVE_ROW(128, 4) JAXSERVE_ROW(256, 1) JAXSERVE_ROW(256, 2)
+#undef JAXSERVE_ROW
+#endif
+  attend_tile_dispatch<T>(sh, layer, q, kc, vc, tables, s, h, row, ctx - 1, 0, 1, window,
+                          soft_cap, v_scale, out, buf);
+}
+
+// A work item: sequence s's decode row (kDecode; kRow with `invariant`) or a prefill tile
+// (kTile: its rows [i0, i1)).
+enum class Kind : int8_t { kDecode, kRow, kTile };
 struct Item {
   int64_t s, i0, i1;
+  Kind kind;
 };
 
 struct Job {
@@ -829,7 +1020,7 @@ void run(ffi::ThreadPool& pool, const Shapes& sh, int64_t layer, const float* q,
     const int64_t q_len = qsl[s + 1] - qsl[s];
     if (!prefill || q_len <= 1 || seq_lens[s] < q_len) continue;
     for (int64_t i0 = 0; i0 < q_len; i0 += kTileRows) {
-      items.push_back({s, i0, std::min(q_len, i0 + kTileRows)});
+      items.push_back({s, i0, std::min(q_len, i0 + kTileRows), Kind::kTile});
     }
   }
   std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
@@ -838,7 +1029,7 @@ void run(ffi::ThreadPool& pool, const Shapes& sh, int64_t layer, const float* q,
   });
   for (int64_t s = 0; s < num_seqs; ++s) {
     if (qsl[s + 1] - qsl[s] == 1 && seq_lens[s] > 0) {
-      items.push_back({s, 0, invariant ? int64_t{1} : int64_t{0}});  // one-row tile, or item
+      items.push_back({s, 0, 1, invariant ? Kind::kRow : Kind::kDecode});
     }
   }
   auto job = std::make_shared<Job>();
@@ -852,9 +1043,12 @@ void run(ffi::ThreadPool& pool, const Shapes& sh, int64_t layer, const float* q,
       if (i >= job->total) return;
       const Item& it = (*items_p)[i / sh.num_kv_heads];
       const int64_t s = it.s, h = i % sh.num_kv_heads;
-      if (it.i1 == 0) {
+      if (it.kind == Kind::kDecode) {
         attend_item_dispatch<T>(sh, layer, q, kc, vc, tables, s, h, qsl[s], seq_lens[s],
                                 window, soft_cap, v_scale, out, buf);
+      } else if (it.kind == Kind::kRow) {
+        attend_row_dispatch<T>(sh, layer, q, kc, vc, tables, s, h, qsl[s], seq_lens[s],
+                               window, soft_cap, v_scale, out, buf);
       } else {
         const int64_t p0 = seq_lens[s] - (qsl[s + 1] - qsl[s]);
         attend_tile_dispatch<T>(sh, layer, q, kc, vc, tables, s, h, qsl[s], p0, it.i0, it.i1,

@@ -155,7 +155,7 @@ class CpuPlatform(Platform):
         """"auto" is on for bfloat16 weights, whose rounding turns the other paths' last-bit
         differences into different greedy tokens, and off for float32, where the matmul floor
         costs more than it saves (``BATCH_INVARIANT_AUTO``; docs/configuration.md#batch-invariance).
-        It needs the native attention kernel (its decode rows run as one-row prefill tiles),
+        It needs the native attention kernel (its decode rows summed as prefill tiles' rows),
         unquantised weights (a quantised dot changes dtype with its row count) and one device.
 
         Raises:

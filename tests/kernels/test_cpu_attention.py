@@ -20,8 +20,8 @@ pytestmark = pytest.mark.skipif(
            "build-kernels)")
 
 
-def _op(q, k, v, layer, bt, sl, qsl, ns, native_prefill=True, **kw):
-    return np.asarray(cpu_attention.native_attention_fn(prefill=native_prefill)(
+def _op(q, k, v, layer, bt, sl, qsl, ns, native_prefill=True, invariant=False, **kw):
+    return np.asarray(cpu_attention.native_attention_fn(native_prefill, invariant)(
         jnp.asarray(q, jnp.float32), k, v, jnp.int32(layer), jnp.asarray(bt), jnp.asarray(sl),
         jnp.asarray(qsl), jnp.asarray(ns), **kw))
 
@@ -158,7 +158,7 @@ def _cache(rng, k, v, cache: str):
 
 
 def _check_as_stored(rng, case, cache: str, head_dim: int, native_prefill: bool,
-                     window: int) -> None:
+                     window: int, invariant: bool = False) -> None:
     """The op on ``case`` (``make_case``'s tuple, layer 1) with its cache stored as ``cache``
     equals the reference on the stored values, plain and with ``window`` and a soft cap; padding
     rows stay 0."""
@@ -166,8 +166,8 @@ def _check_as_stored(rng, case, cache: str, head_dim: int, native_prefill: bool,
     kc, vc, kw, k_deq, v_deq = _cache(rng, k, v, cache)
     total = qsl[-1]
     for win, cap in ((None, None), (window, 25.0)):
-        got = _op(q, kc, vc, 1, bt, sl, qsl, ns, native_prefill, sm_scale=head_dim ** -0.5,
-                  sliding_window=win, logit_soft_cap=cap, **kw)
+        got = _op(q, kc, vc, 1, bt, sl, qsl, ns, native_prefill, invariant,
+                  sm_scale=head_dim ** -0.5, sliding_window=win, logit_soft_cap=cap, **kw)
         want = ref_ragged_paged_attention(q, k_deq, v_deq, 1, bt, sl, qsl, ns,
                                           sm_scale=head_dim ** -0.5, sliding_window=win,
                                           logit_soft_cap=cap)
@@ -188,6 +188,22 @@ def test_decode_rows_by_group_head_dim_and_cache(cache: str, head_dim: int, grou
     case = make_case(rng, [1] * len(ctx_lens), ctx_lens, block_size=16, num_seqs_pad=8,
                      tokens_pad=8, kv_heads=2, group=group, head_dim=head_dim)
     _check_as_stored(rng, case, cache, head_dim, native_prefill=False, window=40)
+
+
+@pytest.mark.parametrize("cache,head_dim,group", [
+    ("bfloat16", 64, 3), ("fp8", 64, 8), ("float32", 128, 4), ("int8", 256, 2),
+    ("bfloat16", 64, 5)])
+def test_invariant_decode_rows_by_group_head_dim_and_cache(cache: str, head_dim: int,
+                                                           group: int) -> None:
+    """Decode rows in the batch-invariant mode (with AVX-512 the invariant decode item at the
+    shapes it is built for; (64, 5) and other CPUs: one-row prefill tiles) against the
+    reference, as the decode item above; their bit-identity with prefill rows is
+    test_cpu_attention_invariance.py's."""
+    rng = np.random.default_rng()
+    ctx_lens = [1, 15, 16, 17, 300, 61]
+    case = make_case(rng, [1] * len(ctx_lens), ctx_lens, block_size=16, num_seqs_pad=8,
+                     tokens_pad=8, kv_heads=2, group=group, head_dim=head_dim)
+    _check_as_stored(rng, case, cache, head_dim, native_prefill=True, window=40, invariant=True)
 
 
 @pytest.mark.parametrize("cache", ["float32", "bfloat16", "fp8", "int8"])

@@ -25,9 +25,11 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu" or build._compile
 X86 = build.variants() == build.X86_VARIANTS
 # Per variant, a subset of each kernel's correctness tests: the attention items for decode and
 # prefill rows (AVX-512 ones for head sizes 64/128/256, the generic one for 48), every cache
-# dtype, the int4 and bfloat16 matmuls' sums at row counts on and off their tiles.
-_ATTN, _INT4, _BF16 = (f"tests/kernels/test_cpu_{k}.py::" for k in
-                       ("attention", "int4_matmul", "bf16_matmul"))
+# dtype, the batch-invariant decode rows (the AVX-512 invariant item, one-row tiles elsewhere)
+# against the reference and bit for bit against prefill rows, the int4 and bfloat16 matmuls'
+# sums at row counts on and off their tiles.
+_ATTN, _INV, _INT4, _BF16 = (f"tests/kernels/test_cpu_{k}.py::" for k in
+                             ("attention", "attention_invariance", "int4_matmul", "bf16_matmul"))
 VARIANT_TESTS = (
     _ATTN + "test_kernel_alone_writes_only_decode_rows",
     _ATTN + "test_kernel_alone_fills_prefill_rows",
@@ -36,6 +38,10 @@ VARIANT_TESTS = (
       for c in ("64-4-bfloat16", "128-2-fp8", "256-1-float32", "64-5-int8")),
     *(_ATTN + f"test_prefill_rows_by_group_head_dim_and_cache[{c}]"
       for c in ("64-4-int8", "128-2-bfloat16", "256-1-fp8", "48-3-float32")),
+    *(_ATTN + f"test_invariant_decode_rows_by_group_head_dim_and_cache[{c}]"
+      for c in ("bfloat16-64-3", "fp8-64-8")),
+    *(_INV + f"test_rows_bit_identical_however_computed[{c}]"
+      for c in ("40-30.0-64-3-bfloat16", "None-None-128-2-int8", "40-30.0-16-2-float32")),
     *(_INT4 + f"test_matches_the_dequantised_weight[{c}]"
       for c in ("1-576-192-32", "3-96-200-16", "8-64-7-64", "11-128-40-2")),
     _INT4 + "test_every_float16_scale_class",
