@@ -66,11 +66,17 @@ def start_engine(cfg: EngineConfig, load: LoadConfig, out: typing.TextIO) -> Asy
     return aeng
 
 
+BATCH_INVARIANT_COST = "up to 19% of the tokens: docs/configuration.md#batch-invariance"
+"""What the start-up line says the batch-invariant mode costs (measured on an AVX512-BF16 CPU,
+docs/decisions/0040-batch-invariance.md)."""
+
+
 def attention_summary(engine: LLMEngine) -> str:
-    """"<backend> attention", and ", batch-invariant" where the engine runs that mode
-    (``Platform.batch_invariant``)."""
+    """"<backend> attention", and ", batch-invariant (costs ...)" where the engine runs that
+    mode (``Platform.batch_invariant``, ``BATCH_INVARIANT_COST``)."""
     invariant = engine.platform.batch_invariant(engine.config)
-    return f"{engine.attention_backend} attention" + (", batch-invariant" if invariant else "")
+    return f"{engine.attention_backend} attention" + (
+        f", batch-invariant (costs {BATCH_INVARIANT_COST})" if invariant else "")
 
 
 def compiled_line(warmup_stats: dict[str, float], ready_in_s: float) -> str:

@@ -43,8 +43,8 @@ each usable as soon as it is compiled (docs/decisions/0039-deferred-compile.md).
 dot picks its kernel by row count, so the mode compiles no bucket below ``dot_row_floor``
 (``DOT_ROW_FLOORS``: 2 rows for the mixed bfloat16 dot, 64 for float32; 1 for the native
 bfloat16 kernel, which sums each row alone) and runs attention in the native kernel's one
-reduction order. "auto" turns it on for bfloat16 weights only: float32's floor of 64 rows costs
-small batches far more (docs/decisions/0040-batch-invariance.md).
+reduction order. It is opt-in: "auto" leaves it off, because it cost up to 19% of a closed loop's
+tokens on an AVX512-BF16 CPU (docs/decisions/0040-batch-invariance.md).
 
 **Step cost.** ~30 ms a step against ~0.75 ms a prompt token (SmolLM2-135M, 2 cores;
 docs/decisions/0005-bucket-fit.md): ``step_overhead_tokens`` 32, ``prompt_token_s`` 0.75 ms
@@ -54,7 +54,6 @@ objectives default to ``config.DEFAULT_SLOS_MS["cpu"]`` (docs/configuration.md#s
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -68,15 +67,10 @@ from jaxserve.platform.base import BucketSet, Platform
 from jaxserve.platform.cpu_weights import NATIVE_INT4_MAX_ROWS, use_native_int4, use_packed_bf16
 from models.quant import QuantTargets
 
-log = logging.getLogger(__name__)
-_AUTO_OFF_LOGGED: set[str] = set()  # the reasons "auto" left batch invariance off, logged once
-
 SMALL_BUCKETS = (1, 4)  # token buckets below 8 compiled on the CPU
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 """CPU flags (``/proc/cpuinfo``'s names) of x86 CPUs with a native bfloat16 dot (XLA:CPU's
 YNNPACK dots use it); without one a bfloat16 dot is converted to float32 and gains nothing."""
-BATCH_INVARIANT_AUTO = (jnp.dtype(jnp.bfloat16),)
-"""The weight dtypes ``batch_invariant="auto"`` turns the mode on for (``batch_invariant``)."""
 DOT_ROW_FLOORS = {"bfloat16": 2, "float32": 64, "float16": 64}
 """Per weight dtype, the fewest rows from which XLA:CPU's dot of SmolLM2's weight shapes gives
 each row bit-identical results at every row count up to 1024 (2-core Zen 3, YNNPACK dots): a
@@ -152,18 +146,16 @@ class CpuPlatform(Platform):
                 and (config.cpu_kernels == "on" or cpu_bf16_matmul.vectorized()))
 
     def batch_invariant(self, config: EngineConfig) -> bool:
-        """"auto" is on for bfloat16 weights, whose rounding turns the other paths' last-bit
-        differences into different greedy tokens, and off for float32, where the matmul floor
-        costs more than it saves (``BATCH_INVARIANT_AUTO``; docs/configuration.md#batch-invariance).
-        It needs the native attention kernel (its decode rows summed as prefill tiles' rows),
+        """"on" only: "auto" and "off" leave the mode off. It costs up to 19% of a closed
+        loop's tokens on an AVX512-BF16 CPU (greedy, 16 streams; its decode rows are summed in
+        the prefill tiles' order), so it is a choice, as vLLM's and SGLang's are
+        (docs/configuration.md#batch-invariance). It needs the native attention kernel,
         unquantised weights (a quantised dot changes dtype with its row count) and one device.
 
         Raises:
           ValueError: "on" with another attention backend, quantisation or tensor parallelism.
         """
-        mode = config.batch_invariant
-        if mode == "off" or (mode == "auto" and self.resolve_dtype(config.dtype)
-                             not in BATCH_INVARIANT_AUTO):
+        if config.batch_invariant != "on":
             return False
         why = None
         if self.attention_backend(config) != "native":
@@ -176,15 +168,9 @@ class CpuPlatform(Platform):
             why = f"quantization='none' (got {config.quantization!r})"
         elif config.tensor_parallel_size > 1:
             why = f"tensor_parallel_size=1 (got {config.tensor_parallel_size})"
-        if why is None:
-            return True
-        if mode == "on":
+        if why is not None:
             raise ValueError(f"batch_invariant='on' needs {why}")
-        if why not in _AUTO_OFF_LOGGED:  # once per reason, though asked at every start-up step
-            _AUTO_OFF_LOGGED.add(why)
-            log.warning("batch invariance is off: batch_invariant='auto' would turn it on for "
-                        "bfloat16 weights, but it needs %s", why)
-        return False
+        return True
 
     def dot_row_floor(self, config: EngineConfig) -> int:
         """The fewest rows from which every matmul of a step is in one row class (a row's

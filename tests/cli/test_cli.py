@@ -145,3 +145,23 @@ def test_importing_the_cli_imports_no_jax() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=REPO_ROOT).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("mode", ["on", "auto"])
+def test_start_up_line_says_what_batch_invariance_costs(monkeypatch, mode: str) -> None:
+    """The mode is named with its measured cost where it is on, and not named where "auto"
+    leaves it off."""
+    from types import SimpleNamespace
+
+    from jaxserve.cli.serve import BATCH_INVARIANT_COST, attention_summary
+    from jaxserve.platform import cpu
+
+    monkeypatch.setattr(cpu.cpu_attention, "available", lambda: True)
+    engine = SimpleNamespace(platform=cpu.CpuPlatform(), attention_backend="native",
+                             config=EngineConfig(batch_invariant=mode))
+    line = attention_summary(engine)
+    if mode == "on":
+        assert line == f"native attention, batch-invariant (costs {BATCH_INVARIANT_COST})"
+        assert "19%" in line and "#batch-invariance" in line
+    else:
+        assert line == "native attention"

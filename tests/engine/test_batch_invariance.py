@@ -1,4 +1,4 @@
-"""Batch invariance on the real SmolLM2-135M GGUF with bfloat16 weights ("auto" turns it on):
+"""Batch invariance on the real SmolLM2-135M GGUF, bfloat16 weights, ``batch_invariant="on"``:
 a request's tokens and logprobs are bit-identical alone and in a busy batch whose prompts are
 chunked elsewhere, which preempts it and recomputes its KV, and after a prefix-cache hit;
 seeded sampling too (docs/configuration.md#batch-invariance).
@@ -30,7 +30,8 @@ MAX_STEPS = 3000
 @pytest.fixture(scope="module")
 def inv_engine():
     eng = LLMEngine(EngineConfig(
-        dtype="bfloat16", max_model_len=512, max_num_batched_tokens=64, max_num_seqs=8,
+        dtype="bfloat16", batch_invariant="on", max_model_len=512, max_num_batched_tokens=64,
+        max_num_seqs=8,
         num_kv_blocks=64, compilation_cache_dir=str(REPO_ROOT / ".jax_cache"), itl_slo_ms=0, ttft_slo_ms=0,
         prefill_order="fcfs"))
     eng.warmup(progress=False)
