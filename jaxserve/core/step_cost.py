@@ -245,8 +245,10 @@ class OnlineStepCost:
                              f"{refit_after_s=} > 0")
         self.prior = self.model = prior
         self.samples: deque[StepSample] = deque(maxlen=window)
-        # measured / predicted seconds of the recent steps, each against the model of its time
+        # measured / predicted seconds of the recent steps, each against the model of its time;
+        # and of the recent steps with a prompt chunk (the steps a prefill budget plans)
         self.ratios: deque[float] = deque(maxlen=window)
+        self.prefill_ratios: deque[float] = deque(maxlen=window)
         self.refit_every = refit_every
         self.refit_after_s = refit_after_s
         self.num_observed = 0
@@ -262,6 +264,8 @@ class OnlineStepCost:
                                        sample.num_context_tokens, sample.num_prefill_pairs)
         if predicted > 0:
             self.ratios.append(sample.seconds / predicted)
+            if sample.num_prefill_pairs > 0:
+                self.prefill_ratios.append(sample.seconds / predicted)
         self.samples.append(sample)
         self.num_observed += 1
         n, s = self._since_fit
@@ -275,12 +279,18 @@ class OnlineStepCost:
         return self.model
 
 
-    def error_quantile(self, q: float, min_samples: int = 32) -> float:
+    def error_quantile(self, q: float, min_samples: int = 32, prefill: bool = False) -> float:
         """The ``q`` quantile of recent steps' measured / predicted seconds (how much longer
-        than predicted a step takes, that often or less); 1.0 before ``min_samples`` steps."""
-        if len(self.ratios) < min_samples:
+        than predicted a step takes, that often or less); 1.0 before ``min_samples`` steps.
+        ``prefill``: of the steps with a prompt chunk only, once there are ``min_samples`` of
+        them. A decode-only step of a few rows lasts ~20 ms on a 2-core CPU, where a
+        millisecond of host jitter is 5%: its ratios spread 1.5-2x wider than those of the
+        100-300 ms steps that carry prompt chunks (docs/decisions/0041-slo-scheduling.md)."""
+        ratios = self.prefill_ratios if prefill and len(self.prefill_ratios) >= min_samples \
+            else self.ratios
+        if len(ratios) < min_samples:
             return 1.0
-        ordered = sorted(self.ratios)
+        ordered = sorted(ratios)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 

@@ -12,7 +12,8 @@ recent steps' errors). From them it answers the scheduler's questions of a step:
 
 ``prefill_budget``  prompt tokens the step may take beside the streams that decode: the step
                     is planned to ``itl_slo_s``, less the model's error at the
-                    ``ITL_PLAN_QUANTILE`` of recent steps (stall-free batching, Agrawal et al.,
+                    ``ITL_PLAN_QUANTILE`` of recent steps with a prompt chunk (the
+                    steps it plans; short decode-only steps jitter more) (stall-free batching, Agrawal et al.,
                     "Taming Throughput-Latency Tradeoff in LLM Inference with Sarathi-Serve",
                     OSDI 2024, with the step's size from the gap objective instead of a fixed
                     token budget). A stream that has missed an objective already (its request
@@ -136,7 +137,7 @@ class StepPolicy:
                 prefill_start = max(prefill_start, start)
         budget = cfg.max_num_batched_tokens
         if rows and cfg.itl_slo_s > 0:
-            error = max(1.0, self._cost.error_quantile(ITL_PLAN_QUANTILE))
+            error = max(1.0, self._cost.error_quantile(ITL_PLAN_QUANTILE, prefill=True))
             target = cfg.itl_slo_s / error * (ITL_PLAN_FRACTION if good else
                                               LOST_STREAM_GAP_SLOS)
             budget = prefill_token_budget(model, target, rows, context, budget,

@@ -167,6 +167,24 @@ def test_the_online_model_keeps_its_recent_error() -> None:
     assert online.error_quantile(0.5) == pytest.approx(1.3)
     assert online.error_quantile(0.95) == pytest.approx(1.75)
     assert online.error_quantile(1.0) == pytest.approx(1.79)
+    # no step had a prompt chunk: the prefill quantile is that of all steps
+    assert online.error_quantile(0.95, prefill=True) == pytest.approx(1.75)
+
+
+def test_the_prefill_error_is_that_of_the_steps_with_a_prompt_chunk() -> None:
+    """Short decode-only steps jitter more, relatively, than the steps a prefill budget plans:
+    ``prefill=True`` reads only the steps with prefill pairs, once there are enough of them."""
+    online = OnlineStepCost(MODEL, window=200, refit_every=10**6, refit_after_s=1e9)
+    decode = MODEL.predict(8, 8, 800)
+    mixed = MODEL.predict(256, 4, 800, 20_000)
+    for i in range(100):
+        online.observe(StepSample(8, 8, 800, decode * (1.0 + 0.01 * i)))  # 1.0x .. 1.99x
+        if i < 31:
+            online.observe(StepSample(256, 4, 800, mixed * 1.1, num_prefill_pairs=20_000))
+    assert online.error_quantile(0.95, prefill=True) == online.error_quantile(0.95)  # 31 < 32
+    online.observe(StepSample(256, 4, 800, mixed * 1.1, num_prefill_pairs=20_000))
+    assert online.error_quantile(0.95, prefill=True) == pytest.approx(1.1)
+    assert online.error_quantile(0.95) > 1.7
 
 
 def test_a_long_prompts_later_chunks_get_fewer_tokens_and_the_fit_learns_why() -> None:
