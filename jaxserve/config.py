@@ -76,12 +76,13 @@ class EngineConfig:
                 f"none (default: {DEFAULT_SLOS_MS['cpu'][1]:g} on a CPU, "
                 f"{DEFAULT_SLOS_MS['gpu'][1]:g} on a GPU; both objectives need the platform's "
                 "step-cost model)"})
-    prefill_order: str = field(default="slo", metadata={
-        "help": "which prompts get a step's prefill budget first: slo (those that can still "
+    prefill_order: str = field(default="shortest-first", metadata={
+        "help": "which prompts get a step's prefill budget first: shortest-first (fewest "
+                f"prompt tokens left; a prompt bypassed {MAX_PREFILL_SKIPS} steps then goes by "
+                "arrival; more requests within both objectives than slo near and above "
+                "saturation: docs/decisions/0041-slo-scheduling.md), slo (those that can still "
                 "meet --ttft-slo-ms, shortest first where all still do; then the others, none "
-                f"starving), shortest-first (fewest prompt tokens left; a prompt bypassed "
-                f"{MAX_PREFILL_SKIPS} steps then goes by arrival) or fcfs (arrival order, "
-                "prompts already chunking first)"})
+                "starving) or fcfs (arrival order, prompts already chunking first)"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "context window, prompt + output tokens (default: the model's)"})
     enable_prefix_caching: bool = field(default=True, metadata={
@@ -153,7 +154,7 @@ class EngineConfig:
     batch_invariant: str = field(default="auto", metadata={
         "help": "logits that do not depend on the rest of the batch, on prompt chunking, "
                 "preemption or padding (greedy output identical under any load): on, off, or "
-                "auto (off: the mode costs up to 19% of the tokens on an AVX512-BF16 CPU, "
+                "auto (off: the mode costs up to 19 per cent of the tokens on an AVX512-BF16 CPU, "
                 "and GPUs refuse it; docs/configuration.md#batch-invariance)",
         "choices": BATCH_INVARIANT})
     compilation_cache_dir: str = field(default="~/.cache/jaxserve/xla", metadata={

@@ -81,7 +81,7 @@ def test_from_engine_config() -> None:
         EngineConfig(block_size=8, max_num_seqs=3, max_num_batched_tokens=32), 100, 256
     )
     assert cfg == SchedulerConfig(3, 32, 8, 256, 100, 0, True, 0, async_scheduling=True,
-                                  prefill_order="slo")
+                                  prefill_order="shortest-first")
     cfg = SchedulerConfig.from_engine_config(EngineConfig(enable_prefix_caching=False), 9, 64, 5)
     assert (cfg.enable_prefix_caching, cfg.num_host_blocks) == (False, 5)
     with pytest.raises(ValueError, match="preemption_policy"):
