@@ -12,7 +12,7 @@ on a server. Each step's time is a step-cost model's prediction (``core.step_cos
 step's padded shape, times a residual drawn from the fitted steps' measured / predicted ratios
 (seeded; ``--noise none`` leaves it out), so that the tails a real run shows are there too.
 
-The machine comes from a server's step trace (``jaxserve serve --step-trace FILE``: its first
+The machine comes from a server's step trace (``jaxserve serve --step-trace-file FILE``: its first
 line is the scheduler's settings, and each line the shape and measured time of a step; the model
 is refitted to those steps toward the server's prior, ``StepCostModel.fit``), or is declared
 (``--cost-model`` coefficients, with the scheduler settings from the engine flags). Engine flags
@@ -258,7 +258,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     flags, and the engine flags (the scheduler's settings)."""
     a = p.add_argument
     a("--step-trace", default=None, metavar="FILE",
-      help="a server's step trace (jaxserve serve --step-trace): its scheduler settings, and "
+      help="a server's step trace (jaxserve serve --step-trace-file): its scheduler settings, and "
            "the steps the machine's cost model is fitted to")
     a("--cost-model", default=None, metavar="JSON",
       help='declared step costs instead, e.g. \'{"fixed_s": 0.03, "per_token_s": 7.5e-4, '
@@ -295,17 +295,52 @@ def build_machine(ns: argparse.Namespace) -> Machine:
     engine = engine_config_from_args(ns)  # validates the flags given
     if ns.step_trace is not None:
         over = {_OVERRIDES[k]: v / 1000 if k.endswith("_ms") else v for k, v in given.items()}
-        machine = machine_from_trace(ns.step_trace, over)
-    else:
         try:
-            cost = StepCostModel(**json.loads(ns.cost_model))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"--cost-model: {e}") from None
+            machine = machine_from_trace(ns.step_trace, over)
+        except OSError as e:  # a missing file, a directory, no permission
+            raise ValueError(f"--step-trace: {e.strerror or e}: {ns.step_trace}") from None
+    else:
+        cost = parse_cost_model(ns.cost_model)
         ttft = engine.ttft_slo_ms if engine.ttft_slo_ms is not None else DEFAULT_SLOS_MS["cpu"][0]
         itl = engine.itl_slo_ms if engine.itl_slo_ms is not None else DEFAULT_SLOS_MS["cpu"][1]
         machine = declared_machine(cost, engine, ttft / 1000, itl / 1000)
     return dataclasses.replace(machine, residuals=() if ns.noise == "none" else
                                machine.residuals)
+
+
+MAX_COST_S = 3600.0  # a coefficient above an hour is a typo, not a machine
+
+
+def parse_cost_model(text: str) -> StepCostModel:
+    """``--cost-model``'s JSON object as a ``StepCostModel``: seconds, each a finite number in
+    [0, ``MAX_COST_S``], ``fixed_s`` and ``per_token_s`` required, ``per_token_s`` > 0.
+
+    Raises:
+      ValueError: naming ``--cost-model`` and the key at fault (or the JSON error).
+    """
+    keys = [f.name for f in dataclasses.fields(StepCostModel)]
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--cost-model: {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"--cost-model: a JSON object of step costs in seconds (keys "
+                         f"{', '.join(keys)}), not {type(obj).__name__}")
+    unknown = sorted(set(obj) - set(keys))
+    if unknown:
+        raise ValueError(f"--cost-model: unknown key(s) {', '.join(unknown)}; the keys are "
+                         f"{', '.join(keys)}")
+    missing = [k for k in ("fixed_s", "per_token_s") if k not in obj]
+    if missing:
+        raise ValueError(f"--cost-model: {' and '.join(missing)} required")
+    for k, v in obj.items():
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) \
+                or not 0 <= v <= MAX_COST_S:
+            raise ValueError(f"--cost-model: {k} must be a number of seconds in "
+                             f"[0, {MAX_COST_S:g}], got {v!r}")
+    if not obj["per_token_s"] > 0:
+        raise ValueError("--cost-model: per_token_s must be > 0 (tokens cost time)")
+    return StepCostModel(**{k: float(v) for k, v in obj.items()})
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -316,6 +351,8 @@ def run(ns: argparse.Namespace) -> int:
       ValueError: bad flags (see ``build_machine``, ``serve.build_workload``).
     """
     t0 = time.perf_counter()
+    if ns.num_prompts is not None and ns.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {ns.num_prompts}")
     machine = build_machine(ns)
     ns.seed = engine_config_from_args(ns).seed
     burstiness = arrival_burstiness(ns)

@@ -1,7 +1,7 @@
 """``jaxserve bench step-trace FILE``: where a server's (or an offline run's) steps spent their
 time, per bucket and phase, from the lines ``--step-trace FILE`` wrote.
 
-    jaxserve serve --step-trace steps.jsonl &   # then drive it, e.g. jaxserve bench serve ...
+    jaxserve serve --step-trace-file steps.jsonl &   # then drive it, e.g. jaxserve bench serve ...
     jaxserve bench step-trace steps.jsonl --output-json steps-summary.json
 """
 

@@ -122,3 +122,34 @@ def test_bench_replay_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "Serving Benchmark Result" in capsys.readouterr().out
     assert main(["bench", "replay", "--dataset-name", "code-like"]) == 2  # no machine
     assert "--step-trace" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("cost_model", "match"), [
+    ('{"fixed_s": 0.005,', "--cost-model: Expecting"),
+    ("[1, 2]", "a JSON object of step costs.*not list"),
+    ('{"fixed_s": 0.01, "per_tokn_s": 1e-4}', "unknown key.*per_tokn_s; the keys are fixed_s"),
+    ('{"fixed_s": 0.01}', "per_token_s required"),
+    ('{"fixed_s": -1, "per_token_s": 2e-5}', "fixed_s must be a number of seconds"),
+    ('{"fixed_s": NaN, "per_token_s": 2e-5}', "fixed_s must be .* got nan"),
+    ('{"fixed_s": "fast", "per_token_s": 2e-5}', "fixed_s must be .* got 'fast'"),
+    ('{"fixed_s": 0.01, "per_token_s": true}', "per_token_s must be"),
+    ('{"fixed_s": 1e300, "per_token_s": 2e-5}', r"in \[0, 3600\]"),
+    ('{"fixed_s": 0, "per_token_s": 0}', "per_token_s must be > 0"),
+])
+def test_a_bad_declared_cost_model_names_the_key(cost_model: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        replay.parse_cost_model(cost_model)
+
+
+def test_bad_replay_flags_exit_2_with_one_line(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A directory as the trace, no prompts, a bad cost model: exit 2, the flag named, no
+    traceback."""
+    good = json.dumps(dataclasses.asdict(COST))
+    for args, said in ((["--step-trace", str(tmp_path)], "--step-trace: Is a directory"),
+                       (["--cost-model", good, "--num-prompts", "0"], "--num-prompts must be >= 1"),
+                       (["--cost-model", '{"fixed_s": 0, "per_token_s": 0}'], "per_token_s")):
+        assert main(["bench", "replay", "--dataset-name", "chat-like", *args]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err, err
+    assert replay.parse_cost_model('{"fixed_s": 0, "per_token_s": 2e-5}') == StepCostModel(0.0, 2e-5)
