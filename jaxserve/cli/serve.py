@@ -68,7 +68,7 @@ def start_engine(cfg: EngineConfig, load: LoadConfig, out: typing.TextIO) -> Asy
 
 BATCH_INVARIANT_COST = "up to 19% of the tokens: docs/configuration.md#batch-invariance"
 """What the start-up line says the batch-invariant mode costs (measured on an AVX512-BF16 CPU,
-docs/decisions/0040-batch-invariance.md)."""
+docs/decisions/0046-batch-invariance-opt-in.md)."""
 
 
 def attention_summary(engine: LLMEngine) -> str:

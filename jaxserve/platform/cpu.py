@@ -44,7 +44,7 @@ dot picks its kernel by row count, so the mode compiles no bucket below ``dot_ro
 (``DOT_ROW_FLOORS``: 2 rows for the mixed bfloat16 dot, 64 for float32; 1 for the native
 bfloat16 kernel, which sums each row alone) and runs attention in the native kernel's one
 reduction order. It is opt-in: "auto" leaves it off, because it cost up to 19% of a closed loop's
-tokens on an AVX512-BF16 CPU (docs/decisions/0040-batch-invariance.md).
+tokens on an AVX512-BF16 CPU (docs/decisions/0046-batch-invariance-opt-in.md).
 
 **Step cost.** ~30 ms a step against ~0.75 ms a prompt token (SmolLM2-135M, 2 cores;
 docs/decisions/0005-bucket-fit.md): ``step_overhead_tokens`` 32, ``prompt_token_s`` 0.75 ms
