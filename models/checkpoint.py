@@ -211,10 +211,34 @@ def load_checkpoint(path: str, dtype: jnp.dtype, shardings=None):
     ocp = import_orbax()
     ckpt = ocp.StandardCheckpointer()
     try:
-        _check_tree(params_dir, ckpt.metadata(params_dir).item_metadata.tree, shapes)
-        return cfg, ckpt.restore(params_dir, target)
+        _check_tree(params_dir, _metadata_tree(ckpt, params_dir), shapes)
+        try:
+            return cfg, ckpt.restore(params_dir, target)
+        except Exception as e:  # noqa: BLE001 (orbax raises bare Exception): a damaged file
+            raise ValueError(f"checkpoint {params_dir}: cannot read the weights, a file is "
+                             f"damaged or missing: {_first_line(e)}") from None
     finally:
         ckpt.close()
+
+
+def _metadata_tree(ckpt, params_dir: str):
+    """The stored params' metadata tree; ValueError naming ``params_dir`` where it is missing
+    or unreadable (a deleted ``_METADATA``, a truncated file)."""
+    try:
+        meta = ckpt.metadata(params_dir).item_metadata
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ValueError(f"checkpoint {params_dir}: cannot read its metadata: "
+                         f"{_first_line(e)}") from None
+    if meta is None or getattr(meta, "tree", None) is None:
+        raise ValueError(f"checkpoint {params_dir}: no params metadata (_METADATA missing or "
+                         "empty): the checkpoint is incomplete")
+    return meta.tree
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    """An exception's first line, at most ``limit`` characters (TensorStore's run long)."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def stored_params(path: str):
@@ -223,7 +247,7 @@ def stored_params(path: str):
     ocp = import_orbax()
     ckpt = ocp.StandardCheckpointer()
     try:
-        tree = ckpt.metadata(params_dir).item_metadata.tree
+        tree = _metadata_tree(ckpt, params_dir)
     finally:
         ckpt.close()
     return jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree)

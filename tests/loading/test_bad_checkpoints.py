@@ -144,6 +144,22 @@ def test_orbax_missing_tensor_and_wrong_shape(tmp_path, tiny_params, tokenizer,
         _load(path)
 
 
+def test_orbax_damaged_files_are_one_value_error(tmp_path, tiny_params, tokenizer) -> None:
+    """A deleted ``_METADATA`` and a truncated data file: a ValueError naming the params
+    directory, not orbax's or TensorStore's traceback."""
+    cfg, params = tiny_params
+    path = _orbax_dir(tmp_path / "a", cfg, params, tokenizer)
+    (path / "params" / "_METADATA").unlink()
+    with pytest.raises(ValueError, match=rf"checkpoint {path}/params: .*(metadata|_METADATA)"):
+        _load(path)
+    path = _orbax_dir(tmp_path / "b", cfg, params, tokenizer)
+    data = max((f for f in (path / "params").rglob("*") if f.is_file()),
+               key=lambda f: f.stat().st_size)  # the largest file holds weights
+    data.write_bytes(data.read_bytes()[:64])
+    with pytest.raises(ValueError, match=rf"checkpoint {path}/params: "):
+        _load(path)
+
+
 def test_orbax_unknown_architecture_and_missing_tokenizer(tmp_path, tiny_params, tokenizer,
                                                           no_weight_reads) -> None:
     cfg, params = tiny_params
