@@ -16,13 +16,16 @@ freshly started ``jaxserve serve`` subprocess; or the one server at ``--base-url
   3. while each step runs, poll the server's ``/metrics`` (every ``--metrics-interval-s``) and
      average its batch occupancy: sequences over ``max_num_seqs``, scheduled tokens over
      ``max_num_batched_tokens``, KV-cache usage (None against servers without those gauges).
-Then, per configuration: the highest concurrency meeting the SLOs (``--goodput``, default p99
-TTFT <= 500 ms and p99 ITL <= 100 ms at ``--percentile``) before the first breach
+Then, per configuration: the highest concurrency meeting the SLOs (``--goodput`` at
+``--percentile``, itl judged on each request's largest gap; default: the objectives the first
+server plans for, ``jaxserve:ttft_slo_seconds`` and ``jaxserve:itl_slo_seconds``, on a CPU p99
+TTFT <= 2000 ms and largest gap <= 300 ms) before the first breach
 (``slo_concurrency``), its goodput (the most requests/s meeting every SLO, per request, among
 those steps; ``best_goodput``) and the knee (``knee_concurrency``); over all configurations, two
 recommendations written as ``jaxserve serve --config`` files: ``interactive.yaml`` (the
 configuration with the most goodput, ``max_num_seqs`` held ``--headroom`` below the concurrency
-that reached it, for spikes) and ``offline.yaml`` (the configuration with the highest
+that reached it, for spikes, and ``ttft_slo_ms`` / ``itl_slo_ms`` set to the SLOs so that the
+scheduler plans for them) and ``offline.yaml`` (the configuration with the highest
 throughput, ``max_num_seqs`` at least the concurrency that reached it). Output: the table
 (throughput, mean and p99 TTFT and ITL, the largest gap, goodput, occupancy) on the terminal,
 ``sweep.json``, and ``throughput.png``, ``latency.png``, ``occupancy.png`` (matplotlib, Agg
@@ -55,11 +58,14 @@ from jaxserve.bench.serve import ENDPOINTS, add_dataset_args, run_benchmark
 from jaxserve.bench.serve import add_cli_args as add_serve_args
 from jaxserve.bench.sweep_report import (
     LIMIT_GAUGES,
+    OBJECTIVE_GAUGES,
     best_goodput,
     format_table,
     gains,
+    meets_slo,
     plot,
     recommend,
+    slo_concurrency,
     write_yaml,
 )
 from jaxserve.config import EngineConfig
@@ -95,23 +101,22 @@ def knee_concurrency(concurrencies: list[int], throughputs: list[float], thresho
     return concurrencies[last_good] if last_good < len(g) - 1 else None
 
 
-def meets_slo(step: dict[str, Any], percentile: float, slos: dict[str, float]) -> bool:
-    """Whether a step's ``p<percentile>`` of each SLO metric (ms) is within its target."""
-    key = str(int(percentile)) if int(percentile) == percentile else str(percentile)
-    return all(step[f"p{key}_{m}_ms"] <= slo for m, slo in slos.items())
+def served_objectives(metrics_text: str, base_url: str) -> list[str]:
+    """The ``--goodput`` pairs of the objectives a server plans for, from its ``/metrics`` text
+    (``jaxserve:ttft_slo_seconds``, ``jaxserve:itl_slo_seconds``; zero ones left out), e.g.
+    ``["ttft:2000", "itl:300"]``.
 
-
-def slo_concurrency(steps: list[dict[str, Any]], percentile: float, slos: dict[str, float]
-                    ) -> int | None:
-    """The highest concurrency before the first step that breaks an SLO (steps in rising
-    concurrency; a later step that happens to pass again after a breach does not count); None
-    if the first step already breaks one."""
-    best = None
-    for s in steps:
-        if not meets_slo(s, percentile, slos):
-            break
-        best = s["concurrency"]
-    return best
+    Raises:
+      ValueError: the server publishes no objective (not jaxserve, or both are 0).
+    """
+    values = _scrape(metrics_text)
+    out = [f"{name}:{values[g] * 1000:g}" for name, g in OBJECTIVE_GAUGES.items()
+           if values.get(g, 0) > 0]
+    if not out:
+        raise ValueError(f"the server at {base_url} publishes no service objectives "
+                         f"({', '.join(OBJECTIVE_GAUGES.values())}); give --goodput, e.g. "
+                         "--goodput ttft:2000 itl:300")
+    return out
 
 
 def parse_grid(items: list[str] | None) -> list[dict[str, Any]]:
@@ -167,9 +172,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
       help="stop when throughput gains less than this fraction ...")
     a("--patience", type=int, default=2, help="... for this many steps in a row")
     a("--percentile", type=float, default=99.0, help="percentile the SLOs apply to")
-    a("--goodput", nargs="+", default=["ttft:500", "itl:100"], metavar="KEY:MS",
-      help="SLOs (ms): a step meets them when their --percentile does (itl: pooled gaps); its "
-           "goodput counts the requests meeting them (itl: the request's largest gap)")
+    a("--goodput", nargs="+", default=None, metavar="KEY:MS",
+      help="SLOs (ms), e.g. ttft:2000 itl:300: a step meets them when their --percentile does "
+           "(itl: the requests' largest gaps), and its goodput counts the requests meeting them; "
+           "default: the objectives the first server plans for (its --ttft-slo-ms and "
+           "--itl-slo-ms, from /metrics), which interactive.yaml then sets")
     a("--headroom", type=float, default=0.25,
       help="interactive config: fraction of the concurrency with the most goodput held back "
            "for spikes")
@@ -261,8 +268,26 @@ async def _step(ns: argparse.Namespace, base_url: str, c: int, n: int, warm: int
     return result, await poller
 
 
+def resolve_goodput(ns: argparse.Namespace, base_url: str) -> None:
+    """Set ``ns.goodput`` to the server's objectives (``served_objectives``) if not given, and
+    say which SLOs the sweep judges by.
+
+    Raises:
+      ValueError: none given and the server publishes none, or it cannot be reached.
+    """
+    if ns.goodput is None:
+        httpx = require("httpx", "bench", "jaxserve sweep")
+        try:
+            r = httpx.get(f"{base_url}/metrics", timeout=10.0)
+        except httpx.HTTPError as e:
+            raise ValueError(f"cannot read {base_url}/metrics: {e}") from None
+        ns.goodput = served_objectives(r.text if r.status_code == 200 else "", base_url)
+        print(f"SLOs: the server's objectives, --goodput {' '.join(ns.goodput)}", flush=True)
+
+
 def sweep_server(ns: argparse.Namespace, base_url: str) -> list[dict[str, Any]]:
     """Run the concurrency steps against one server; returns one summary dict per step."""
+    resolve_goodput(ns, base_url)
     slos = parse_goodput(ns.goodput)
     pkey = str(int(ns.percentile)) if int(ns.percentile) == ns.percentile else str(ns.percentile)
     steps: list[dict[str, Any]] = []
@@ -388,7 +413,7 @@ def run(ns: argparse.Namespace) -> int:
             "goodput": best["request_goodput"] if best else None,
             "goodput_concurrency": best["concurrency"] if best else None,
         })
-    rec = recommend(configs, ns.headroom)
+    rec = recommend(configs, ns.headroom, parse_goodput(ns.goodput))
     files = {}
     for name, r in rec.items():
         files[name] = os.path.join(ns.output_dir, f"{name}.yaml")

@@ -1,4 +1,5 @@
-"""What ``jaxserve sweep`` makes of its measurements: each configuration's goodput, the two
+"""What ``jaxserve sweep`` makes of its measurements: the SLO verdicts, each configuration's
+goodput, the two
 recommended ``--config`` files (``interactive``: most goodput; ``offline``: most throughput), the
 table and the plots (matplotlib, the ``bench`` extra)."""
 
@@ -17,6 +18,18 @@ from jaxserve.extras import require
 
 LIMIT_GAUGES = {"max_num_seqs": "jaxserve:max_num_seqs",
                 "max_num_batched_tokens": "jaxserve:max_num_batched_tokens"}
+# the SLOs the scheduler plans for, by --goodput name: the served objectives (s) and the engine
+# settings (ms) that set them; the itl objective is a request's largest gap (max_itl)
+OBJECTIVE_GAUGES = {"ttft": "jaxserve:ttft_slo_seconds", "itl": "jaxserve:itl_slo_seconds"}
+OBJECTIVE_SETTINGS = {"ttft": "ttft_slo_ms", "itl": "itl_slo_ms"}
+SLO_METRIC = {"itl": "max_itl"}
+
+
+def slo_key(metric: str, pkey: str) -> str:
+    """The step's key a ``--goodput`` SLO is judged on at percentile ``pkey``: ``itl`` is the
+    request's largest gap (``p99_max_itl_ms``), as the server's objective and goodput count it;
+    the others their own (``p99_ttft_ms``)."""
+    return f"p{pkey}_{SLO_METRIC.get(metric, metric)}_ms"
 
 
 def gains(throughputs: list[float]) -> list[float | None]:
@@ -26,6 +39,26 @@ def gains(throughputs: list[float]) -> list[float | None]:
     for a, b in itertools.pairwise(throughputs):
         out.append(b / a - 1 if a > 0 else math.inf)
     return out
+
+
+def meets_slo(step: dict[str, Any], percentile: float, slos: dict[str, float]) -> bool:
+    """Whether a step's ``p<percentile>`` of each SLO metric (ms) is within its target (itl:
+    the requests' largest gaps, ``sweep_report.slo_key``)."""
+    key = str(int(percentile)) if int(percentile) == percentile else str(percentile)
+    return all(step[slo_key(m, key)] <= slo for m, slo in slos.items())
+
+
+def slo_concurrency(steps: list[dict[str, Any]], percentile: float, slos: dict[str, float]
+                    ) -> int | None:
+    """The highest concurrency before the first step that breaks an SLO (steps in rising
+    concurrency; a later step that happens to pass again after a breach does not count); None
+    if the first step already breaks one."""
+    best = None
+    for s in steps:
+        if not meets_slo(s, percentile, slos):
+            break
+        best = s["concurrency"]
+    return best
 
 
 def best_goodput(steps: list[dict[str, Any]], slo_concurrency: int | None
@@ -38,11 +71,14 @@ def best_goodput(steps: list[dict[str, Any]], slo_concurrency: int | None
                default=None)
 
 
-def recommend(configs: list[dict[str, Any]], headroom: float) -> dict[str, dict[str, Any]]:
+def recommend(configs: list[dict[str, Any]], headroom: float,
+              slos: dict[str, float] | None = None) -> dict[str, dict[str, Any]]:
     """The interactive and offline recommendations (module doc) from the per-configuration
     results (each with ``config``, ``steps``, ``slo_concurrency``). Each entry: ``settings``
     (engine keys for the YAML), ``from_config`` (the grid point), ``why`` (a sentence); an entry
-    is absent where nothing qualifies (no configuration met the SLOs)."""
+    is absent where nothing qualifies (no configuration met the SLOs). The interactive one also
+    sets the scheduler's objectives to ``slos``' ttft and itl (ms), where its grid point does
+    not set them, so that the server plans for what it was chosen by."""
     out: dict[str, dict[str, Any]] = {}
 
     def settings(cfg: dict[str, Any], steps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -54,6 +90,9 @@ def recommend(configs: list[dict[str, Any]], headroom: float) -> dict[str, dict[
         best, step = max(goodput, key=lambda cg: (cg[1]["request_goodput"] or 0.0,
                                                   cg[1]["output_throughput"]))
         s = settings(best, best["steps"])
+        for name, key in OBJECTIVE_SETTINGS.items():
+            if name in (slos or {}):
+                s.setdefault(key, float(slos[name]))
         c = step["concurrency"]
         target = max(1, math.floor(c * (1 - headroom)))
         s["max_num_seqs"] = min(int(s.get("max_num_seqs", target)), target)
@@ -98,7 +137,7 @@ def format_table(configs: list[dict[str, Any]], percentile: float, slos: dict[st
     the SLO verdict."""
     pkey = str(int(percentile)) if int(percentile) == percentile else str(percentile)
     shown = {"p99_ttft_ms", "p99_itl_ms"}
-    slo_cols = [k for m in slos if (k := f"p{pkey}_{m}_ms") not in shown]
+    slo_cols = [k for m in slos if (k := slo_key(m, pkey)) not in shown]
 
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{x:.0%}"

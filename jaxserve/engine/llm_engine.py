@@ -147,6 +147,8 @@ class LLMEngine:
         if metrics is not None:
             metrics.set_batch_limits(self.config.max_num_seqs, self.config.max_num_batched_tokens)
             metrics.set_cache_config(self.config.block_size, self.num_blocks)
+            metrics.set_objectives(self.scheduler.config.ttft_slo_s,
+                                   self.scheduler.config.itl_slo_s)
 
     def add_step_listener(self, listener: StepListener) -> None:
         """Call ``listener(StepReport)`` after each step that ran something (engine thread):

@@ -187,6 +187,10 @@ class EngineMetrics:
         self.max_num_seqs = gauge("max_num_seqs", "Most sequences one step may hold (max_num_seqs).")
         self.max_num_batched_tokens = gauge(
             "max_num_batched_tokens", "Token budget of one step (max_num_batched_tokens).")
+        self.ttft_slo = gauge("ttft_slo_seconds",
+                              "First-token objective the scheduler plans for, seconds (0: none).")
+        self.itl_slo = gauge("itl_slo_seconds", "Largest-gap objective the scheduler plans for, "
+                             "seconds (0: none).")
         self.batch_seqs_usage_perc = gauge("batch_seqs_usage_perc",
                                            "Last step's sequences over max_num_seqs (0-1).")
         self.batch_tokens_usage_perc = gauge(
@@ -305,6 +309,12 @@ class EngineMetrics:
         self._limits = (max_num_seqs, max_num_batched_tokens)
         self.max_num_seqs.set(max_num_seqs)
         self.max_num_batched_tokens.set(max_num_batched_tokens)
+
+    def set_objectives(self, ttft_slo_s: float, itl_slo_s: float) -> None:
+        """Publish the service objectives the scheduler plans for (s; 0: none), which
+        ``jaxserve sweep`` takes as its SLOs when none are given."""
+        self.ttft_slo.set(ttft_slo_s)
+        self.itl_slo.set(itl_slo_s)
 
     def set_cache_config(self, block_size: int, num_blocks: int) -> None:
         """Publish the KV cache layout: ``num_blocks`` blocks (block 0 included, as vLLM counts

@@ -15,11 +15,13 @@ from jaxserve.bench.sweep import (
     knee_concurrency,
     meets_slo,
     parse_grid,
+    served_objectives,
     should_stop,
     slo_concurrency,
 )
 from jaxserve.bench.sweep_report import best_goodput, format_table, recommend
 from jaxserve.cli.main import main
+from jaxserve.config import DEFAULT_SLOS_MS
 from jaxserve.config_args import engine_config_from_args
 from jaxserve.engine.metrics import EngineMetrics
 from tests.conftest import REPO_ROOT
@@ -36,6 +38,20 @@ def test_batch_occupancy_gauges() -> None:
                         ("max_num_seqs", 8), ("max_num_batched_tokens", 512),
                         ("batch_seqs_usage_perc", 0.75), ("batch_tokens_usage_perc", 0.25)):
         assert got["jaxserve:" + name] == value, name
+
+
+def test_the_servers_objectives_are_the_default_slos() -> None:
+    """A server's objectives (jaxserve:ttft_slo_seconds / itl_slo_seconds) become --goodput;
+    a zero objective is none, and a server with none (vLLM, or both 0) is refused."""
+    m = EngineMetrics("m")
+    with pytest.raises(ValueError, match="no service objectives.*--goodput"):
+        served_objectives(m.render().decode(), "http://h")  # the gauges read 0 until set
+    m.set_objectives(ttft_slo_s=2.0, itl_slo_s=0.3)
+    assert served_objectives(m.render().decode(), "http://h") == ["ttft:2000", "itl:300"]
+    m.set_objectives(ttft_slo_s=0.0, itl_slo_s=0.05)
+    assert served_objectives(m.render().decode(), "http://h") == ["itl:50"]
+    with pytest.raises(ValueError, match="http://v"):
+        served_objectives("# HELP vllm:x x\n# TYPE vllm:x gauge\nvllm:x 1.0\n", "http://v")
 
 
 # -- knee, SLO and stopping on synthetic curves ---------------------------------------------------
@@ -77,6 +93,9 @@ def test_slo_detection() -> None:
     assert not meets_slo(_step(1, 10, 50.1), 99, slos)
     assert slo_concurrency([_step(1, 900, 10)], 99, slos) is None
     assert slo_concurrency([{"concurrency": 3, "p99.9_tpot_ms": 1.0}], 99.9, {"tpot": 2}) == 3
+    # itl is judged on each request's largest gap, as the server's objective and goodput are
+    step = {"p99_itl_ms": 40.0, "p99_max_itl_ms": 350.0}
+    assert not meets_slo(step, 99, {"itl": 300.0}) and meets_slo(step, 99, {"itl": 350.0})
 
 
 def test_parse_grid() -> None:
@@ -129,6 +148,13 @@ def test_recommend_interactive_is_most_goodput_offline_most_throughput() -> None
     # most goodput at concurrency 1: one sequence, and the sentence says no headroom is left
     one = recommend([_cfg(16, [10, 12], 2, goodput=[1.5, 1.2])], 0.25)["interactive"]
     assert one["settings"]["max_num_seqs"] == 1 and "no headroom" in one["why"]
+    # the SLOs it was chosen by become the scheduler's objectives, unless the grid point set one
+    slos = {"ttft": 2000.0, "itl": 300.0, "tpot": 100.0}
+    objectives = recommend([b], 0.25, slos)["interactive"]["settings"]
+    assert (objectives["ttft_slo_ms"], objectives["itl_slo_ms"]) == (2000.0, 300.0)
+    assert "tpot" not in str(objectives)  # no scheduler objective of its own
+    b["config"] = {"max_num_seqs": 16, "itl_slo_ms": 50.0}
+    assert recommend([b], 0.25, slos)["interactive"]["settings"]["itl_slo_ms"] == 50.0
     none_ok = recommend([_cfg(16, [10, 12], None)], 0.25)
     assert "interactive" not in none_ok and none_ok["offline"]["settings"]["max_num_seqs"] == 16
 
@@ -137,7 +163,7 @@ def test_table_prints_p99_ttft_itl_and_the_largest_gap() -> None:
     step = {"concurrency": 4, "request_throughput": 2.0, "output_throughput": 64.0,
             "mean_ttft_ms": 120.0, "p99_ttft_ms": 410.0, "mean_itl_ms": 21.5, "p99_itl_ms": 88.2,
             "largest_itl_ms": 950.0, "p90_tpot_ms": 33.3, "p90_ttft_ms": 300.0,
-            "p90_itl_ms": 40.0, "request_goodput": 1.75, "seqs_usage": 0.5,
+            "p90_itl_ms": 40.0, "p99_max_itl_ms": 420.0, "request_goodput": 1.75, "seqs_usage": 0.5,
             "tokens_usage": None, "kv_usage": 0.25, "meets_slo": True}
     cfg = {"config": {"itl_slo_ms": 50.0}, "steps": [step], "knee": None, "slo_concurrency": 4,
            "goodput": 1.75, "goodput_concurrency": 4}
@@ -145,10 +171,10 @@ def test_table_prints_p99_ttft_itl_and_the_largest_gap() -> None:
     head, cols, row = table.splitlines()
     assert "itl_slo_ms=50.0" in head and "goodput 1.75 req/s at concurrency 4" in head
     assert cols.split() == ["conc", "req/s", "out", "tok/s", "gain", "TTFT", "mean", "p99",
-                            "ITL", "mean", "p99", "max", "gap", "goodput", "seqs", "tokens",
-                            "KV", "SLO"]
+                            "ITL", "mean", "p99", "max", "gap", "p99", "max", "itl", "goodput",
+                            "seqs", "tokens", "KV", "SLO"]  # itl's SLO: the largest gaps' p99
     assert row.split() == ["4", "2.00", "64.0", "-", "120", "410", "21.5", "88.2", "950",
-                           "1.75", "50%", "-", "25%", "ok"]
+                           "420.0", "1.75", "50%", "-", "25%", "ok"]
     # SLOs at p90 (and on TPOT) add their own columns
     cols90 = format_table([cfg], 90, {"ttft": 500.0, "tpot": 50.0}).splitlines()[1]
     assert "p90 ttft" in cols90 and "p90 tpot" in cols90
@@ -157,10 +183,11 @@ def test_table_prints_p99_ttft_itl_and_the_largest_gap() -> None:
 # -- end to end -------------------------------------------------------------------------------
 
 
-def _sweep(out: Path, *args: str) -> dict:
+def _sweep(out: Path, *args: str, goodput: tuple[str, ...] = ("ttft:60000", "tpot:60000")
+           ) -> dict:
     rc = main(["sweep", *args, "--dataset-name", "random", "--random-input-len", "12",
                "--random-output-len", "4", "--prompts-per-concurrency", "1", "--num-warmups",
-               "1", "--percentile", "90", "--goodput", "ttft:60000", "tpot:60000",
+               "1", "--percentile", "90", *(("--goodput", *goodput) if goodput else ()),
                "--metrics-interval-s", "0.05", "--output-dir", str(out)])
     assert rc == 0
     return json.loads((out / "sweep.json").read_text())
@@ -210,9 +237,16 @@ def test_sweep_grid_starts_a_server_per_config(tmp_path: Path) -> None:
     serve_args = (f"tiny --load-format dummy --max-model-len 64 --num-kv-blocks 32 "
                   f"--max-num-batched-tokens 16 --compilation-cache-dir {REPO_ROOT / '.jax_cache'}")
     res = _sweep(tmp_path, "--serve-args", serve_args, "--grid", "max_num_seqs=2",
-                 "--num-prompts", "2", "--max-concurrency-limit", "2")
+                 "--num-prompts", "2", "--max-concurrency-limit", "2", goodput=())
+    # no --goodput: the CPU server's own objectives (config.DEFAULT_SLOS_MS)
+    ttft, itl = DEFAULT_SLOS_MS["cpu"]
+    assert res["args"]["goodput"] == [f"ttft:{ttft:g}", f"itl:{itl:g}"]
     (c,) = res["configs"]
     assert c["config"] == {"max_num_seqs": 2}
+    if c["slo_concurrency"]:  # the tiny model meets them unless the machine stalls for seconds
+        inter = engine_config_from_args(
+            argparse.Namespace(config=str(tmp_path / "interactive.yaml")))
+        assert (inter.ttft_slo_ms, inter.itl_slo_ms) == (ttft, itl)
     assert [s["concurrency"] for s in c["steps"]] == [1, 2]
     assert all(s["max_num_seqs"] == 2 and s["completed"] == 2 for s in c["steps"])
     offline = engine_config_from_args(argparse.Namespace(config=str(tmp_path / "offline.yaml")))
