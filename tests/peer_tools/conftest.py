@@ -1,7 +1,7 @@
 """A tiny dummy-weights engine served over real HTTP, the default model's tokenizer as the HF
 tokenizer directory ``jaxserve convert --format tokenizer`` writes, and a Mooncake-format trace,
-for the GuideLLM and AIPerf smoke tests (``tests/support/tool_venv.py``: opt-in, they need
-venvs of their own)."""
+for the GuideLLM and AIPerf smoke tests (``tests/support/tool_venv.py``: each from a venv
+of its own)."""
 
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ counts, and the prompt-cache metrics jaxserve's ``--enable-prompt-tokens-details
 AIPerf's trace loader tokenises in worker processes that force ``HF_HUB_OFFLINE=1``, where 0.13
 finds a tokenizer only in the Hugging Face hub cache, by hub id (a local directory is refused as
 an invalid repo id); so the tokenizer directory jaxserve writes is placed in a hub cache of the
-test's own (``HF_HOME``) under the default model's id. Opt-in (``JAXSERVE_PEER_TOOLS=1``):
-AIPerf's pins need a venv of their own (tests/support/tool_venv.py).
+test's own (``HF_HOME``) under the default model's id.
+AIPerf's pins need a venv of its own (tests/support/tool_venv.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """GuideLLM 0.8.1, unchanged, against jaxserve: its ``replay`` profile over a Mooncake trace
 with the chat SLO (TTFT <= 200 ms, inter-token latency <= 50 ms) as goodput objectives, counting
 tokens with the tokenizer directory jaxserve writes (no hub lookup: ``HF_HUB_OFFLINE=1``).
-Opt-in (``JAXSERVE_PEER_TOOLS=1``): GuideLLM needs a venv with torch (tests/support/tool_venv.py).
+GuideLLM runs from a venv of its own, with torch (tests/support/tool_venv.py).
 """
 
 from __future__ import annotations
