@@ -41,7 +41,7 @@ def engine():
 
 def test_the_harness_list_is_what_the_tests_run() -> None:
     assert HARNESSES == ["attention_ab", "engine_ab", "gemma_lib_load", "greedy_invariance",
-                         "op_profile", "workload_ab"]
+                         "op_profile", "tool_agreement", "workload_ab"]
 
 
 @pytest.mark.parametrize("name", HARNESSES)
@@ -194,3 +194,20 @@ def test_gemma_lib_load_times_both_layouts(tmp_path: Path) -> None:
     assert set(saved["median_s"]) == {"gemma-lib", "ours", "gemma-lib tokenizer",
                                       "ours tokenizer"}
     assert all(v > 0 for v in saved["median_s"].values()) and saved["ratio"] > 0
+
+
+def test_tool_agreement_compares_a_tool_with_the_servers_own_histograms(tmp_path: Path) -> None:
+    """``bench serve`` alone (the other tools need their venvs: tests/peer_tools), the tiny
+    model served: the tool's and the server's figures for the same requests."""
+    from benchmarks import tool_agreement
+
+    out = tmp_path / "agree.json"
+    serve = f"tiny --load-format dummy --max-model-len 512 --compilation-cache-dir " \
+            f"{REPO_ROOT / '.jax_cache'}"
+    (row,) = tool_agreement.run(tool_agreement.build_parser().parse_args([
+        "--tools", "bench", "--concurrency", "1", "--num-prompts", "2", "--port", "18431",
+        "--serve-args", serve, "--json", str(out)]))
+    assert row["tool"] == "bench" and row["num_prompts"] == 2 and row["client_cpu_s"] > 0
+    # the server counts from the request's arrival, the client from its send: never later
+    assert 0 < row["server_ttft_ms"] <= row["ttft_ms"] and row["server_itl_ms"] > 0
+    assert json.loads(out.read_text())["rows"] == [row]
