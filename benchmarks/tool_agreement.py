@@ -22,10 +22,12 @@ import json
 import os
 import resource
 import shlex
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import typing
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -91,7 +93,11 @@ def tool_figures(tool: str, out: Path) -> tuple[float, float]:
 
 def measure(tool: str, url: str, model: str, tok: Path, c: int, n: int, work: Path
             ) -> dict[str, Any]:
-    """One run of ``tool``: its figures, the server's over the same run, its CPU-seconds."""
+    """One run of ``tool``: its figures, the server's over the same run, its CPU-seconds.
+
+    Raises:
+      SystemExit: the tool failed (its log named).
+    """
     out = work / f"{tool}-c{c}" if tool == "aiperf" else work / f"{tool}-c{c}.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"} if tool == "guidellm" else None
     before, r0 = server_sums(url), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -102,7 +108,7 @@ def measure(tool: str, url: str, model: str, tok: Path, c: int, n: int, work: Pa
     wall = time.monotonic() - t0
     r1, after = resource.getrusage(resource.RUSAGE_CHILDREN), server_sums(url)
     if rc != 0:
-        raise RuntimeError(f"{tool} exited {rc}: see {work / f'{tool}-c{c}.log'}")
+        raise SystemExit(f"error: {tool} exited {rc}: see {work / f'{tool}-c{c}.log'}")
     d = {k: after[k] - before.get(k, 0.0) for k in after}
     server = [d[f"jaxserve:{h}_sum"] / max(d[f"jaxserve:{h}_count"], 1) * 1e3
               for h in HISTOGRAMS]
@@ -113,28 +119,77 @@ def measure(tool: str, url: str, model: str, tok: Path, c: int, n: int, work: Pa
             "client_cpu_s": (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)}
 
 
+TOOLS = ("bench", "guidellm", "aiperf")
+
+
+def _counts(flag: str) -> typing.Callable[[str], list[int]]:
+    def parse(text: str) -> list[int]:
+        try:
+            out = [int(x) for x in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes comma-separated integers, got "
+                                             f"{text!r}") from None
+        if not out or min(out) < 1:
+            raise argparse.ArgumentTypeError(f"{flag} values must be >= 1, got {text!r}")
+        return out
+    return parse
+
+
+def _tools(text: str) -> list[str]:
+    out = [t.strip() for t in text.split(",")]
+    if not out or not set(out) <= set(TOOLS):
+        raise argparse.ArgumentTypeError(f"--tools takes some of {', '.join(TOOLS)}, got {text!r}")
+    return out
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"--port must be in 1-65535, got {text!r}")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--concurrency", default="1,4", help="comma-separated concurrencies")
-    p.add_argument("--num-prompts", default="20,40", help="requests per concurrency, in order")
-    p.add_argument("--tools", default="bench,guidellm,aiperf", help="of bench, guidellm, aiperf")
-    p.add_argument("--serve-args", default="", help="`jaxserve serve` arguments (model, ...)")
-    p.add_argument("--port", type=int, default=8400)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--concurrency", type=_counts("--concurrency"), default=[1, 4],
+                   help="comma-separated concurrencies")
+    p.add_argument("--num-prompts", type=_counts("--num-prompts"), default=[20, 40],
+                   help="requests at each --concurrency, in the same order")
+    p.add_argument("--tools", type=_tools, default=list(TOOLS),
+                   help=f"comma-separated, of {', '.join(TOOLS)}")
+    p.add_argument("--serve-args", default="",
+                   help="`jaxserve serve` arguments (default: the default model)")
+    p.add_argument("--port", type=_port, default=8400, help="a free local port for the server")
     p.add_argument("--json", default=None, metavar="PATH", help="write every run here")
     return p
 
 
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def run(ns: argparse.Namespace) -> list[dict[str, Any]]:
-    """Serve, run each tool at each concurrency, print the table; returns the rows."""
-    conc = [int(x) for x in ns.concurrency.split(",")]
-    counts = [int(x) for x in ns.num_prompts.split(",")]
-    tools = ns.tools.split(",")
-    if len(conc) != len(counts) or not set(tools) <= {"bench", "guidellm", "aiperf"}:
-        raise SystemExit("--num-prompts needs one count per --concurrency; --tools: bench, "
-                         "guidellm, aiperf")
+    """Serve, run each tool at each concurrency, print the table; returns the rows.
+
+    Raises:
+      SystemExit: mismatched flags, a missing tool venv, the port in use or a server that does
+        not start.
+    """
+    conc, counts, tools = ns.concurrency, ns.num_prompts, ns.tools
+    if len(conc) != len(counts):
+        raise SystemExit(f"error: --num-prompts needs one count per --concurrency ({len(conc)}), "
+                         f"got {len(counts)}")
     for t, spec in (("guidellm", GUIDELLM), ("aiperf", AIPERF)):
         if t in tools and not (cache_dir() / "venvs" / spec.name / ".complete").exists():
-            raise SystemExit(f"{spec.name}'s venv is missing: run `pytest tests/peer_tools` once")
+            raise SystemExit(f"error: {spec.name}'s venv is missing: run `pytest "
+                             "tests/peer_tools` once")
+    if not _port_free(ns.port):
+        raise SystemExit(f"error: port {ns.port} is in use: give --port a free one")
     url = f"http://127.0.0.1:{ns.port}"
     work = Path(tempfile.mkdtemp(prefix="tool_agreement-"))
     tok = work / "tok"
@@ -149,12 +204,12 @@ def run(ns: argparse.Namespace) -> list[dict[str, Any]]:
     try:
         deadline = time.monotonic() + 600
         while True:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"error: the server did not start: {work / 'server.log'}")
             try:
                 if urllib.request.urlopen(url + "/ready", timeout=2).status == 200:
                     break
             except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"the server did not start: {work / 'server.log'}") from None
                 time.sleep(1)
         models = json.loads(urllib.request.urlopen(url + "/v1/models", timeout=10).read())
         model = models["data"][0]["id"]

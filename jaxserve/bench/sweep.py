@@ -37,8 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
-import itertools
 import json
 import math
 import os
@@ -48,7 +46,6 @@ import socket
 import subprocess
 import sys
 import time
-import typing
 from typing import Any, Self
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -56,9 +53,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from jaxserve.bench.metrics import METRICS, parse_goodput
 from jaxserve.bench.serve import ENDPOINTS, add_dataset_args, run_benchmark
 from jaxserve.bench.serve import add_cli_args as add_serve_args
+from jaxserve.bench.sweep_grid import grid_flags, parse_grid
 from jaxserve.bench.sweep_report import (
     LIMIT_GAUGES,
     OBJECTIVE_GAUGES,
+    OBJECTIVE_SETTINGS,
     best_goodput,
     format_table,
     gains,
@@ -68,7 +67,6 @@ from jaxserve.bench.sweep_report import (
     slo_concurrency,
     write_yaml,
 )
-from jaxserve.config import EngineConfig
 from jaxserve.extras import require
 
 OCCUPANCY_GAUGES = {
@@ -117,33 +115,6 @@ def served_objectives(metrics_text: str, base_url: str) -> list[str]:
                          f"({', '.join(OBJECTIVE_GAUGES.values())}); give --goodput, e.g. "
                          "--goodput ttft:2000 itl:300")
     return out
-
-
-def parse_grid(items: list[str] | None) -> list[dict[str, Any]]:
-    """``["max_num_seqs=32,64", "block_size=16"]`` -> the cross product of engine settings
-    (values typed as the EngineConfig field); ``[{}]`` without a grid.
-
-    Raises:
-      ValueError: a malformed item, an unknown or repeated field, or a value of the wrong type.
-    """
-    hints = typing.get_type_hints(EngineConfig)
-    axes: dict[str, list[Any]] = {}
-    for item in items or []:
-        key, sep, values = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or not values:
-            raise ValueError(f"--grid takes KEY=V1,V2,... items, got {item!r}")
-        if key not in {f.name for f in dataclasses.fields(EngineConfig)}:
-            raise ValueError(f"--grid: {key!r} is not an engine setting")
-        if key in axes:
-            raise ValueError(f"--grid: {key!r} given twice")
-        kinds = [a for a in typing.get_args(hints[key]) or (hints[key],) if a is not type(None)]
-        try:
-            axes[key] = [kinds[0](v) for v in values.split(",")]
-        except ValueError:
-            raise ValueError(f"--grid {key}: values must be {kinds[0].__name__}, "
-                             f"got {values!r}") from None
-    return [dict(zip(axes, combo)) for combo in itertools.product(*axes.values())]
 
 
 # -- running ---------------------------------------------------------------------------------------
@@ -379,6 +350,15 @@ class ServerProcess:
         self.log.close()
 
 
+def remove_stale(output_dir: str, rec: dict[str, Any]) -> None:
+    """Delete an earlier run's ``interactive.yaml`` / ``offline.yaml`` that this run does not
+    recommend, so that no stale configuration is left to be served."""
+    for name in ("interactive", "offline"):
+        if name not in rec:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(output_dir, f"{name}.yaml"))
+
+
 def run(ns: argparse.Namespace) -> int:
     """Entry point of ``jaxserve sweep``; returns the exit status (1 if a step failed every
     request).
@@ -392,13 +372,20 @@ def run(ns: argparse.Namespace) -> int:
         require(module, "bench", "jaxserve sweep")
     parse_goodput(ns.goodput)
     grid = parse_grid(ns.grid)
+    varied = sorted({k for cfg in grid for k in cfg} & set(OBJECTIVE_SETTINGS.values()))
+    if ns.goodput is None and varied:
+        raise ValueError(f"--grid varies {', '.join(varied)}: give --goodput, so that every "
+                         "configuration is judged by the same SLOs (e.g. --goodput ttft:2000 "
+                         "itl:300)")
+    if ns.goodput is not None:
+        print(f"SLOs: --goodput {' '.join(ns.goodput)}", flush=True)
     os.makedirs(ns.output_dir, exist_ok=True)
     configs: list[dict[str, Any]] = []
     for k, cfg in enumerate(grid):
         if ns.base_url:
             steps = sweep_server(ns, ns.base_url.rstrip("/"))
         else:
-            flags = [x for key, v in cfg.items() for x in ("--" + key.replace("_", "-"), str(v))]
+            flags = grid_flags(cfg)
             log = os.path.join(ns.output_dir, f"server-{k}.log")
             with ServerProcess(shlex.split(ns.serve_args) + flags, ns.server_start_timeout_s,
                                log) as server:
@@ -414,6 +401,7 @@ def run(ns: argparse.Namespace) -> int:
             "goodput_concurrency": best["concurrency"] if best else None,
         })
     rec = recommend(configs, ns.headroom, parse_goodput(ns.goodput))
+    remove_stale(ns.output_dir, rec)
     files = {}
     for name, r in rec.items():
         files[name] = os.path.join(ns.output_dir, f"{name}.yaml")

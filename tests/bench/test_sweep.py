@@ -15,6 +15,7 @@ from jaxserve.bench.sweep import (
     knee_concurrency,
     meets_slo,
     parse_grid,
+    remove_stale,
     served_objectives,
     should_stop,
     slo_concurrency,
@@ -96,6 +97,34 @@ def test_slo_detection() -> None:
     # itl is judged on each request's largest gap, as the server's objective and goodput are
     step = {"p99_itl_ms": 40.0, "p99_max_itl_ms": 350.0}
     assert not meets_slo(step, 99, {"itl": 300.0}) and meets_slo(step, 99, {"itl": 350.0})
+
+
+def test_grid_booleans_ranges_and_flags() -> None:
+    from jaxserve.bench.sweep_grid import grid_flags
+
+    grid = parse_grid(["enable_prefix_caching=false,on", "max_num_seqs=2"])
+    assert [g["enable_prefix_caching"] for g in grid] == [False, True]
+    assert grid_flags(grid[0]) == ["--no-enable-prefix-caching", "--max-num-seqs", "2"]
+    assert grid_flags(grid[1])[0] == "--enable-prefix-caching"
+    with pytest.raises(ValueError, match="enable_prefix_caching: values must be bool"):
+        parse_grid(["enable_prefix_caching=maybe"])
+    # out of range: refused before any server starts, naming the setting and the value
+    with pytest.raises(ValueError, match=r"--grid max_num_seqs=-1: max_num_seqs=-1 must be >= 1"):
+        parse_grid(["max_num_seqs=2,-1"])
+
+
+def test_a_grid_over_the_objectives_needs_goodput(tmp_path: Path, capsys) -> None:
+    """Judged by the first server's objectives, a grid over them would judge by whichever came
+    first: refused before anything starts."""
+    assert main(["sweep", "--grid", "itl_slo_ms=0,50", "--output-dir", str(tmp_path)]) == 2
+    assert "varies itl_slo_ms: give --goodput" in capsys.readouterr().err
+
+
+def test_an_earlier_runs_recommendation_is_not_left_behind(tmp_path: Path) -> None:
+    for name in ("interactive", "offline"):
+        (tmp_path / f"{name}.yaml").write_text("max_num_seqs: 1\n")
+    remove_stale(str(tmp_path), {"offline": {}})
+    assert not (tmp_path / "interactive.yaml").exists() and (tmp_path / "offline.yaml").exists()
 
 
 def test_parse_grid() -> None:

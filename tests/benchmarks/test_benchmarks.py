@@ -196,6 +196,28 @@ def test_gemma_lib_load_times_both_layouts(tmp_path: Path) -> None:
     assert all(v > 0 for v in saved["median_s"].values()) and saved["ratio"] > 0
 
 
+def test_tool_agreement_refuses_bad_flags_before_serving(capsys) -> None:
+    import socket
+
+    from benchmarks import tool_agreement
+
+    parser = tool_agreement.build_parser()
+    for args, message in ((["--tools", "foo"], "--tools takes some of"),
+                          (["--port", "0"], "--port must be in 1-65535"),
+                          (["--concurrency", "abc"], "--concurrency takes comma-separated"),
+                          (["--num-prompts", "0"], "--num-prompts values must be >= 1")):
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args(args)
+        assert exc.value.code == 2 and message in capsys.readouterr().err, args
+    with pytest.raises(SystemExit, match="one count per --concurrency"):
+        tool_agreement.run(parser.parse_args(["--concurrency", "1,4", "--num-prompts", "2"]))
+    with socket.socket() as taken:  # another server on the port: refused, not measured
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit, match=f"port {port} is in use"):
+            tool_agreement.run(parser.parse_args(["--tools", "bench", "--port", str(port)]))
+
+
 def test_tool_agreement_compares_a_tool_with_the_servers_own_histograms(tmp_path: Path) -> None:
     """``bench serve`` alone (the other tools need their venvs: tests/peer_tools), the tiny
     model served: the tool's and the server's figures for the same requests."""
