@@ -3,11 +3,11 @@
     python -m benchmarks.tool_agreement --concurrency 1,4 --num-prompts 20,40 \\
         --json tool_agreement.json
 
-Starts one ``jaxserve serve`` (``--serve-args``, default the default model; prefix caching off, so that no run reuses
-another's prompts), then per concurrency runs each tool in turn, closed loop, chat completions
-streamed, 256 prompt tokens and 64 output tokens (``ignore_eos``): ``jaxserve bench serve``,
-GuideLLM 0.8.1 (``--profile kind=concurrent``) and AIPerf 0.13.0, each from the venv the
-peer-tool tests build (``tests/support/tool_venv.py``; run ``pytest tests/peer_tools`` once
+Starts one ``jaxserve serve`` (``--serve-args``, default the default model; prefix caching off,
+so that no run reuses another's prompts), then per concurrency runs each tool in turn, closed
+loop, chat completions streamed, 256 prompt tokens and 64 output tokens (``ignore_eos``):
+``jaxserve bench serve``, GuideLLM 0.8.1 (``--profile kind=concurrent``) and AIPerf 0.13.0,
+each from the venv the peer-tool tests build (``tests/support/tool_venv.py``; run ``pytest tests/peer_tools`` once
 first). Around each run it reads the server's own TTFT and ITL histograms
 (``jaxserve:time_to_first_token_seconds``, ``jaxserve:inter_token_latency_seconds``), so a tool's
 figures can be told apart from the load it puts on the machine, and it counts the tool's
@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks.common import format_table, int_list, write_json
 
 # the venvs the peer-tool tests build (one definition of the tools and where they live)
 from tests.support.released_wheel import cache_dir
@@ -125,7 +127,7 @@ TOOLS = ("bench", "guidellm", "aiperf")
 def _counts(flag: str) -> typing.Callable[[str], list[int]]:
     def parse(text: str) -> list[int]:
         try:
-            out = [int(x) for x in text.split(",")]
+            out = int_list(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{flag} takes comma-separated integers, got "
                                              f"{text!r}") from None
@@ -165,7 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _port_free(port: int) -> bool:
+    """Whether a server could listen on ``port`` now (as uvicorn binds: SO_REUSEADDR, so the
+    TIME_WAIT connections of a server that just left do not count)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -213,20 +218,18 @@ def run(ns: argparse.Namespace) -> list[dict[str, Any]]:
                 time.sleep(1)
         models = json.loads(urllib.request.urlopen(url + "/v1/models", timeout=10).read())
         model = models["data"][0]["id"]
-        print(f"{'load':>5} {'tool':>9} {'TTFT':>7} {'server':>7} {'ITL':>6} {'server':>7} "
-              f"{'CPU-s/req':>9}")
         for c, n in zip(conc, counts, strict=True):
             for tool in tools:
-                r = measure(tool, url, model, tok, c, n, work)
-                rows.append(r)
-                print(f"{'c' + str(c):>5} {tool:>9} {r['ttft_ms']:>7.0f} "
-                      f"{r['server_ttft_ms']:>7.0f} {r['itl_ms']:>6.1f} "
-                      f"{r['server_itl_ms']:>7.1f} {r['client_cpu_s'] / n:>9.2f}", flush=True)
+                print(f"--- {tool} at concurrency {c}: {n} requests", flush=True)
+                rows.append(measure(tool, url, model, tok, c, n, work))
     finally:
         server.terminate()
         server.wait(timeout=60)
-    if ns.json:
-        Path(ns.json).write_text(json.dumps({"rows": rows, "work_dir": str(work)}, indent=1))
+    print(format_table(
+        ["load", "tool", "TTFT ms", "server's", "ITL ms", "server's", "CPU-s/req"],
+        [[f"c{r['concurrency']}", r["tool"], r["ttft_ms"], r["server_ttft_ms"], r["itl_ms"],
+          r["server_itl_ms"], f"{r['client_cpu_s'] / r['num_prompts']:.2f}"] for r in rows]))
+    write_json(ns.json, {"rows": rows, "work_dir": str(work)})
     print(f"logs in {work}")
     return rows
 

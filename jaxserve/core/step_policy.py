@@ -16,10 +16,11 @@ recent steps' errors). From them it answers the scheduler's questions of a step:
                     it plans; short decode-only steps jitter more). Stall-free batching
                     (Agrawal et al., "Taming Throughput-Latency Tradeoff in LLM Inference
                     with Sarathi-Serve", OSDI 2024), with the step's size from the gap
-                    objective instead of a fixed token budget. A stream that has missed an objective already (its request
-                    can no longer count) holds steps to ``LOST_STREAM_GAP_SLOS`` times it
-                    instead, so the queue gets the cores while its gaps stay bounded; with no
-                    stream decoding the step takes all of ``max_num_batched_tokens``.
+                    objective instead of a fixed token budget. A stream that has missed an
+                    objective already (its request can no longer count) holds steps to
+                    ``LOST_STREAM_GAP_SLOS`` times it instead, so the queue gets the cores
+                    while its gaps stay bounded; with no stream decoding the step takes all
+                    of ``max_num_batched_tokens``.
 ``prefill_order``   who gets that budget: "shortest-first" (the default), preempted streams
                     first, then the fewest prompt tokens left, a prompt bypassed
                     ``max_prefill_skips`` steps by arrival. "slo": preempted streams first,

@@ -224,10 +224,15 @@ def test_tool_agreement_compares_a_tool_with_the_servers_own_histograms(tmp_path
     from benchmarks import tool_agreement
 
     out = tmp_path / "agree.json"
+    import socket
+
     serve = f"tiny --load-format dummy --max-model-len 512 --compilation-cache-dir " \
             f"{REPO_ROOT / '.jax_cache'}"
+    with socket.socket() as s:  # a port free now
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     (row,) = tool_agreement.run(tool_agreement.build_parser().parse_args([
-        "--tools", "bench", "--concurrency", "1", "--num-prompts", "2", "--port", "18431",
+        "--tools", "bench", "--concurrency", "1", "--num-prompts", "2", "--port", str(port),
         "--serve-args", serve, "--json", str(out)]))
     assert row["tool"] == "bench" and row["num_prompts"] == 2 and row["client_cpu_s"] > 0
     # the server counts from the request's arrival, the client from its send: never later
