@@ -17,6 +17,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -140,7 +141,10 @@ class AsyncEngine:
         A request_id already running gets a ``#N`` suffix inside the engine.
           RuntimeError: if the engine failed while running this request.
         If the consumer stops early (``aclose()``, cancellation), the request is aborted.
+        The request arrives now (``time.monotonic()``), as vLLM's front end stamps it: its
+        first-token deadline and its TTFT count the wait for the step in flight.
         """
+        arrival_time = time.monotonic()
         max_tokens = self.engine.validate(prompt_token_ids, sampling_params)
         grammar = None
         if sampling_params.structured_outputs is not None:
@@ -152,7 +156,7 @@ class AsyncEngine:
             self._streams[request_id] = stream
             self._num_queued += 1
         self._cmds.put(("add", (request_id, list(prompt_token_ids), sampling_params, prompt,
-                                grammar, max_tokens)))
+                                grammar, max_tokens, arrival_time)))
         finished = False
         try:
             while True:
@@ -184,13 +188,13 @@ class AsyncEngine:
     def _apply(self, cmd: str, arg) -> None:
         eng = self.engine
         if cmd == "add":
-            rid, ids, params, prompt, grammar, max_tokens = arg
+            rid, ids, params, prompt, grammar, max_tokens, arrival_time = arg
             with self._lock:
                 live = rid in self._streams
             try:
                 if live:  # else the caller went away before the engine saw the request
-                    eng.add_request(rid, ids, params, prompt, grammar=grammar,
-                                    max_tokens=max_tokens)
+                    eng.add_request(rid, ids, params, prompt, arrival_time=arrival_time,
+                                    grammar=grammar, max_tokens=max_tokens)
             except ValueError as e:
                 self._deliver(rid, e)
             finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import jax
 import numpy as np
@@ -213,3 +214,47 @@ def test_serving_after_warmup_compiles_nothing_and_a_compile_is_counted() -> Non
         assert count() >= 1
     finally:
         aeng.shutdown()
+
+
+def test_a_request_arrives_when_it_reaches_the_async_engine_not_the_next_step() -> None:
+    """A request sent while a step runs arrives at ``generate()``: its arrival (and so its TTFT
+    and first-token deadline) counts the wait for that step, as a client's clock does."""
+    metrics = EngineMetrics("tiny")
+    eng = LLMEngine(EngineConfig(max_model_len=128, num_kv_blocks=24, max_num_seqs=4,
+                                 max_num_batched_tokens=16,
+                                 compilation_cache_dir=str(REPO_ROOT / ".jax_cache")),
+                    LoadConfig(model="tiny", load_format="dummy"), metrics=metrics)
+    aeng = AsyncEngine(eng)
+    aeng.start(warmup=True, progress=False)
+    step, in_step, slow = eng.step, threading.Event(), 0.3
+
+    def slow_step():
+        in_step.set()
+        time.sleep(slow)  # the step in flight when the second request comes
+        return step()
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    async def run() -> tuple[float, dict[str, float]]:
+        async def drain(rid: str) -> dict[str, float]:
+            async for out in aeng.generate([1, 2, 3], params, rid):
+                last = out
+            return last.metrics
+
+        first = asyncio.create_task(drain("first"))
+        await asyncio.to_thread(in_step.wait, 5.0)
+        sent = time.monotonic()
+        second = await drain("second")
+        await first
+        return sent, second
+
+    eng.step = slow_step
+    try:
+        sent, m = asyncio.run(run())
+    finally:
+        aeng.shutdown()
+    assert sent <= m["arrival_time"] < sent + 0.05
+    assert m["first_token_time"] - m["arrival_time"] > slow / 2  # it waited for the step
+    ttft = metrics.registry.get_sample_value(
+        "jaxserve:time_to_first_token_seconds_sum", {"model_name": "tiny"})
+    assert ttft >= m["first_token_time"] - m["arrival_time"]

@@ -30,12 +30,12 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from jaxserve.cli.main import build_parser, main
-from jaxserve.config import ServerConfig
 from jaxserve.config_args import server_config_from_args
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.logs import JsonFormatter, TextFormatter, request_id_var
 from jaxserve.server.routes import build_app
+from jaxserve.server_config import ServerConfig
 from tests.support.fake_engine import FakeEngine, FakeTokenizer
 from tests.support.http_server import serve_app
 
@@ -168,8 +168,8 @@ class _StubLLMEngine:
         return 1
 
     def add_request(self, rid: str, ids: list[int], params: SamplingParams,
-                    prompt: str | None, grammar: object = None,
-                    max_tokens: int | None = None) -> None:
+                    prompt: str | None, arrival_time: float | None = None,
+                    grammar: object = None, max_tokens: int | None = None) -> None:
         self.requests[rid] = params
         self.waiting.append(rid)
 
