@@ -62,7 +62,8 @@ def parse_ms_pairs(pairs: list[str], flag: str, names: tuple[str, ...]
     """``["ttft:500", ...]`` -> ``[("ttft", 500.0), ...]`` (ms), as the ``flag`` gave them.
 
     Raises:
-      ValueError: naming ``flag``, for a malformed pair or a name not in ``names``.
+      ValueError: naming ``flag``, for a malformed pair, a value that is not a finite number,
+        or a name not in ``names``.
     """
     out = []
     for pair in pairs:
@@ -71,8 +72,9 @@ def parse_ms_pairs(pairs: list[str], flag: str, names: tuple[str, ...]
             ms = float(value)
         except ValueError:
             ms = math.nan
-        if not sep or math.isnan(ms):
-            raise ValueError(f"{flag} takes METRIC:MS pairs (e.g. ttft:500), got {pair!r}")
+        if not sep or not math.isfinite(ms):
+            raise ValueError(f"{flag} takes METRIC:MS pairs, MS a finite number (e.g. ttft:500), "
+                             f"got {pair!r}")
         if name not in names:
             raise ValueError(f"{flag} metric must be one of {names}, got {name!r}")
         out.append((name, ms))
@@ -83,12 +85,15 @@ def parse_goodput(pairs: list[str] | None) -> dict[str, float]:
     """``["ttft:500", "tpot:50"]`` -> ``{"ttft": 500.0, "tpot": 50.0}`` (ms).
 
     Raises:
-      ValueError: malformed pair, unknown name (ttft, tpot, itl, e2el) or negative value.
+      ValueError: malformed pair, unknown name (ttft, tpot, itl, e2el), a value <= 0 (no
+        request could meet it) or not finite, or a name given twice.
     """
     out: dict[str, float] = {}
     for name, ms in parse_ms_pairs(pairs or [], "--goodput", SLO_NAMES):
-        if ms < 0:
-            raise ValueError(f"--goodput {name} must be >= 0 ms, got {ms:g}")
+        if not ms > 0:
+            raise ValueError(f"--goodput {name} must be > 0 ms, got {ms:g}")
+        if name in out:
+            raise ValueError(f"--goodput {name} given twice ({out[name]:g} and {ms:g} ms)")
         out[name] = ms
     return out
 

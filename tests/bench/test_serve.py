@@ -154,8 +154,12 @@ def test_parse_goodput() -> None:
         "ttft": 500.0, "tpot": 50.0, "e2el": 2000.0}
     assert parse_goodput(None) == {}
     assert parse_goodput(["itl:200"]) == {"itl": 200.0}
-    for bad in (["max_itl:5"], ["ttft"], ["ttft:x"], ["ttft:-1"]):
-        with pytest.raises(ValueError):
+    for bad, says in ((["max_itl:5"], "must be one of"), (["ttft"], "METRIC:MS"),
+                      (["ttft:x"], "METRIC:MS"), (["ttft:-1"], "must be > 0"),
+                      (["ttft:0"], "must be > 0"), (["ttft:inf"], "METRIC:MS"),
+                      (["itl:nan"], "METRIC:MS"),
+                      (["ttft:500", "ttft:900"], "ttft given twice")):
+        with pytest.raises(ValueError, match=says):
             parse_goodput(bad)
 
 
