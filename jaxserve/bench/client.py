@@ -19,6 +19,7 @@ import json
 import time
 import traceback
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from jaxserve.bench.datasets import SampleRequest
 from jaxserve.bench.metrics import RequestResult
@@ -127,6 +128,30 @@ async def send_request(
     return out
 
 
+def server_root(base_url: str) -> str:
+    """The server's root URL from ``--base-url``: a trailing ``/`` and a trailing ``/v1`` (the
+    base URL OpenAI's clients take) dropped, so that ``/v1/models`` and ``/metrics`` are found
+    under it. ``http://h:8000/v1/`` -> ``http://h:8000``.
+
+    Raises:
+      ValueError: naming --base-url, for a URL that is not http(s)://HOST[:PORT][/PATH].
+    """
+    parts = urlsplit(base_url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"--base-url must be http(s)://HOST[:PORT], got {base_url!r}")
+    root = base_url.rstrip("/")
+    return root.removesuffix("/v1")
+
+
+def error_text(resp: httpx.Response, limit: int = 300) -> str:
+    """What a failed response says, for an error line: its body up to ``limit`` characters, or
+    a note that it is an HTML page (a web server or proxy, not an OpenAI-compatible API)."""
+    body = resp.text.strip()
+    if "html" in resp.headers.get("content-type", "") or body[:1] == "<":
+        return "an HTML page (is this an OpenAI-compatible server's root URL?)"
+    return body[:limit]
+
+
 async def first_model(client: httpx.AsyncClient, base_url: str) -> str:
     """The first model id of ``GET {base_url}/v1/models``.
 
@@ -140,8 +165,13 @@ async def first_model(client: httpx.AsyncClient, base_url: str) -> str:
     except httpx.HTTPError as e:
         raise ValueError(f"cannot reach {base_url}/v1/models: {e!r}") from e
     if resp.status_code != 200:
-        raise ValueError(f"GET {base_url}/v1/models: HTTP {resp.status_code}: {resp.text[:500]}")
-    data = resp.json().get("data") or []
+        raise ValueError(f"GET {base_url}/v1/models: HTTP {resp.status_code}: "
+                         f"{error_text(resp)}")
+    try:
+        data = resp.json().get("data") or []
+    except (ValueError, AttributeError):
+        raise ValueError(f"GET {base_url}/v1/models did not answer a model list: "
+                         f"{error_text(resp)}; pass --model") from None
     if not data:
         raise ValueError(f"{base_url}/v1/models lists no model; pass --model")
     return str(data[0]["id"])

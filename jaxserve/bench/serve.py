@@ -35,7 +35,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxserve.bench.arrivals import arrival_offsets, paced
-from jaxserve.bench.client import build_payload, first_model, send_request
+from jaxserve.bench.client import build_payload, first_model, send_request, server_root
 from jaxserve.bench.datasets import (
     DEFAULT_TOKEN_RANGE,
     LENGTH_DISTRIBUTIONS,
@@ -111,7 +111,7 @@ def add_dataset_args(p: argparse.ArgumentParser, num_prompts: int = 1000) -> Non
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     """``jaxserve bench serve``'s flags (vLLM's names and defaults unless noted)."""
     a = p.add_argument
-    a("--base-url", default="http://127.0.0.1:8000", help="server URL without the path")
+    a("--base-url", default="http://127.0.0.1:8000", help="the server's root URL (a trailing /v1 is dropped)")
     a("--endpoint", default="/v1/completions", choices=ENDPOINTS, help="API path")
     a("--model", default=None, help="model id in requests (default: first of GET /v1/models)")
     a("--label", default=None, help="result file name prefix (default: openai / openai-chat)")
@@ -244,7 +244,7 @@ async def run_benchmark(ns: argparse.Namespace) -> tuple[dict[str, Any], str]:
     metrics_sel, percentiles = with_tails(
         [m.strip() for m in ns.percentile_metrics.split(",") if m.strip()],
         [float(x) for x in ns.metric_percentiles.split(",") if x.strip()])
-    base = ns.base_url.rstrip("/")
+    base = server_root(ns.base_url)
     url = base + ns.endpoint
     chat = ns.endpoint.endswith("chat/completions")
     samples, offsets = build_workload(ns, chat)

@@ -50,6 +50,7 @@ from typing import Any, Self
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from jaxserve.bench.client import server_root
 from jaxserve.bench.metrics import METRICS, parse_goodput
 from jaxserve.bench.serve import ENDPOINTS, add_dataset_args, run_benchmark
 from jaxserve.bench.serve import add_cli_args as add_serve_args
@@ -124,8 +125,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     """``jaxserve sweep``'s flags."""
     a = p.add_argument
     a("--base-url", default=None,
-      help="sweep this running server (no --grid); default: start `jaxserve serve` per "
-           "configuration")
+      help="sweep this running server, by its root URL (no --grid; a trailing /v1 is dropped); "
+           "default: start `jaxserve serve` per configuration")
     a("--serve-args", default="",
       help="arguments for each started `jaxserve serve` (model, --max-model-len, ...)")
     a("--grid", nargs="+", default=None, metavar="KEY=V1,V2",
@@ -383,7 +384,7 @@ def run(ns: argparse.Namespace) -> int:
     configs: list[dict[str, Any]] = []
     for k, cfg in enumerate(grid):
         if ns.base_url:
-            steps = sweep_server(ns, ns.base_url.rstrip("/"))
+            steps = sweep_server(ns, server_root(ns.base_url))
         else:
             flags = grid_flags(cfg)
             log = os.path.join(ns.output_dir, f"server-{k}.log")

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from jaxserve.bench.arrivals import arrival_offsets, inter_arrival_times, paced
-from jaxserve.bench.client import build_payload
+from jaxserve.bench.client import build_payload, first_model, server_root
 from jaxserve.bench.datasets import (
     CORPUS_PATH,
     SHAREGPT_MEAN_INPUT_LEN,
@@ -161,6 +161,38 @@ def test_parse_goodput() -> None:
                       (["ttft:500", "ttft:900"], "ttft given twice")):
         with pytest.raises(ValueError, match=says):
             parse_goodput(bad)
+
+
+def test_base_url_is_the_servers_root() -> None:
+    for url in ("http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/"):
+        assert server_root(url) == "http://h:8000"
+    assert server_root("https://x.example/proxy/v1") == "https://x.example/proxy"
+    for bad in ("h:8000", "localhost", "ftp://h/", "http:///v1"):
+        with pytest.raises(ValueError, match="--base-url"):
+            server_root(bad)
+
+
+def test_first_model_names_what_a_foreign_endpoint_answered() -> None:
+    import httpx
+
+    def answer(status: int, body: str, ctype: str):
+        def handler(request: httpx.Request) -> httpx.Response:
+            return httpx.Response(status, text=body, headers={"content-type": ctype})
+        return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+    async def ask(client) -> str:  # type: ignore[no-untyped-def]
+        async with client:
+            return await first_model(client, "http://h")
+
+    page = "<!DOCTYPE html><html><body><h1>404 Not Found</h1>" + "x" * 2000 + "</body></html>"
+    with pytest.raises(ValueError, match="HTTP 404: an HTML page") as e:
+        asyncio.run(ask(answer(404, page, "text/html")))
+    assert "<" not in str(e.value)
+    with pytest.raises(ValueError, match="HTTP 401: .*bad key"):
+        asyncio.run(ask(answer(401, '{"error": "bad key"}', "application/json")))
+    with pytest.raises(ValueError, match="did not answer a model list: an HTML page"):
+        asyncio.run(ask(answer(200, page, "text/html")))
+    assert asyncio.run(ask(answer(200, '{"data": [{"id": "m"}]}', "application/json"))) == "m"
 
 
 # -- arrivals ------------------------------------------------------------------------------------
