@@ -122,10 +122,13 @@ def recommend(configs: list[dict[str, Any]], headroom: float,
 
 def write_yaml(path: str, rec: dict[str, Any], serve_args: str) -> None:
     """One recommendation as a ``jaxserve serve --config`` file (engine keys only; comments say
-    why and how to serve it)."""
+    why and how to serve it). ``serve_args``: the swept servers' arguments; empty (a server at
+    ``--base-url``, whose arguments the sweep does not know) says to give its own."""
+    args = serve_args.strip() or "MODEL_AND_FLAGS"
     head = [f"# {rec['why']}",
-            f"# serve: jaxserve serve {serve_args} --config {os.path.basename(path)}".replace(
-                "  ", " ")]
+            f"# serve: jaxserve serve {args} --config {os.path.basename(path)}"]
+    if not serve_args.strip():
+        head.append("# MODEL_AND_FLAGS: the model and flags the swept server was started with")
     with open(path, "w", encoding="utf-8") as fh:
         fh.write("\n".join(head) + "\n" + yaml.safe_dump(rec["settings"], sort_keys=True))
 
@@ -146,8 +149,12 @@ def format_table(configs: list[dict[str, Any]], percentile: float, slos: dict[st
     for c in configs:
         good = ("none" if c.get("goodput") is None else
                 f"{c['goodput']:.2f} req/s at concurrency {c['goodput_concurrency']}")
-        lines.append(f"== {config_label(c['config'])}: knee {c['knee']}, meets SLOs (p{pkey}) up "
-                     f"to concurrency {c['slo_concurrency']}, goodput {good}")
+        knee = ("no knee (throughput still rising at the last step)" if c["knee"] is None
+                else f"knee at concurrency {c['knee']}")
+        meets = ("meets the SLOs at no concurrency" if c["slo_concurrency"] is None
+                 else f"meets the SLOs up to concurrency {c['slo_concurrency']}")
+        lines.append(f"== {config_label(c['config'])}: {knee}, {meets} (p{pkey}), "
+                     f"goodput {good}")
         head = "".join(f"{k[:-3].replace('_', ' '):>15}" for k in slo_cols)
         lines.append(f"{'conc':>5}{'req/s':>8}{'out tok/s':>10}{'gain':>7}{'TTFT mean':>10}"
                      f"{'p99':>8}{'ITL mean':>9}{'p99':>8}{'max gap':>8}{head}{'goodput':>8}"

@@ -20,7 +20,7 @@ from jaxserve.bench.sweep import (
     should_stop,
     slo_concurrency,
 )
-from jaxserve.bench.sweep_report import best_goodput, format_table, recommend
+from jaxserve.bench.sweep_report import best_goodput, format_table, recommend, write_yaml
 from jaxserve.cli.main import main
 from jaxserve.config import DEFAULT_SLOS_MS
 from jaxserve.config_args import engine_config_from_args
@@ -204,9 +204,28 @@ def test_table_prints_p99_ttft_itl_and_the_largest_gap() -> None:
                             "seqs", "tokens", "KV", "SLO"]  # itl's SLO: the largest gaps' p99
     assert row.split() == ["4", "2.00", "64.0", "-", "120", "410", "21.5", "88.2", "950",
                            "420.0", "1.75", "50%", "-", "25%", "ok"]
+    assert "no knee (throughput still rising" in head
+    assert "meets the SLOs up to concurrency 4" in head
+    cfg2 = {**cfg, "knee": 8, "slo_concurrency": None, "goodput": None}
+    head2 = format_table([cfg2], 99, {"ttft": 500.0}).splitlines()[0]
+    assert "knee at concurrency 8" in head2 and "meets the SLOs at no concurrency" in head2
+    assert "None" not in head + head2
     # SLOs at p90 (and on TPOT) add their own columns
     cols90 = format_table([cfg], 90, {"ttft": 500.0, "tpot": 50.0}).splitlines()[1]
     assert "p90 ttft" in cols90 and "p90 tpot" in cols90
+
+
+def test_the_yaml_says_how_to_serve_it(tmp_path: Path) -> None:
+    rec = {"why": "most goodput", "settings": {"max_num_seqs": 6}}
+    started, running = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    write_yaml(str(started), rec, "--model m.gguf  --max-model-len 2048")
+    assert "# serve: jaxserve serve --model m.gguf  --max-model-len 2048 --config a.yaml" in (
+        started.read_text())
+    write_yaml(str(running), rec, "")  # --base-url: the sweep does not know the server's flags
+    text = running.read_text()
+    assert "jaxserve serve MODEL_AND_FLAGS --config b.yaml" in text
+    assert "# MODEL_AND_FLAGS: the model and flags the swept server" in text
+    assert "max_num_seqs: 6" in text
 
 
 # -- end to end -------------------------------------------------------------------------------
