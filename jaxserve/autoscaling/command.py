@@ -56,7 +56,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     a("sweep", help="a sweep.json (or the --output-dir of 'jaxserve sweep'), or a directory "
                     "of closed-loop 'jaxserve bench serve' results, one per --max-concurrency")
     a("--slo", nargs="+", required=True, metavar="METRIC:MS",
-      help="tail-latency SLOs (ms) at --percentile: ttft, itl, tpot, e.g. ttft:500 itl:50")
+      help="tail-latency SLOs (ms) at --percentile: ttft, itl (each request's largest gap, as "
+           "`jaxserve sweep` judges it), tpot, e.g. ttft:500 itl:50")
     t = p.add_mutually_exclusive_group(required=True)
     t.add_argument("--time-to-ready-s", type=NON_NEGATIVE,
                    help="seconds from the scale-up decision to the new replica ready "

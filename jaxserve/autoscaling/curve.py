@@ -3,8 +3,9 @@
 Sources: a ``jaxserve sweep`` result (``sweep.json``, or the ``--output-dir`` holding it; one
 configuration of its ``configs``) or a directory of ``jaxserve bench serve`` result files, each
 a closed-loop run at its own ``--max-concurrency``. Per concurrency ``c`` the curve keeps the
-request throughput (req/s), the median and the chosen percentile of TTFT, ITL and TPOT (ms), the
-median end-to-end latency (ms) and, where the workload says, the mean prompt and output lengths
+request throughput (req/s), the median and the chosen percentile of TTFT, ITL and TPOT (ms; the
+ITL's percentile is of each request's largest gap, ``p{P}_max_itl_ms``), the median end-to-end
+latency (ms) and, where the workload says, the mean prompt and output lengths
 (tokens). ``Curve.at(n)`` interpolates linearly between measured concurrencies; below the first
 it holds the first point; past the last the replica is saturated: throughput stays at the last
 value and every latency grows in proportion to ``n`` (processor sharing at a fixed rate).
@@ -109,9 +110,14 @@ def _number(obj: dict[str, Any], key: str, where: str) -> float:
     return float(v)
 
 
+# The key each tail is read from: ``itl``'s is the percentile of the requests' largest gaps,
+# what ``jaxserve sweep``, goodput and the server's --itl-slo-ms judge, not of pooled ITLs.
+TAIL_KEYS = {"ttft": "ttft", "itl": "max_itl", "tpot": "tpot"}
+
+
 def _point(obj: dict[str, Any], concurrency: float, pkey: str, where: str) -> Point:
     median = {m: _number(obj, f"median_{m}_ms", where) for m in (*LATENCIES, "e2el")}
-    tail = {m: _number(obj, f"p{pkey}_{m}_ms", where) for m in LATENCIES}
+    tail = {m: _number(obj, f"p{pkey}_{TAIL_KEYS[m]}_ms", where) for m in LATENCIES}
     return Point(concurrency, _number(obj, "request_throughput", where), median, tail)
 
 

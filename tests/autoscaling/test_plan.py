@@ -137,6 +137,8 @@ def _step(c: int, x: float, ttft: float, itl: float, pkey: str = "99") -> dict:
         out[f"median_{m}_ms"] = v / 2
         if m != "e2el":
             out[f"p{pkey}_{m}_ms"] = v
+    out[f"p{pkey}_max_itl_ms"] = itl  # the largest gaps' tail, which the itl SLO judges
+    out[f"p{pkey}_itl_ms"] = itl / 4  # pooled ITLs: read by no SLO
     return out
 
 
@@ -159,6 +161,7 @@ def test_load_sweep_picks_the_config_meeting_the_slo_highest(tmp_path: Path) -> 
     assert c.tail_ms("ttft", 3) == pytest.approx(275.0)  # interpolated
     assert c.tail_ms("ttft", 8) == pytest.approx(800.0)  # past the last: in proportion
     assert c.throughput(8) == pytest.approx(3.1)  # saturated
+    assert c.tail_ms("itl", 4) == 20.0  # the largest gaps', not the pooled ITLs' (5.0)
     c0, k0 = load_curve(str(path), None, 0, {"ttft": 500.0})
     assert k0 == 0 and c0.tail_ms("ttft", 4) == 900.0
     with pytest.raises(ValueError, match=r"--config-index must be in \[0, 1\]"):
