@@ -12,7 +12,8 @@ import typing
 
 import yaml
 
-from jaxserve.config import API_KEY_ENV, EngineConfig, LoadConfig, RequestLimits, ServerConfig
+from jaxserve.config import EngineConfig, LoadConfig
+from jaxserve.server_config import API_KEY_ENV, RequestLimits, ServerConfig
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -50,10 +50,10 @@ from starlette.applications import Starlette
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from jaxserve.config import ServerConfig
 from jaxserve.server import protocol as p
 from jaxserve.server.lifecycle import Lifecycle
 from jaxserve.server.logs import request_id_var
+from jaxserve.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,6 @@ import msgspec
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from jaxserve.config import RequestLimits
 from jaxserve.errors import InvalidRequest
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server import output_protocol as o
@@ -48,6 +47,7 @@ from jaxserve.server.jobs import (
 from jaxserve.server.responses import handler as responses
 from jaxserve.server.responses.protocol import DeletedResponse, ResponseObject
 from jaxserve.server.streaming import ClientGone, start_stream, unless_disconnected
+from jaxserve.server_config import RequestLimits
 
 logger = logging.getLogger(__name__)
 

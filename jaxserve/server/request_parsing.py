@@ -9,7 +9,6 @@ import re
 import msgspec
 from msgspec import UNSET
 
-from jaxserve.config import RequestLimits
 from jaxserve.errors import InvalidRequest
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxserve.server.protocol import (
@@ -21,6 +20,7 @@ from jaxserve.server.protocol import (
     _SamplingFields,
 )
 from jaxserve.server.tools import history_tool_calls
+from jaxserve.server_config import RequestLimits
 
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)

@@ -31,7 +31,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from jaxserve.config import RequestLimits, ServerConfig
 from jaxserve.server import protocol as p
 from jaxserve.server.gate import Gate, GateMiddleware
 from jaxserve.server.gate import error_response as _error
@@ -42,6 +41,7 @@ from jaxserve.server.logs import install_request_id
 from jaxserve.server.openapi import openapi_document
 from jaxserve.server.probes import Probes
 from jaxserve.server.responses import handler as responses
+from jaxserve.server_config import RequestLimits, ServerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,9 @@ import pytest
 
 from jaxserve.cli.main import build_parser, main
 from jaxserve.cli.serve import check_port_free
-from jaxserve.config import EngineConfig, RequestLimits, ServerConfig
+from jaxserve.config import EngineConfig
 from jaxserve.config_args import engine_config_from_args, load_config_from_args
+from jaxserve.server_config import RequestLimits, ServerConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HF_LLAMA = REPO_ROOT / "tests" / "goldens" / "hf_tiny" / "llama"

@@ -16,8 +16,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
-from jaxserve.config import ServerConfig
 from jaxserve.server.routes import build_app
+from jaxserve.server_config import ServerConfig
 from tests.conftest import REPO_ROOT
 from tests.support.fake_engine import FakeEngine
 

@@ -8,9 +8,10 @@ import httpx
 import jax
 import pytest
 
-from jaxserve.config import EngineConfig, LoadConfig, ServerConfig
+from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.engine.data_parallel import build_data_parallel
 from jaxserve.server.routes import build_app
+from jaxserve.server_config import ServerConfig
 from tests.support.http_server import serve_app
 
 pytestmark = pytest.mark.skipif(

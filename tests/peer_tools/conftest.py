@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.config import EngineConfig, LoadConfig, ServerConfig
+from jaxserve.config import EngineConfig, LoadConfig
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.server.routes import build_app
+from jaxserve.server_config import ServerConfig
 from tests.conftest import REPO_ROOT
 from tests.support.http_server import serve_app
 

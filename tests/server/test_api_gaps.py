@@ -24,8 +24,8 @@ import jinja2.sandbox
 import openai
 import pytest
 
-from jaxserve.config import RequestLimits, ServerConfig
 from jaxserve.server.routes import build_app
+from jaxserve.server_config import RequestLimits, ServerConfig
 from jaxserve.tokenizer import Tokenizer
 from tests.support.fake_engine import FakeEngine
 from tests.support.http_server import serve_app

@@ -19,10 +19,10 @@ from pathlib import Path
 from starlette.testclient import TestClient
 
 from jaxserve.cli.main import main
-from jaxserve.config import RequestLimits
 from jaxserve.server.batch import run_batch
 from jaxserve.server.handlers import OpenAIServer
 from jaxserve.server.routes import build_app
+from jaxserve.server_config import RequestLimits
 from tests.support.fake_engine import FakeEngine
 
 MODEL = "test-model"

@@ -24,9 +24,9 @@ from schemathesis.checks import (
 )
 from starlette.testclient import TestClient
 
-from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.server.routes import build_app
+from jaxserve.server_config import ServerConfig
 from tests.support.fake_engine import FakeEngine
 from tests.support.http_server import serve_app
 

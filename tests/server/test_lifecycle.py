@@ -29,10 +29,10 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from jaxserve.config import ServerConfig
 from jaxserve.server.gate import run_server
 from jaxserve.server.lifecycle import Lifecycle
 from jaxserve.server.routes import build_app
+from jaxserve.server_config import ServerConfig
 from tests.conftest import REPO_ROOT
 from tests.support.fake_engine import FakeEngine
 

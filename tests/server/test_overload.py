@@ -18,9 +18,9 @@ import threading
 
 import httpx
 
-from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.server.routes import build_app
+from jaxserve.server_config import ServerConfig
 from tests.support.http_server import serve_app
 
 MODEL = "overload-model"

@@ -12,9 +12,9 @@ import json
 import httpx
 import pytest
 
-from jaxserve.config import ServerConfig
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.server.routes import build_app
+from jaxserve.server_config import ServerConfig
 from tests.support.http_server import serve_app
 from tests.support.kv import kv_manager
 

@@ -16,7 +16,6 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from starlette.testclient import TestClient
 
-from jaxserve.config import RequestLimits, ServerConfig
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.server import protocol as p
 from jaxserve.server import tools
@@ -24,6 +23,7 @@ from jaxserve.server.responses import handler as responses
 from jaxserve.server.responses.output import ResponseBuilder
 from jaxserve.server.responses.protocol import InputItem, ResponseObject, ResponsesRequest
 from jaxserve.server.routes import build_app
+from jaxserve.server_config import RequestLimits, ServerConfig
 from tests.support.fake_engine import FakeEngine
 from tests.support.http_server import serve_app
 from tests.support.tool_templates import HERMES_TEMPLATE

@@ -16,9 +16,9 @@ import pytest
 from starlette.testclient import TestClient
 
 from jaxserve.cli.main import build_parser, main
-from jaxserve.config import RequestLimits
 from jaxserve.config_args import limits_from_args
 from jaxserve.server.routes import build_app
+from jaxserve.server_config import RequestLimits
 from tests.support.fake_engine import FakeEngine
 
 MODEL = "test-model"

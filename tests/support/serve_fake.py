@@ -13,10 +13,10 @@ import argparse
 
 from fake_engine import FakeEngine
 
-from jaxserve.config import ServerConfig
 from jaxserve.server.gate import run_server
 from jaxserve.server.logs import configure_logging
 from jaxserve.server.routes import build_app
+from jaxserve.server_config import ServerConfig
 
 
 def main() -> None:

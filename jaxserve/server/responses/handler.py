@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import msgspec
 
-from jaxserve.config import RequestLimits
 from jaxserve.server import protocol as p
 from jaxserve.server import request_parsing
 from jaxserve.server.responses.output import ResponseBuilder
@@ -40,6 +39,7 @@ from jaxserve.server.responses.protocol import (
     TextFormat,
 )
 from jaxserve.server.tools import ToolPlan, tool_call_format
+from jaxserve.server_config import RequestLimits
 
 _decoder = msgspec.json.Decoder(ResponsesRequest)
 _ROLES = ("user", "system", "developer", "assistant")
