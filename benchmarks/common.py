@@ -51,6 +51,36 @@ def parse_settings(text: str) -> dict[str, Any]:
     return out
 
 
+def parse_config(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"bf16:dtype=bfloat16,kv_cache_dtype=bfloat16"`` -> ``("bf16", {...})``.
+
+    Raises:
+      ValueError: no name before the colon, or a malformed setting.
+    """
+    name, _, rest = spec.partition(":")
+    if not name:
+        raise ValueError(f"--config {spec!r} needs a NAME before ':'")
+    return name, parse_settings(rest)
+
+
+def parse_configs(specs: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """The ``--config`` flags (``add_config_flag``) as name -> settings, in their order.
+
+    Raises:
+      ValueError: as ``parse_config``, or two configs with one name.
+    """
+    configs = dict(parse_config(c) for c in specs)
+    if len(configs) != len(specs):
+        raise ValueError("--config names must differ")
+    return configs
+
+
+def add_config_flag(p: argparse.ArgumentParser) -> None:
+    """``--config NAME:KEY=VALUE,...``, once per engine an A/B harness compares."""
+    p.add_argument("--config", action="append", required=True, metavar="NAME:KEY=VALUE,...",
+                   help="one engine's EngineConfig settings; give two or more")
+
+
 def int_list(text: str) -> list[int]:
     """``"1,16,64"`` -> ``[1, 16, 64]``."""
     return [int(x) for x in text.split(",") if x]

@@ -31,13 +31,14 @@ import numpy as np
 
 from benchmarks.common import (
     SEED,
+    add_config_flag,
     add_model_args,
     build_engine,
     cpu_seconds,
     format_table,
     int_list,
     median,
-    parse_settings,
+    parse_configs,
     write_json,
 )
 from jaxserve import SamplingParams
@@ -46,18 +47,6 @@ if TYPE_CHECKING:
     from jaxserve.engine.llm_engine import LLMEngine
 
 DECODE_HEADROOM = 8  # tokens a decoding request may still make after the timed steps
-
-
-def parse_config(spec: str) -> tuple[str, dict[str, Any]]:
-    """``"bf16:dtype=bfloat16,kv_cache_dtype=bfloat16"`` -> ``("bf16", {...})``.
-
-    Raises:
-      ValueError: no name before the colon, or a malformed setting.
-    """
-    name, _, rest = spec.partition(":")
-    if not name:
-        raise ValueError(f"--config {spec!r} needs a NAME before ':'")
-    return name, parse_settings(rest)
 
 
 def _prompt(rng: np.random.Generator, vocab: int, n: int) -> list[int]:
@@ -97,9 +86,7 @@ def run(ns: argparse.Namespace, engines: dict[str, LLMEngine] | None = None) -> 
     Raises:
       ValueError: two configs with one name, or a bad engine setting.
     """
-    configs = dict(parse_config(c) for c in ns.config)
-    if len(configs) != len(ns.config):
-        raise ValueError("--config names must differ")
+    configs = parse_configs(ns.config)
     shared = {"max_num_seqs": max([*ns.batches, 1]),
               "max_model_len": max([*ns.prefill_lens, ns.context]) + ns.rounds * ns.steps
               + 2 * DECODE_HEADROOM, **ns.engine_args}
@@ -154,8 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.engine_ab",
                                 description=__doc__.split("\n")[0])
     add_model_args(p)
-    p.add_argument("--config", action="append", required=True, metavar="NAME:KEY=VALUE,...",
-                   help="one engine's EngineConfig settings; give two or more")
+    add_config_flag(p)
     p.add_argument("--batches", type=int_list, default=[1, 16, 64],
                    help="decode batch sizes, comma-separated (empty: no decode phase)")
     p.add_argument("--context", type=int, default=300, help="prompt tokens before decoding")

@@ -29,14 +29,15 @@ import numpy as np
 
 from benchmarks.common import (
     SEED,
+    add_config_flag,
     add_model_args,
     build_engine,
     cpu_seconds,
     format_table,
     int_list,
+    parse_configs,
     write_json,
 )
-from benchmarks.engine_ab import parse_config
 from jaxserve import SamplingParams
 
 if TYPE_CHECKING:
@@ -89,9 +90,7 @@ def run(ns: argparse.Namespace, engines: dict[str, LLMEngine] | None = None) -> 
     Raises:
       ValueError: two configs with one name, or a bad engine setting.
     """
-    configs = dict(parse_config(c) for c in ns.config)
-    if len(configs) != len(ns.config):
-        raise ValueError("--config names must differ")
+    configs = parse_configs(ns.config)
     shared = {"async_scheduling": True, "max_model_len": ns.prompt_lens[1] + ns.output_lens[1],
               **ns.engine_args}
     if engines is None:
@@ -140,8 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.workload_ab",
                                 description=__doc__.split("\n")[0])
     add_model_args(p)
-    p.add_argument("--config", action="append", required=True, metavar="NAME:KEY=VALUE,...",
-                   help="one engine's EngineConfig settings; give two or more")
+    add_config_flag(p)
     p.add_argument("--requests", type=int, default=100)
     p.add_argument("--prompt-lens", type=_range, default=(8, 96), metavar="LO,HI")
     p.add_argument("--output-lens", type=_range, default=(4, 48), metavar="LO,HI")

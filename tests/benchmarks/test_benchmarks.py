@@ -82,12 +82,15 @@ def test_harnesses_use_only_public_names() -> None:
 def test_settings_parse_into_engine_config_values() -> None:
     assert common.parse_settings("dtype=float32,max-num-seqs=16,x=0.5,y=true") == {
         "dtype": "float32", "max_num_seqs": 16, "x": 0.5, "y": True}
-    assert engine_ab.parse_config("bf16:kv_cache_dtype=bfloat16") == (
+    assert common.parse_config("bf16:kv_cache_dtype=bfloat16") == (
         "bf16", {"kv_cache_dtype": "bfloat16"})
     with pytest.raises(ValueError, match="KEY=VALUE"):
         common.parse_settings("dtype")
     with pytest.raises(ValueError, match="NAME"):
-        engine_ab.parse_config(":dtype=float32")
+        common.parse_config(":dtype=float32")
+    assert common.parse_configs(["off:", "on:x=1"]) == {"off": {}, "on": {"x": 1}}
+    with pytest.raises(ValueError, match="names must differ"):
+        common.parse_configs(["a:", "a:x=1"])
 
 
 def test_format_table_aligns_columns() -> None:
