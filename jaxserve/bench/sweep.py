@@ -406,7 +406,7 @@ def run(ns: argparse.Namespace) -> int:
     files = {}
     for name, r in rec.items():
         files[name] = os.path.join(ns.output_dir, f"{name}.yaml")
-        write_yaml(files[name], r, ns.serve_args)
+        write_yaml(files[name], r, None if ns.base_url else ns.serve_args)
     plots = plot(configs, ns, ns.output_dir)
     result = {"args": {k: v for k, v in vars(ns).items() if k != "func"},
               "configs": configs, "recommended": rec, "config_files": files, "plots": plots}

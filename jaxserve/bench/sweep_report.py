@@ -120,14 +120,14 @@ def recommend(configs: list[dict[str, Any]], headroom: float,
     return out
 
 
-def write_yaml(path: str, rec: dict[str, Any], serve_args: str) -> None:
+def write_yaml(path: str, rec: dict[str, Any], serve_args: str | None) -> None:
     """One recommendation as a ``jaxserve serve --config`` file (engine keys only; comments say
-    why and how to serve it). ``serve_args``: the swept servers' arguments; empty (a server at
+    why and how to serve it). ``serve_args``: the swept servers' arguments; None (a server at
     ``--base-url``, whose arguments the sweep does not know) says to give its own."""
-    args = serve_args.strip() or "MODEL_AND_FLAGS"
-    head = [f"# {rec['why']}",
-            f"# serve: jaxserve serve {args} --config {os.path.basename(path)}"]
-    if not serve_args.strip():
+    args = "MODEL_AND_FLAGS" if serve_args is None else serve_args.strip()
+    cmd = " ".join(x for x in ("jaxserve serve", args, f"--config {os.path.basename(path)}") if x)
+    head = [f"# {rec['why']}", f"# serve: {cmd}"]
+    if serve_args is None:
         head.append("# MODEL_AND_FLAGS: the model and flags the swept server was started with")
     with open(path, "w", encoding="utf-8") as fh:
         fh.write("\n".join(head) + "\n" + yaml.safe_dump(rec["settings"], sort_keys=True))

@@ -221,7 +221,9 @@ def test_the_yaml_says_how_to_serve_it(tmp_path: Path) -> None:
     write_yaml(str(started), rec, "--model m.gguf  --max-model-len 2048")
     assert "# serve: jaxserve serve --model m.gguf  --max-model-len 2048 --config a.yaml" in (
         started.read_text())
-    write_yaml(str(running), rec, "")  # --base-url: the sweep does not know the server's flags
+    write_yaml(str(tmp_path / "c.yaml"), rec, "")  # the default model, no flags
+    assert "# serve: jaxserve serve --config c.yaml\n" in (tmp_path / "c.yaml").read_text()
+    write_yaml(str(running), rec, None)  # --base-url: the sweep does not know the server's flags
     text = running.read_text()
     assert "jaxserve serve MODEL_AND_FLAGS --config b.yaml" in text
     assert "# MODEL_AND_FLAGS: the model and flags the swept server" in text
