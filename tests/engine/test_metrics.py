@@ -180,9 +180,9 @@ def test_compiles_are_counted_on_the_watching_thread_only() -> None:
     assert (count(watched), count(other)) == (2, 0)
 
 
-def test_serving_after_warmup_compiles_nothing_and_a_compile_is_counted() -> None:
-    """The real engine behind ``AsyncEngine``: warm-up's compiles are not counted, requests of
-    every prompt bucket compile nothing, and a compile on the engine thread is counted."""
+def _tiny_async_engine() -> tuple[EngineMetrics, LLMEngine, AsyncEngine]:
+    """The tiny dummy model's engine behind a started, warmed-up ``AsyncEngine`` (the caller
+    shuts it down), with its metrics."""
     metrics = EngineMetrics("tiny")
     eng = LLMEngine(EngineConfig(max_model_len=128, num_kv_blocks=24, max_num_seqs=4,
                                  max_num_batched_tokens=16,
@@ -190,6 +190,13 @@ def test_serving_after_warmup_compiles_nothing_and_a_compile_is_counted() -> Non
                     LoadConfig(model="tiny", load_format="dummy"), metrics=metrics)
     aeng = AsyncEngine(eng)
     aeng.start(warmup=True, progress=False)
+    return metrics, eng, aeng
+
+
+def test_serving_after_warmup_compiles_nothing_and_a_compile_is_counted() -> None:
+    """The real engine behind ``AsyncEngine``: warm-up's compiles are not counted, requests of
+    every prompt bucket compile nothing, and a compile on the engine thread is counted."""
+    metrics, eng, aeng = _tiny_async_engine()
     count = lambda: metrics.registry.get_sample_value(
         "jaxserve:num_compiles_after_warmup_total", {"model_name": "tiny"})
 
@@ -219,13 +226,7 @@ def test_serving_after_warmup_compiles_nothing_and_a_compile_is_counted() -> Non
 def test_a_request_arrives_when_it_reaches_the_async_engine_not_the_next_step() -> None:
     """A request sent while a step runs arrives at ``generate()``: its arrival (and so its TTFT
     and first-token deadline) counts the wait for that step, as a client's clock does."""
-    metrics = EngineMetrics("tiny")
-    eng = LLMEngine(EngineConfig(max_model_len=128, num_kv_blocks=24, max_num_seqs=4,
-                                 max_num_batched_tokens=16,
-                                 compilation_cache_dir=str(REPO_ROOT / ".jax_cache")),
-                    LoadConfig(model="tiny", load_format="dummy"), metrics=metrics)
-    aeng = AsyncEngine(eng)
-    aeng.start(warmup=True, progress=False)
+    metrics, eng, aeng = _tiny_async_engine()
     step, in_step, slow = eng.step, threading.Event(), 0.3
 
     def slow_step():
