@@ -111,7 +111,8 @@ def add_dataset_args(p: argparse.ArgumentParser, num_prompts: int = 1000) -> Non
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     """``jaxserve bench serve``'s flags (vLLM's names and defaults unless noted)."""
     a = p.add_argument
-    a("--base-url", default="http://127.0.0.1:8000", help="the server's root URL (a trailing /v1 is dropped)")
+    a("--base-url", default="http://127.0.0.1:8000",
+      help="the server's root URL (a trailing /v1 is dropped)")
     a("--endpoint", default="/v1/completions", choices=ENDPOINTS, help="API path")
     a("--model", default=None, help="model id in requests (default: first of GET /v1/models)")
     a("--label", default=None, help="result file name prefix (default: openai / openai-chat)")
