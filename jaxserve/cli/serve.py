@@ -30,6 +30,7 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.metrics import EngineMetrics
 from jaxserve.loading.load import served_name
 from jaxserve.platform import current_platform
+from jaxserve.platform.process import freeze_heap, freeze_heap_when
 from jaxserve.server.batch import read_lines, run_batch_file
 from jaxserve.server.gate import run_server
 from jaxserve.server.handlers import OpenAIServer
@@ -153,6 +154,11 @@ def serve(ns: argparse.Namespace) -> None:
         aeng, engine = _load(cfg, load, ns, name)
         started.append((aeng, engine))
         aeng.start(warmup=True, progress=True, on_compiled=lifecycle.compiling)
+        # the start-up's objects out of every later collection's walk; a full collection
+        # here, before ready, and the background compiles' objects once those end
+        freeze_heap()
+        replicas = aeng.replicas if isinstance(aeng, DataParallelEngine) else [aeng]
+        freeze_heap_when([r.background.done for r in replicas if r.background is not None])
         st = aeng.warmup_stats
         ready_in = lifecycle.startup_done()  # the gate's "ready" log line says the same
         print(compiled_line(st, ready_in), flush=True)

@@ -3,11 +3,13 @@ jaxserve (jaxserve/platform/process.py)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
 import threading
+import weakref
 
 from jaxserve.platform import process
 
@@ -17,7 +19,8 @@ FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler"
 # itself sets TF_CPP_MIN_LOG_LEVEL and TPU_SKIP_MDS_QUERY when imported, so "before" is taken
 # after `import jax`: what is checked is what jaxserve adds.
 _IMPORT_CHANGES_NOTHING = r"""
-import json, os
+import gc, json, os
+frozen = gc.get_freeze_count()  # the interpreter's own, if any
 import prometheus_client.metrics as pm
 import jax
 before = dict(os.environ)
@@ -26,7 +29,7 @@ import jaxserve.engine.metrics, jaxserve.server.routes, jaxserve.cli.main
 changed = {k: (before.get(k), v) for k, v in os.environ.items() if before.get(k) != v}
 changed.update({k: (v, None) for k, v in before.items() if k not in os.environ})
 print(json.dumps({"changed": changed, "applied": jaxserve.platform.process._applied is not None,
-                  "created_series": pm._use_created}))
+                  "created_series": pm._use_created, "frozen": gc.get_freeze_count() - frozen}))
 """
 
 
@@ -37,7 +40,7 @@ def test_importing_jaxserve_changes_no_process_setting() -> None:
                          capture_output=True, text=True).stdout
     got = json.loads(out.splitlines()[-1])
     # prometheus-client's process-wide switch stays on (jaxserve filters its own scrape)
-    assert got == {"changed": {}, "applied": False, "created_series": True}
+    assert got == {"changed": {}, "applied": False, "created_series": True, "frozen": 0}
 
 
 _CONFIGURE = r"""
@@ -112,3 +115,66 @@ def test_lower_compile_priority_lowers_only_the_calling_thread() -> None:
     t.join()
     assert seen["after"] == min(19, seen["before"] + 3)  # Linux caps niceness at 19
     assert os.getpriority(os.PRIO_PROCESS, me) == main_before
+
+
+# ---- the garbage collector's permanent generation -------------------------------------------
+# Each test unfreezes what it froze: frozen objects are never collected, and the other tests
+# build and drop engines in this process.
+
+class _Node:
+    """An object the cyclic collector tracks."""
+
+
+def test_freeze_heap_takes_the_live_objects_out_of_every_later_collection() -> None:
+    made = [_Node() for _ in range(1000)]
+    before = gc.get_freeze_count()
+    try:
+        frozen = process.freeze_heap(full=False)
+        assert frozen == gc.get_freeze_count() >= before + 1000
+        walked = {id(o) for o in gc.get_objects()}  # what a full collection walks
+        assert not any(id(o) in walked for o in made)
+        fresh = _Node()
+        assert id(fresh) in {id(o) for o in gc.get_objects()}  # new objects are walked as before
+    finally:
+        gc.unfreeze()
+
+
+def _unreachable_cycle_in_the_oldest_generation() -> weakref.ref:
+    node = _Node()
+    node.me = node
+    gc.collect(0)
+    gc.collect(1)  # a survivor of both young collections: in the oldest generation now
+    return weakref.ref(node)
+
+
+def test_freeze_heap_collects_the_oldest_generation_first_only_when_full() -> None:
+    try:
+        young = _unreachable_cycle_in_the_oldest_generation()
+        process.freeze_heap(full=False)
+        assert young() is not None  # the young pass left it, and it is frozen now
+        gc.unfreeze()
+        gc.collect()
+        assert young() is None
+
+        full = _unreachable_cycle_in_the_oldest_generation()
+        process.freeze_heap(full=True)
+        assert full() is None
+    finally:
+        gc.unfreeze()
+
+
+def test_freeze_heap_when_waits_for_every_event() -> None:
+    assert process.freeze_heap_when([]) is None
+    events = [threading.Event(), threading.Event()]
+    before = gc.get_freeze_count()
+    try:
+        thread = process.freeze_heap_when(events)
+        assert thread is not None and thread.daemon
+        events[0].set()
+        thread.join(0.2)
+        assert thread.is_alive() and gc.get_freeze_count() == before  # one compile still runs
+        events[1].set()
+        thread.join(10)
+        assert not thread.is_alive() and gc.get_freeze_count() > before
+    finally:
+        gc.unfreeze()

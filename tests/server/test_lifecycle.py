@@ -273,6 +273,9 @@ def test_jaxserve_serve_answers_from_start_and_drains_on_sigterm(tmp_path: Path)
         records = [json.loads(line) for line in log_path.read_text().splitlines()
                    if line.startswith("{")]
         assert any(r["message"].startswith("draining: 1 request") for r in records)
+        # the start-up heap frozen before ready: later collections do not walk it
+        frozen = [r for r in records if r["message"].startswith("garbage collector: ")]
+        assert frozen and int(frozen[0]["message"].split()[2]) > 10_000, frozen
         # one clock, one number: the start-up line and the gate's log say the same time to ready
         ready_in = re.search(r"; ready in ([\d.]+) s", log_path.read_text())
         assert ready_in is not None
