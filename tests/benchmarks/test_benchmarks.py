@@ -8,6 +8,7 @@ rots between the sessions that measure with it. One engine is built for the modu
 from __future__ import annotations
 
 import ast
+import gc
 import importlib
 import json
 import pkgutil
@@ -40,8 +41,8 @@ def engine():
 
 
 def test_the_harness_list_is_what_the_tests_run() -> None:
-    assert HARNESSES == ["attention_ab", "engine_ab", "gemma_lib_load", "greedy_invariance",
-                         "op_profile", "tool_agreement", "workload_ab"]
+    assert HARNESSES == ["attention_ab", "engine_ab", "gc_pause", "gemma_lib_load",
+                         "greedy_invariance", "op_profile", "tool_agreement", "workload_ab"]
 
 
 @pytest.mark.parametrize("name", HARNESSES)
@@ -185,6 +186,22 @@ def test_greedy_invariance_compares_each_scenario_with_the_probe_alone(engine, t
             ["--lens", "7,9,11", "--batches", "2"]), engine=engine)
     assert greedy_invariance._differences([5, 6], [[1, 2], [3, 4]], [[1, 2], [3, 9]]) == [
         {"len": 6, "first_position": 1}]
+
+
+def test_gc_pause_times_full_collections_before_and_after_the_freeze(tmp_path: Path) -> None:
+    from benchmarks import gc_pause
+
+    out = tmp_path / "gc.json"
+    tiny = ",".join(f"{k}={v}" for k, v in {**TINY_ENGINE, "num_kv_blocks": 24}.items())
+    assert gc_pause.main(["--model", "tiny", "--load-format", "dummy", "--engine-args", tiny,
+                          "--requests", "2", "--repeats", "2", "--json", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    assert saved["tokens"] == 64 and saved["frozen_objects"] > 0
+    heap, frozen = saved["collections"]["as it is"], saved["collections"]["frozen"]
+    assert frozen["objects_walked"] < heap["objects_walked"] / 10  # the frozen are not walked
+    assert gc.get_freeze_count() == 0  # the harness unfroze what it froze
+    with pytest.raises(ValueError, match="--requests and --repeats"):
+        gc_pause.main(["--requests", "0"])
 
 
 def test_gemma_lib_load_times_both_layouts(tmp_path: Path) -> None:
