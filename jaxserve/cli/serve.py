@@ -145,6 +145,7 @@ def serve(ns: argparse.Namespace) -> None:
     if multi and ns.process_id != 0:  # a follower: same programs, steps from process 0
         engine = _load(cfg, load, ns, name)[1]
         engine.warmup(progress=False)
+        freeze_heap()  # its collections would stall process 0's steps too
         steps = engine.runner.follow()
         print(f"process {ns.process_id}: process 0 stopped after {steps} steps", flush=True)
         return

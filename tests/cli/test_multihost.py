@@ -93,6 +93,8 @@ def test_tensor_parallel_across_two_processes(tmp_path: Path) -> None:
         assert procs[0].wait(180) == 0
         assert procs[1].wait(180) == 0, logs[1].read_text(errors="replace")[-3000:]
         assert "process 0 stopped after" in logs[1].read_text()
+        # both froze their compiled heap (docs/configuration.md#the-garbage-collector-in-a-server)
+        assert all("garbage collector: " in log.read_text() for log in logs)
     finally:
         for p in procs:
             _kill(p)
