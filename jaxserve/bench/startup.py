@@ -31,7 +31,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.bench.common import write_json
+from jaxserve.bench.server_process import free_port
 
 POLL_S = 0.1
 PENDING_GAUGE = "jaxserve:step_programs_pending"
@@ -68,12 +68,6 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     a("--repeats", type=int, default=1, help="cold + warm start pairs")
     a("--timeout-s", type=float, default=900.0, help="the longest one start may take")
     a("--output-json", default=None, help="write the results here")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ready(url: str) -> tuple[int | None, str | None]:
@@ -160,7 +154,7 @@ def start_once(serve_args: list[str], cache_dir: str, timeout_s: float,
     Raises:
       ValueError: the server exited or was not ready within ``timeout_s`` (its output quoted).
     """
-    port = _free_port()
+    port = free_port()
     # -P: the working directory does not shadow a PYTHONPATH of --server-env (another tree)
     cmd = [sys.executable, "-P", "-m", "jaxserve.cli.main", "serve", *serve_args, "--host",
            "127.0.0.1", "--port", str(port), "--compilation-cache-dir", cache_dir]
