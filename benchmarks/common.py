@@ -86,8 +86,10 @@ def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """``--model``, ``--load-format``, ``--engine-args`` and ``--json``."""
+def add_model_args(p: argparse.ArgumentParser,
+                   defaults: dict[str, Any] | None = None) -> None:
+    """``--model``, ``--load-format``, ``--engine-args`` and ``--json``; ``--engine-args``'s
+    help names the settings it goes over (``defaults``; None: ``ENGINE_DEFAULTS``)."""
     p.add_argument("--model", default=None,
                    help="GGUF file, HF or orbax directory, or with --load-format dummy a "
                         "built-in config name (tiny, smollm2-135m, llama-3.1-8b); default: "
@@ -95,7 +97,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--engine-args", type=parse_settings, default={},
                    help="EngineConfig fields for every engine, KEY=VALUE,... (over "
-                        f"{ENGINE_DEFAULTS})")
+                        f"{ENGINE_DEFAULTS if defaults is None else defaults})")
     p.add_argument("--json", default=None, metavar="PATH", help="write the result here")
 
 

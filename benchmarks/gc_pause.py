@@ -19,7 +19,7 @@ import gc
 import time
 from typing import Any
 
-from benchmarks.common import format_table, median, parse_settings, write_json
+from benchmarks.common import add_model_args, format_table, median, write_json
 
 SERVING: dict[str, Any] = {"max_model_len": 4096}
 
@@ -28,13 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The harness's flags (module docstring)."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.gc_pause",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="as jaxserve.LLM's model (default model)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    p.add_argument("--engine-args", type=parse_settings, default={},
-                   help=f"EngineConfig fields, KEY=VALUE,... (over {SERVING})")
+    add_model_args(p, SERVING)
     p.add_argument("--requests", type=int, default=8, help="requests served before timing")
     p.add_argument("--repeats", type=int, default=5, help="full collections timed per state")
-    p.add_argument("--json", default=None, metavar="PATH", help="write the result here")
     return p
 
 
